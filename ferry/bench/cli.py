@@ -1,0 +1,18 @@
+"""``ferry bench …``: benchmarks are commands that print a table and write JSON."""
+
+from __future__ import annotations
+
+import click
+
+from ferry.cli import LazyGroup
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        # --- benchmarks: keep one line per command, sorted ---
+        "engine": "ferry.bench.engine:engine",
+    },
+)
+def bench() -> None:
+    """Benchmarks (each prints a table and writes JSON with --json)."""

@@ -1,0 +1,133 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_NORMAL: _ClassVar[Priority]
+    PRIORITY_HIGH: _ClassVar[Priority]
+PRIORITY_NORMAL: Priority
+PRIORITY_HIGH: Priority
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "min_tokens")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    has_seed: bool
+    seed: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    min_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestLoad(_message.Message):
+    __slots__ = ("request_id", "priority", "state", "physical_blocks", "num_tokens", "virtual_usage")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WAITING: _ClassVar[RequestLoad.State]
+        RUNNING: _ClassVar[RequestLoad.State]
+        MIGRATING: _ClassVar[RequestLoad.State]
+    WAITING: RequestLoad.State
+    RUNNING: RequestLoad.State
+    MIGRATING: RequestLoad.State
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PHYSICAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    priority: Priority
+    state: RequestLoad.State
+    physical_blocks: int
+    num_tokens: int
+    virtual_usage: float
+    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., state: _Optional[_Union[RequestLoad.State, str]] = ..., physical_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., virtual_usage: _Optional[float] = ...) -> None: ...
+
+class InstanceStatus(_message.Message):
+    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    HEAD_OF_LINE_DEMAND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_USAGE_FIELD_NUMBER: _ClassVar[int]
+    FREENESS_FIELD_NUMBER: _ClassVar[int]
+    NORMAL_FREENESS_FIELD_NUMBER: _ClassVar[int]
+    TERMINATING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATING_IN_FIELD_NUMBER: _ClassVar[int]
+    MIGRATING_OUT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_DEMAND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    seq: int
+    timestamp: float
+    total_blocks: int
+    free_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    head_of_line_demand_blocks: int
+    virtual_usage: float
+    freeness: float
+    normal_freeness: float
+    terminating: bool
+    num_preemptions: int
+    migrating_in: int
+    migrating_out: int
+    requests: _containers.RepeatedCompositeFieldContainer[RequestLoad]
+    used_blocks: int
+    waiting_demand_blocks: int
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("instance_id", "address", "engine", "model", "block_size", "total_blocks", "max_model_len", "started_at_ms")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    engine: str
+    model: str
+    block_size: int
+    total_blocks: int
+    max_model_len: int
+    started_at_ms: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., started_at_ms: _Optional[int] = ...) -> None: ...
+
+class InstanceRecord(_message.Message):
+    __slots__ = ("info", "status", "last_seen")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    info: InstanceInfo
+    status: InstanceStatus
+    last_seen: float
+    def __init__(self, info: _Optional[_Union[InstanceInfo, _Mapping]] = ..., status: _Optional[_Union[InstanceStatus, _Mapping]] = ..., last_seen: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,290 @@
+from ferry.pb import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    priority: _common_pb2.Priority
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    frontend_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ...) -> None: ...
+
+class MovedTo(_message.Message):
+    __slots__ = ("instance_id", "address", "next_index")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    next_index: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., next_index: _Optional[int] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("index", "token_id", "finish_reason", "has_token", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_LOSS_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_id: int
+    finish_reason: str
+    has_token: bool
+    moved: MovedTo
+    num_prompt_tokens: int
+    num_preemptions: int
+    preemption_loss_ms: float
+    num_migrations: int
+    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., has_token: _Optional[bool] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("request_id", "from_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_index: int
+    def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetInstanceTerminatingRequest(_message.Message):
+    __slots__ = ("terminating",)
+    TERMINATING_FIELD_NUMBER: _ClassVar[int]
+    terminating: bool
+    def __init__(self, terminating: _Optional[bool] = ...) -> None: ...
+
+class SetInstanceTerminatingReply(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class CheckIntegrityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckIntegrityReply(_message.Message):
+    __slots__ = ("ok", "error", "free_blocks", "total_blocks", "num_requests", "num_reservations")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    free_blocks: int
+    total_blocks: int
+    num_requests: int
+    num_reservations: int
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
+
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities")
+    DEST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STOP_WHEN_FREENESS_ABOVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    USE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    dest_instance_id: str
+    dest_address: str
+    stop_when_freeness_above: float
+    max_requests: int
+    request_id: str
+    use_priorities: bool
+    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ...) -> None: ...
+
+class MigrateOutReply(_message.Message):
+    __slots__ = ("started", "committed", "aborted", "results")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    started: int
+    committed: int
+    aborted: int
+    results: _containers.RepeatedCompositeFieldContainer[MigrationResult]
+    def __init__(self, started: _Optional[int] = ..., committed: _Optional[int] = ..., aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
+
+class MigrationResult(_message.Message):
+    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    request_id: str
+    outcome: str
+    reason: str
+    stages: int
+    blocks: int
+    bytes: int
+    duration_ms: float
+    downtime_ms: float
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ...) -> None: ...
+
+class KvHeader(_message.Message):
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class PreAllocateRequest(_message.Message):
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    request_id: str
+    num_blocks: int
+    stage: int
+    header: KvHeader
+    deadline_ms: int
+    source_instance_id: str
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ...) -> None: ...
+
+class PreAllocateReply(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    stage: int
+    header: KvHeader
+    num_blocks: int
+    offset: int
+    data: bytes
+    total_bytes: int
+    def __init__(self, migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class TransferKvReply(_message.Message):
+    __slots__ = ("blocks_written", "bytes")
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    blocks_written: int
+    bytes: int
+    def __init__(self, blocks_written: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class RequestState(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "rng_state", "arrival_time", "first_token_time", "num_preemptions", "priority", "frontend_address", "preemption_loss_ms", "num_migrations", "num_computed_tokens", "next_event_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RNG_STATE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    FRONTEND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_LOSS_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_EVENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    rng_state: bytes
+    arrival_time: float
+    first_token_time: float
+    num_preemptions: int
+    priority: _common_pb2.Priority
+    frontend_address: str
+    preemption_loss_ms: float
+    num_migrations: int
+    num_computed_tokens: int
+    next_event_index: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("migration_id", "state")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    state: RequestState
+    def __init__(self, migration_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, _Mapping]] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("ok", "reason")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    reason: str
+    def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortMigrationRequest(_message.Message):
+    __slots__ = ("migration_id", "reason")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    reason: str
+    def __init__(self, migration_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortMigrationReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,58 @@
+from ferry.pb import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DispatchRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "priority", "exclude_instance_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    priority: _common_pb2.Priority
+    exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DispatchReply(_message.Message):
+    __slots__ = ("instance_id", "address", "policy")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    policy: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class ClusterViewRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterViewReply(_message.Message):
+    __slots__ = ("instances", "dispatch_policy", "migrations_ordered")
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_ORDERED_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[_common_pb2.InstanceRecord]
+    dispatch_policy: str
+    migrations_ordered: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[_common_pb2.InstanceRecord, _Mapping]]] = ..., dispatch_policy: _Optional[str] = ..., migrations_ordered: _Optional[int] = ...) -> None: ...
+
+class SetTerminatingRequest(_message.Message):
+    __slots__ = ("instance_id", "terminating")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TERMINATING_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    terminating: bool
+    def __init__(self, instance_id: _Optional[str] = ..., terminating: _Optional[bool] = ...) -> None: ...
+
+class SetTerminatingReply(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...

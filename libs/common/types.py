@@ -1,0 +1,130 @@
+"""Plain dataclasses shared by services. Generated protobuf types stay at the
+service edge; cores work on these (conversion lives in libs/common/convert.py)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Priority(enum.IntEnum):
+    """Scheduling priority; higher is served first."""
+
+    NORMAL = 0
+    HIGH = 1
+
+    @classmethod
+    def parse(cls, value: str | int | None) -> "Priority":
+        if value is None or value == "":
+            return cls.NORMAL
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            names = ", ".join(p.name.lower() for p in cls)
+            raise ValueError(f"unknown priority {value!r}; expected one of: {names}") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One token produced by an engine step for one request."""
+
+    request_id: str
+    index: int  # position in the output, 0-based
+    token_id: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class RequestLoad:
+    request_id: str
+    priority: Priority
+    state: str  # "waiting" | "running" | "migrating"
+    physical_blocks: int
+    num_tokens: int
+    virtual_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    instance_id: str
+    address: str
+    engine: str
+    model: str
+    block_size: int
+    total_blocks: int
+    max_model_len: int
+    started_at_ms: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    instance_id: str
+    seq: int = 0
+    timestamp: float = 0.0
+    total_blocks: int = 0
+    free_blocks: int = 0
+    block_size: int = 16
+    num_running: int = 0
+    num_waiting: int = 0
+    head_of_line_demand_blocks: int = 0
+    virtual_usage: float = 0.0
+    freeness: float = 0.0
+    normal_freeness: float = 0.0
+    terminating: bool = False
+    num_preemptions: int = 0
+    migrating_in: int = 0
+    migrating_out: int = 0
+    requests: tuple[RequestLoad, ...] = ()
+    used_blocks: int = 0
+    waiting_demand_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    info: InstanceInfo
+    status: InstanceStatus | None = None
+    last_seen: float = 0.0
+
+
+@dataclass
+class RequestState:
+    """Everything a request needs to go on elsewhere (migration commit)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    priority: Priority = Priority.NORMAL
+    rng_state: bytes = b""
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    num_preemptions: int = 0
+    preemption_loss_ms: float = 0.0
+    num_migrations: int = 0
+    num_computed_tokens: int = 0
+    frontend_address: str = ""
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,218 @@
+"""The engine interface (DESIGN §3).
+
+An engine is step-based and single-threaded: the instance agent runs it in its
+own thread and calls every method from that thread, between steps, except where
+a method's docstring says otherwise. An engine step is the unit of time:
+requests join, leave, are suspended or installed only between steps.
+
+Three implementations share this interface: ``native`` (PyTorch, paged KV
+cache), ``sim`` (same scheduler and block pool, a latency profile instead of
+the forward pass) and ``fake`` (deterministic tokens, for service tests).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from libs.common.types import (
+    Priority,
+    RequestLoad,
+    RequestState,
+    SamplingParams,
+    TokenOutput,
+)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: Priority = Priority.NORMAL
+    arrival_time: float = 0.0  # time.time() at the frontend
+    # Tokens already delivered for this request by an instance that died:
+    # they extend the context, count against max_tokens, and the first new
+    # token has index len(resume_token_ids).
+    resume_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """Shape of one KV block in the fused transfer buffer
+    ``[n_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the engine's load, for status reports (DESIGN §4).
+
+    ``requests`` lists waiting and running requests (not suspended ones) with
+    their physical blocks; virtual usage is computed by the agent.
+    """
+
+    total_blocks: int
+    free_blocks: int
+    block_size: int
+    requests: tuple[RequestLoad, ...] = ()
+    head_of_line_demand_blocks: int = 0  # blocks the head of the waiting queue needs
+    waiting_demand_blocks: int = 0  # blocks all waiting requests need
+    num_preemptions: int = 0  # total since start
+    reserved_blocks: int = 0  # held for incoming migrations
+
+
+class EngineError(Exception):
+    """A request the engine cannot take (bad parameters, too long)."""
+
+
+class IntegrityError(AssertionError):
+    """The block pool's bookkeeping is inconsistent."""
+
+
+class Engine(abc.ABC):
+    name: str = "base"
+
+    # --- static facts -------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def block_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def num_total_blocks(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def kv_layout(self) -> KvLayout: ...
+
+    @property
+    def model_name(self) -> str:
+        return self.name
+
+    # --- serving ------------------------------------------------------------
+    @abc.abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. Raises EngineError if it can never run here."""
+
+    @abc.abstractmethod
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is and free its blocks. False if unknown."""
+
+    @abc.abstractmethod
+    def step(self) -> list[TokenOutput]:
+        """Run one step; returns the tokens it produced (finished requests carry
+        a finish_reason and are gone from the engine afterwards)."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad: ...
+
+    @property
+    @abc.abstractmethod
+    def num_free_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if blocks leaked or are double-owned."""
+
+    def request_stats(self, request_id: str) -> dict:
+        """Counters of a live request (num_preemptions, preemption_loss_ms)."""
+        return {}
+
+    # --- migration hooks ----------------------------------------------------
+    @abc.abstractmethod
+    def request_phase(self, request_id: str) -> tuple[str, int] | None:
+        """("waiting"|"running"|"suspended", num_preemptions) or None if the
+        request is unknown (finished or aborted)."""
+
+    @abc.abstractmethod
+    def full_blocks(self, request_id: str) -> list[int]:
+        """Block ids of the request's full blocks, in order. Full blocks are
+        never written again while the request keeps them."""
+
+    @abc.abstractmethod
+    def all_blocks(self, request_id: str) -> list[int]:
+        """Block ids holding the request's KV (full and the partial last one)."""
+
+    @abc.abstractmethod
+    def gather_kv(self, block_ids: list[int]) -> memoryview:
+        """Copy blocks into one contiguous CPU buffer laid out as
+        ``[n, layers, 2, block_size, kv_heads, head_dim]`` (kv_layout).
+        NOTE: may be called from any thread, for full blocks of a request."""
+
+    @abc.abstractmethod
+    def reserve_blocks(self, n: int) -> list[int] | None:
+        """Take n free blocks for an incoming migration, keeping the admission
+        watermark; None if they do not fit (an expected result, not an error)."""
+
+    @abc.abstractmethod
+    def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        """Write a fused buffer into reserved blocks.
+        NOTE: may be called from any thread, for reserved blocks."""
+
+    @abc.abstractmethod
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Return reserved blocks that were never installed."""
+
+    @abc.abstractmethod
+    def suspend_request(self, request_id: str) -> bool:
+        """Take a running request out of the batch, keeping its blocks and
+        state. False if it is not running."""
+
+    @abc.abstractmethod
+    def resume_request(self, request_id: str) -> None:
+        """Put a suspended request back into the batch (migration aborted)."""
+
+    @abc.abstractmethod
+    def export_state(self, request_id: str) -> RequestState:
+        """State of a suspended request (tokens, sampling, RNG, counters).
+        ``num_computed_tokens`` says how many tokens have KV in all_blocks()."""
+
+    @abc.abstractmethod
+    def install_request(self, state: RequestState, block_ids: list[int]) -> None:
+        """Adopt a migrated request whose KV for ``num_computed_tokens`` tokens
+        is in the reserved ``block_ids``; it runs from the next step."""
+
+    @abc.abstractmethod
+    def drop_request(self, request_id: str) -> None:
+        """Forget a suspended request after its migration committed: free its
+        blocks, emit nothing."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine. Engine-specific fields are ignored by others."""
+
+    engine: str = "fake"
+    model: str = "smollm2"
+    num_blocks: int | None = None
+    kv_cache_gb: float | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    watermark: float = 0.01
+    device: str = "cpu"
+    dtype: str = "float32"
+    token_delay_ms: float = 10.0  # fake engine: time per step
+    profile: str = "llama-7b-a10"  # sim engine: profile name or path
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
