@@ -9,6 +9,8 @@ from services.instance.engine.base import Engine, EngineConfig
 # name -> "module:class"; each class takes an EngineConfig.
 ENGINES = {
     "fake": "services.instance.engine.fake:FakeEngine",
+    "native": "services.instance.engine.native.engine:NativeEngine",
+    "sim": "services.instance.engine.sim:SimEngine",
 }
 
 

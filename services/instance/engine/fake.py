@@ -1,22 +1,26 @@
-"""Interim fake engine for the walking skeleton: deterministic tokens, a fixed
-per-step delay, simple block accounting. To be rebuilt on the shared engine
-core (block pool + scheduler) so migration hooks work on it too."""
+"""The fake engine: the real core (block pool, scheduler, migration hooks) with
+a toy model whose KV cache content matters.
+
+Every KV position stores its token id (KvLayout float32, 1 layer, 1 head,
+head_dim 1). The next token is computed from the context READ BACK from the KV
+cache (the newest position included), so a request whose KV was corrupted, lost
+or misordered in a migration emits different tokens — migration tests on the
+fake engine catch broken transfers. Tokens are printable letters a..z (the
+frontend detokenizes fake tokens as bytes); output is deterministic: a request
+emits ``fake_next_token(prompt + output so far)`` at every step.
+"""
 
 from __future__ import annotations
 
+import operator
 import time
-from collections import OrderedDict
 
-from libs.common.types import FinishReason, RequestLoad, RequestState, TokenOutput
-from services.instance.engine.base import (
-    Engine,
-    EngineConfig,
-    EngineError,
-    EngineLoad,
-    EngineRequest,
-    IntegrityError,
-    KvLayout,
-)
+import numpy as np
+
+from services.instance.engine.base import EngineConfig, KvLayout
+from services.instance.engine.core.engine import CoreEngine
+from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
 
 # Printable ASCII: the fake model's tokenizer is bytes (see libs/common/tokenizer.py).
 VOCAB_LO, VOCAB_HI = 97, 123  # a..z
@@ -24,89 +28,85 @@ EOS_TOKEN_ID = 0
 
 
 def fake_next_token(context: list[int]) -> int:
-    """The fake model: the next token is a function of the whole context."""
+    """The fake model: the next token is a function of the whole context (a
+    hash of the last 8 tokens, the length, and a position-weighted sum of all
+    tokens, so any changed position changes the result)."""
     h = 1469598103934665603
     for t in context[-8:]:
         h = ((h ^ t) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
     h ^= len(context)
-    return VOCAB_LO + h % (VOCAB_HI - VOCAB_LO)
+    weighted = sum(map(operator.mul, context, range(1, len(context) + 1)))
+    h = ((h ^ (weighted % 1000003)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return VOCAB_LO + (h >> 7) % (VOCAB_HI - VOCAB_LO)
 
 
-class _Req:
-    def __init__(self, r: EngineRequest):
-        self.r = r
-        self.output: list[int] = list(r.resume_token_ids)
+class TokenKvExecutor(Executor):
+    """KV storage of token ids: ``[num_blocks, 1, 2, block_size, 1, 1]``
+    float32 (exact for ids < 2**24), which is already the fused transfer
+    layout, so gather/scatter are one take/put."""
+
+    eos_token_ids = frozenset({EOS_TOKEN_ID})
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self._layout = KvLayout("float32", block_size, 1, 1, 1)
+        self.cache = np.zeros((num_blocks, 1, 2, block_size, 1, 1), dtype=np.float32)
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return self._layout
+
+    def _write(self, chunk: ScheduledChunk) -> None:
+        bs = self._layout.block_size
+        req = chunk.request
+        toks = req.tokens(chunk.start, chunk.end)
+        for pos, tok in zip(range(chunk.start, chunk.end), toks):
+            b = req.block_ids[pos // bs]
+            self.cache[b, 0, :, pos % bs, 0, 0] = tok
+
+    def _read(self, chunk: ScheduledChunk) -> list[int]:
+        bs = self._layout.block_size
+        ids = chunk.request.block_ids[: cdiv(chunk.end, bs)]
+        keys = self.cache[ids, 0, 0, :, 0, 0].reshape(-1)[: chunk.end]
+        vals = self.cache[ids, 0, 1, :, 0, 0].reshape(-1)[: chunk.end]
+        # K and V must agree: mixing them makes a swapped half show up too.
+        return [int(k) if k == v else int(k) + 1 for k, v in zip(keys, vals)]
+
+    def compute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        out: list[int | None] = []
+        for c in chunks:
+            self._write(c)
+            out.append(fake_next_token(self._read(c)) if c.samples else None)
+        return out
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        return self.compute(chunks)
+
+    def gather_kv(self, block_ids: list[int]) -> memoryview:
+        return memoryview(np.ascontiguousarray(self.cache[block_ids]).tobytes())
+
+    def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        arr = np.frombuffer(data, dtype=np.float32).reshape((len(block_ids),) + self.cache.shape[1:])
+        self.cache[block_ids] = arr
 
 
-class FakeEngine(Engine):
+class FakeExecutor(TokenKvExecutor):
+    def __init__(self, num_blocks: int, block_size: int, delay_s: float):
+        super().__init__(num_blocks, block_size)
+        self.delay_s = delay_s
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        t0 = time.perf_counter()
+        out = self.compute(chunks)
+        left = self.delay_s - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        return out
+
+
+class FakeEngine(CoreEngine):
     name = "fake"
 
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self._block_size = config.block_size
-        self._total = config.num_blocks or 1024
-        self._max_len = config.max_model_len or 2048
-        self.delay_s = config.token_delay_ms / 1000.0
-        self.reqs: OrderedDict[str, _Req] = OrderedDict()
-
-    block_size = property(lambda self: self._block_size)
-    num_total_blocks = property(lambda self: self._total)
-    max_model_len = property(lambda self: self._max_len)
-    kv_layout = property(lambda self: KvLayout("float32", self._block_size, 1, 1, 1))
-
-    def _blocks(self, q: _Req) -> int:
-        n = len(q.r.prompt_token_ids) + len(q.output)
-        return -(-n // self._block_size)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._total - sum(self._blocks(q) for q in self.reqs.values())
-
-    def add_request(self, request: EngineRequest) -> None:
-        if len(request.prompt_token_ids) + request.sampling.max_tokens > self._max_len:
-            raise EngineError("prompt + max_tokens exceeds max_model_len")
-        self.reqs[request.request_id] = _Req(request)
-
-    def abort_request(self, request_id: str) -> bool:
-        return self.reqs.pop(request_id, None) is not None
-
-    def has_work(self) -> bool:
-        return bool(self.reqs)
-
-    def step(self) -> list[TokenOutput]:
-        if not self.reqs:
-            return []
-        time.sleep(self.delay_s)
-        out = []
-        for rid, q in list(self.reqs.items()):
-            tok = fake_next_token(list(q.r.prompt_token_ids) + q.output)
-            q.output.append(tok)
-            done = len(q.output) >= q.r.sampling.max_tokens
-            out.append(TokenOutput(rid, len(q.output) - 1, tok, FinishReason.LENGTH if done else None))
-            if done:
-                del self.reqs[rid]
-        return out
-
-    def load(self) -> EngineLoad:
-        reqs = tuple(
-            RequestLoad(rid, q.r.priority, "running", self._blocks(q),
-                        len(q.r.prompt_token_ids) + len(q.output))
-            for rid, q in self.reqs.items()
-        )
-        return EngineLoad(self._total, self.num_free_blocks, self._block_size, reqs)
-
-    def check_integrity(self) -> None:
-        if self.num_free_blocks < 0:
-            raise IntegrityError("more blocks used than exist")
-
-    # Migration hooks: not supported by the interim fake engine.
-    def _unsupported(self, *a, **k):
-        raise NotImplementedError("interim fake engine has no migration hooks")
-
-    request_phase = lambda self, rid: ("running", 0) if rid in self.reqs else None  # noqa: E731
-    full_blocks = all_blocks = gather_kv = reserve_blocks = scatter_kv = _unsupported
-    release_blocks = suspend_request = resume_request = export_state = _unsupported
-    install_request = drop_request = _unsupported
-
-    def export_state(self, request_id: str) -> RequestState:  # noqa: F811
-        raise NotImplementedError
+        num_blocks = config.num_blocks or 1024
+        executor = FakeExecutor(num_blocks, config.block_size, config.token_delay_ms / 1000.0)
+        super().__init__(config, executor, num_blocks, config.max_model_len or 2048, model_name="fake")

@@ -1,0 +1,266 @@
+"""The step loop shared by every engine (base.Engine on top of the block pool,
+the scheduler and an executor). Engines differ only in their executor."""
+
+from __future__ import annotations
+
+import time
+
+from libs.common.types import FinishReason, RequestLoad, RequestState, TokenOutput
+from services.instance.engine.base import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    EngineLoad,
+    EngineRequest,
+    IntegrityError,
+    KvLayout,
+)
+from services.instance.engine.core.block_pool import BlockPool
+from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.request import Request, RequestStatus
+from services.instance.engine.core.scheduler import Scheduler, cdiv
+
+
+class CoreEngine(Engine):
+    name = "core"
+
+    def __init__(self, config: EngineConfig, executor: Executor, num_blocks: int, max_model_len: int,
+                 model_name: str | None = None):
+        self.config = config
+        self.executor = executor
+        self._block_size = executor.kv_layout.block_size
+        self._max_model_len = max_model_len
+        self._model_name = model_name or config.model
+        watermark = int(config.watermark * num_blocks)
+        self.pool = BlockPool(num_blocks, watermark_blocks=watermark)
+        self.scheduler = Scheduler(self.pool, self._block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}  # every live request, any status
+        self._seq = 0
+
+    # --- static facts -------------------------------------------------------
+    block_size = property(lambda self: self._block_size)
+    num_total_blocks = property(lambda self: self.pool.num_blocks)
+    max_model_len = property(lambda self: self._max_model_len)
+    kv_layout: KvLayout = property(lambda self: self.executor.kv_layout)
+    num_free_blocks = property(lambda self: self.pool.num_free)
+    model_name = property(lambda self: self._model_name)
+
+    # --- serving ----------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise EngineError(f"request {rid!r} already exists")
+        if not request.prompt_token_ids:
+            raise EngineError("empty prompt")
+        sp = request.sampling
+        n_ctx = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        if sp.max_tokens <= len(request.resume_token_ids):
+            raise EngineError("max_tokens already reached by resume_token_ids")
+        if n_ctx >= self._max_model_len:
+            raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {self._max_model_len}")
+        if cdiv(n_ctx + 1, self._block_size) > self.pool.num_blocks - self.pool.watermark_blocks:
+            raise EngineError(f"prompt of {n_ctx} tokens needs more KV blocks than this engine has")
+        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0 or sp.max_tokens <= 0:
+            raise EngineError(f"bad sampling parameters: {sp}")
+        self._seq += 1
+        req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
+                      output_token_ids=list(request.resume_token_ids), seq=self._seq)
+        self.executor.init_request(req)
+        self.requests[rid] = req
+        self.scheduler.add_waiting(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[TokenOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return []
+        tokens = self.executor.execute(sched.chunks)
+        now = time.time()
+        outputs: list[TokenOutput] = []
+        for chunk, tok in zip(sched.chunks, tokens):
+            req = chunk.request
+            samples = chunk.samples
+            req.num_computed_tokens = chunk.end
+            req.on_computed(now)
+            if not samples:
+                continue
+            req.output_token_ids.append(int(tok))
+            if not req.first_token_time:
+                req.first_token_time = now
+            reason = self._stop_reason(req, int(tok))
+            outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, int(tok), reason))
+            if reason is not None:
+                self._finish(req, reason)
+        return outputs
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        sp = req.sampling
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens:
+            if tok in sp.stop_token_ids:
+                return FinishReason.STOP
+            if not sp.ignore_eos and tok in self.executor.eos_token_ids:
+                return FinishReason.STOP
+        if n_out >= sp.max_tokens or req.num_tokens >= self._max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.remove(req)
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.request_id, None)
+
+    # --- load -------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        reqs = [RequestLoad(r.request_id, r.priority, "running", len(r.block_ids), r.num_tokens)
+                for r in s.running]
+        reqs += [RequestLoad(r.request_id, r.priority, "waiting", len(r.block_ids), r.num_tokens)
+                 for r in s.waiting]
+        demands = [s.demand_blocks(r) for r in s.waiting]
+        return EngineLoad(
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free,
+            block_size=self._block_size,
+            requests=tuple(reqs),
+            head_of_line_demand_blocks=demands[0] if demands else 0,
+            waiting_demand_blocks=sum(demands),
+            num_preemptions=s.num_preemptions,
+            reserved_blocks=self.pool.num_reserved,
+        )
+
+    def check_integrity(self) -> None:
+        live = list(self.requests.values())
+        queued = self.scheduler.waiting + self.scheduler.running
+        if len({id(r) for r in queued}) != len(queued):
+            raise IntegrityError("a request is queued twice")
+        for r in live:
+            have = cdiv(r.num_computed_tokens, self._block_size)
+            if len(r.block_ids) < have:
+                raise IntegrityError(f"{r.request_id}: {len(r.block_ids)} blocks for {have} computed blocks")
+            if (r.status is RequestStatus.SUSPENDED) == (r in queued):
+                raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
+        self.pool.check_integrity([r.block_ids for r in live])
+
+    def request_stats(self, request_id: str) -> dict:
+        r = self.requests.get(request_id)
+        if r is None:
+            return {}
+        return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
+                "num_preemptions": r.num_preemptions, "preemption_loss_ms": r.preemption_loss_ms,
+                "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens}
+
+    # --- migration hooks --------------------------------------------------------
+    def _get(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise EngineError(f"unknown request {request_id!r}") from None
+
+    def request_phase(self, request_id: str) -> tuple[str, int] | None:
+        r = self.requests.get(request_id)
+        return None if r is None else (r.status.value, r.num_preemptions)
+
+    def full_blocks(self, request_id: str) -> list[int]:
+        r = self._get(request_id)
+        return list(r.block_ids[: r.num_computed_tokens // self._block_size])
+
+    def all_blocks(self, request_id: str) -> list[int]:
+        r = self._get(request_id)
+        return list(r.block_ids[: cdiv(r.num_computed_tokens, self._block_size)])
+
+    def gather_kv(self, block_ids: list[int]) -> memoryview:
+        return self.executor.gather_kv(list(block_ids))
+
+    def reserve_blocks(self, n: int) -> list[int] | None:
+        return self.pool.reserve(n)
+
+    def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        bad = [b for b in block_ids if not self.pool.is_reserved(b)]
+        if bad:
+            raise EngineError(f"scatter_kv into blocks {bad} that are not reserved")
+        self.executor.scatter_kv(list(block_ids), data)
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        self.pool.release(list(block_ids))
+
+    def suspend_request(self, request_id: str) -> bool:
+        r = self.requests.get(request_id)
+        if r is None or r.status is not RequestStatus.RUNNING:
+            return False
+        self.scheduler.remove(r)
+        r.status = RequestStatus.SUSPENDED
+        return True
+
+    def resume_request(self, request_id: str) -> None:
+        r = self._get(request_id)
+        if r.status is not RequestStatus.SUSPENDED:
+            raise EngineError(f"request {request_id!r} is {r.status.value}, not suspended")
+        self.scheduler.add_running(r)
+
+    def export_state(self, request_id: str) -> RequestState:
+        r = self._get(request_id)
+        if r.status is not RequestStatus.SUSPENDED:
+            raise EngineError(f"request {request_id!r} is {r.status.value}, not suspended")
+        return RequestState(
+            request_id=r.request_id,
+            prompt_token_ids=list(r.prompt_token_ids),
+            output_token_ids=list(r.output_token_ids),
+            sampling=r.sampling,
+            priority=r.priority,
+            rng_state=self.executor.rng_state(r),
+            arrival_time=r.arrival_time,
+            first_token_time=r.first_token_time,
+            num_preemptions=r.num_preemptions,
+            preemption_loss_ms=r.preemption_loss_ms,
+            num_migrations=r.num_migrations,
+            num_computed_tokens=r.num_computed_tokens,
+            extra=dict(r.extra),
+        )
+
+    def install_request(self, state: RequestState, block_ids: list[int]) -> None:
+        if state.request_id in self.requests:
+            raise EngineError(f"request {state.request_id!r} already exists")
+        n_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
+        if not 0 <= state.num_computed_tokens < n_tokens:
+            raise EngineError(f"num_computed_tokens {state.num_computed_tokens} out of range")
+        need = cdiv(state.num_computed_tokens, self._block_size)
+        if len(block_ids) != need:
+            raise EngineError(f"{len(block_ids)} blocks for {state.num_computed_tokens} computed tokens "
+                              f"(need {need})")
+        self.pool.adopt(list(block_ids))
+        self._seq += 1
+        r = Request(state.request_id, state.prompt_token_ids, state.sampling, state.priority,
+                    state.arrival_time, output_token_ids=state.output_token_ids, seq=self._seq)
+        r.num_computed_tokens = state.num_computed_tokens
+        r.block_ids = list(block_ids)
+        r.first_token_time = state.first_token_time
+        r.num_preemptions = state.num_preemptions
+        r.preemption_loss_ms = state.preemption_loss_ms
+        r.num_migrations = state.num_migrations
+        r.extra = dict(state.extra)
+        self.executor.init_request(r)
+        if state.rng_state:
+            self.executor.set_rng_state(r, state.rng_state)
+        self.requests[r.request_id] = r
+        self.scheduler.add_running(r)
+
+    def drop_request(self, request_id: str) -> None:
+        r = self._get(request_id)
+        if r.status is not RequestStatus.SUSPENDED:
+            raise EngineError(f"request {request_id!r} is {r.status.value}, not suspended")
+        self._finish(r, FinishReason.ABORT)

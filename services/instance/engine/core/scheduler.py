@@ -1,0 +1,143 @@
+"""Continuous batching without phases (vLLM v1): every request has
+``num_computed_tokens`` and ``num_tokens`` and a step closes part of the gap
+under a token budget. Prompts longer than the budget are prefilled in chunks.
+
+Policy:
+- running requests first, in admission order; a running request that needs a
+  block when none is free preempts (by recompute) the running request with the
+  lowest priority and the latest arrival — possibly itself;
+- then the waiting queue, ordered by priority (HIGH first) then arrival; the
+  head is admitted when all its blocks fit above the watermark, else it waits
+  (no skipping ahead: FCFS within a priority);
+- nothing new is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from services.instance.engine.core.block_pool import BlockPool
+from services.instance.engine.core.request import Request, RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # num_computed_tokens before the step
+    num_new: int  # tokens whose KV this step computes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the last known token: the step samples."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+
+    # --- queues -------------------------------------------------------------
+    def add_waiting(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, req.sort_key), req)
+
+    def add_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it (blocks untouched)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, cdiv(num_tokens, self.block_size) - len(req.block_ids))
+
+    def demand_blocks(self, req: Request) -> int:
+        """Blocks a waiting request needs to be admitted (its whole context)."""
+        return self.blocks_needed(req, req.num_tokens)
+
+    # --- policy ---------------------------------------------------------------
+    def pick_victim(self) -> Request:
+        """Lowest priority first, then the latest arrival."""
+        return min(self.running, key=lambda r: (int(r.priority), -r.arrival_time, -r.seq))
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.on_preempted(time.time())
+        self.num_preemptions += 1
+        self.add_waiting(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING or budget <= 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            need = self.blocks_needed(req, req.num_computed_tokens + n)
+            while not self.pool.can_allocate(need):
+                victim = self.pick_victim()
+                self.preempt(victim)
+                out.preempted.append(victim)
+                dropped = scheduled.pop(victim.request_id, None)
+                if dropped is not None:
+                    budget += dropped.num_new
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.block_ids += self.pool.allocate(need)
+            scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
+            budget -= n
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                need = self.demand_blocks(req)
+                if not self.pool.can_allocate(need, keep_watermark=True):
+                    break
+                self.waiting.pop(0)
+                req.block_ids += self.pool.allocate(need)
+                self.add_running(req)
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
+                budget -= n
+
+        out.chunks = list(scheduled.values())
+        return out
