@@ -56,6 +56,9 @@ class TokenOutput:
     index: int  # position in the output, 0-based
     token_id: int
     finish_reason: FinishReason | None = None
+    # Counters of the request (num_preemptions, preemption_loss_ms, …), set
+    # by engines on the final output.
+    stats: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,241 @@
+"""A Ferry cluster as local processes on loopback: meta store, scheduler, N
+instances and the frontend, each its own process. Used by `ferry up`, the
+benchmarks and the tests. Children die with their parent (PR_SET_PDEATHSIG)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    kind: str  # meta-store | scheduler | instance | frontend
+    args: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+    log_path: str | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class ClusterSpec:
+    instances: int = 2
+    engine: str = "native"
+    model: str = "smollm2"
+    port: int = 8000
+    host: str = "127.0.0.1"
+    dispatch: str = "llumnix"
+    instance_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
+    frontend_args: list[str] = field(default_factory=list)
+    meta_store_args: list[str] = field(default_factory=list)
+    log_format: str = "console"
+    log_level: str = "info"
+    log_dir: str | None = None  # children's output to files (else inherited)
+    grpc_port: int = -1
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.children: list[Child] = []
+        self.meta_store_port = free_port()
+        self.scheduler_port = free_port()
+        self._instance_seq = 0
+
+    # --- addresses -------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    @property
+    def meta_store(self) -> str:
+        return f"127.0.0.1:{self.meta_store_port}"
+
+    @property
+    def scheduler(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def instances(self) -> list[Child]:
+        return [c for c in self.children if c.kind == "instance"]
+
+    # --- processes ---------------------------------------------------------------
+    def _common(self) -> list[str]:
+        return ["--log-format", self.spec.log_format, "--log-level", self.spec.log_level]
+
+    def _spawn(self, child: Child) -> Child:
+        cmd = [sys.executable, "-m", "ferry", "serve", child.kind, *child.args, *self._common()]
+        out = None
+        if self.spec.log_dir:
+            os.makedirs(self.spec.log_dir, exist_ok=True)
+            child.log_path = os.path.join(self.spec.log_dir, f"{child.name}.log")
+            out = open(child.log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, env=env)
+        if out:
+            out.close()
+        return child
+
+    def meta_store_child(self) -> Child:
+        return Child("meta-store", "meta-store",
+                     ["--port", str(self.meta_store_port), *self.spec.meta_store_args], self.meta_store_port)
+
+    def scheduler_child(self) -> Child:
+        return Child("scheduler", "scheduler",
+                     ["--port", str(self.scheduler_port), "--meta-store", self.meta_store,
+                      "--dispatch", self.spec.dispatch, *self.spec.scheduler_args], self.scheduler_port)
+
+    def instance_child(self, extra: list[str] | None = None) -> Child:
+        i = self._instance_seq
+        self._instance_seq += 1
+        port = free_port()
+        return Child(f"instance-{i}", "instance",
+                     ["--port", str(port), "--instance-id", f"instance-{i}", "--meta-store", self.meta_store,
+                      "--engine", self.spec.engine, "--model", self.spec.model,
+                      *self.spec.instance_args, *(extra or [])], port)
+
+    def frontend_child(self) -> Child:
+        model = self.spec.model if self.spec.engine == "native" else "fake"
+        return Child("frontend", "frontend",
+                     ["--host", self.spec.host, "--port", str(self.spec.port), "--scheduler", self.scheduler,
+                      "--meta-store", self.meta_store, "--model", model, "--grpc-port", str(self.spec.grpc_port),
+                      *self.spec.frontend_args], self.spec.port)
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start every service and wait until all are healthy. On failure,
+        stop everything and raise StartupError naming the culprit."""
+        try:
+            self.children = [self.meta_store_child(), self.scheduler_child()]
+            self.children += [self.instance_child() for _ in range(self.spec.instances)]
+            self.children.append(self.frontend_child())
+            for c in self.children:
+                self._spawn(c)
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        while pending:
+            for c in list(pending):
+                if not c.alive():
+                    code = c.proc.returncode if c.proc else None
+                    raise StartupError(f"{c.name} exited with code {code} during start-up"
+                                       + (f" (log: {c.log_path})" if c.log_path else ""))
+                if self._healthy(c):
+                    pending.remove(c)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise StartupError(f"not healthy after {timeout_s:.0f}s: {', '.join(c.name for c in pending)}")
+            time.sleep(0.1)
+
+    def _healthy(self, c: Child) -> bool:
+        if c.kind == "frontend":
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=1.0)
+                return r.status_code == 200 and r.json().get("instances", 0) >= len(
+                    [i for i in self.instances() if i.alive()])
+            except httpx.HTTPError:
+                return False
+        return grpc_healthy(c.address)
+
+    def add_instance(self, extra: list[str] | None = None, wait_s: float = 60.0) -> Child:
+        c = self._spawn(self.instance_child(extra))
+        self.children.append(c)
+        deadline = time.monotonic() + wait_s
+        while not grpc_healthy(c.address):
+            if not c.alive() or time.monotonic() > deadline:
+                raise StartupError(f"{c.name} did not start")
+            time.sleep(0.05)
+        return c
+
+    def restart(self, name: str, wait_s: float = 60.0) -> Child:
+        c = self.child(name)
+        self._spawn(c)
+        deadline = time.monotonic() + wait_s
+        while not (self._healthy(c) if c.kind != "frontend" else grpc_healthy(c.address) or self._healthy(c)):
+            if not c.alive() or time.monotonic() > deadline:
+                raise StartupError(f"{name} did not restart")
+            time.sleep(0.05)
+        return c
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        c = self.child(name)
+        if c.alive():
+            c.proc.send_signal(sig)
+            c.proc.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM everyone (frontend first, meta store last), then SIGKILL stragglers."""
+        for c in reversed(self.children):
+            if c.alive():
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for c in reversed(self.children):
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(5)
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def grpc_healthy(address: str, timeout: float = 0.5) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False

@@ -1,0 +1,63 @@
+"""``ferry serve <service>``: run one service in this process (what `ferry up`
+and the compose file start)."""
+
+from __future__ import annotations
+
+import click
+
+from libs.common.config import click_options, from_options
+from libs.common.logging import setup_logging
+from libs.common.server import run, serve as serve_grpc
+from services.frontend.config import FrontendConfig
+from services.instance.service import InstanceConfig
+from services.meta_store.service import MetaStoreConfig
+from services.scheduler.service import SchedulerConfig
+
+
+@click.group()
+def serve() -> None:
+    """Run one Ferry service."""
+
+
+@serve.command("meta-store")
+@click_options(MetaStoreConfig)
+def meta_store(**options) -> None:
+    """The cluster meta store (instance registry and live status)."""
+    from services.meta_store.service import MetaStoreService
+
+    cfg = from_options(MetaStoreConfig, options)
+    setup_logging(cfg.log_level, cfg.log_format, "meta-store")
+    run(serve_grpc(MetaStoreService(cfg), cfg.host, cfg.port))
+
+
+@serve.command("scheduler")
+@click_options(SchedulerConfig)
+def scheduler(**options) -> None:
+    """The global scheduler (dispatch, migration pairing)."""
+    from services.scheduler.service import SchedulerService
+
+    cfg = from_options(SchedulerConfig, options)
+    setup_logging(cfg.log_level, cfg.log_format, "scheduler")
+    run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port))
+
+
+@serve.command("instance")
+@click_options(InstanceConfig)
+def instance(**options) -> None:
+    """An instance agent (llumlet) running one engine."""
+    from services.instance.service import InstanceService
+
+    cfg = from_options(InstanceConfig, options)
+    setup_logging(cfg.log_level, cfg.log_format, "instance")
+    run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port))
+
+
+@serve.command("frontend")
+@click_options(FrontendConfig)
+def frontend(**options) -> None:
+    """The OpenAI-compatible HTTP frontend (and its gRPC Generate API)."""
+    from services.frontend.service import run_frontend
+
+    cfg = from_options(FrontendConfig, options)
+    setup_logging(cfg.log_level, cfg.log_format, "frontend")
+    run(run_frontend(cfg))

@@ -1,0 +1,72 @@
+"""``ferry up``: the whole cluster on this machine, in the foreground."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import click
+
+from ferry.cluster import ClusterSpec, LocalCluster, StartupError
+
+
+@click.command()
+@click.option("--engine", type=click.Choice(["native", "sim", "fake"]), default="native", show_default=True,
+              help="engine of every instance")
+@click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="HTTP port")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP address")
+@click.option("--model", default="smollm2", show_default=True, help="model name or local HF directory")
+@click.option("--dispatch", default="llumnix", show_default=True,
+              type=click.Choice(["llumnix", "llumnix_base", "infaas++", "round_robin"]))
+@click.option("--grpc-port", type=click.IntRange(-1, 65535), default=-1, show_default=True,
+              help="frontend gRPC Generate API port (-1 = off)")
+@click.option("--api-key", default="", help="require this Bearer token")
+@click.option("--instance-arg", "instance_args", multiple=True,
+              help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
+@click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, instance_args, log_format,
+       log_level) -> None:
+    """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
+    if engine == "native":
+        from libs.common.models import ensure_model
+
+        click.echo(f"ferry up: preparing model {model} …", err=True)
+        ensure_model(model)
+    spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
+                       dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
+                       frontend_args=["--api-key", api_key] if api_key else [],
+                       log_format=log_format, log_level=log_level)
+    cluster = LocalCluster(spec)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start(timeout_s=600 if engine == "native" else 60)
+    except StartupError as e:
+        click.echo(f"ferry up: {e}; stopped all services", err=True)
+        sys.exit(1)
+    if stopping:
+        cluster.stop()
+        sys.exit(0)
+    click.echo(f"ferry up: ready at {cluster.url}/v1 (model {model if engine == 'native' else 'fake'}, {instances} {engine} instances, "
+               f"dispatch {dispatch}); Ctrl-C to stop", err=True)
+    print(f"{cluster.url}/v1", flush=True)
+    reported: set[str] = set()
+    while not stopping:
+        for c in cluster.children:
+            if not c.alive() and c.name not in reported:
+                reported.add(c.name)
+                click.echo(f"ferry up: {c.name} exited with code {c.proc.returncode}", err=True)
+        time.sleep(0.2)
+    click.echo("ferry up: stopping …", err=True)
+    cluster.stop()
+    click.echo("ferry up: stopped", err=True)

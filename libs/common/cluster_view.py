@@ -1,0 +1,105 @@
+"""The scheduler's view of the cluster, rebuilt from the meta store's watch
+stream (and rebuilt again whenever the stream breaks). Holds no durable state."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from ferry.pb import meta_store_pb2 as mpb
+from ferry.pb import meta_store_pb2_grpc as mpb_grpc
+from libs.common import convert
+from libs.common.logging import get_logger
+from libs.common.server import GRPC_OPTIONS
+from libs.common.types import InstanceRecord
+from services.scheduler.policies import InstanceView  # a pure dataclass
+
+log = get_logger(__name__)
+
+# A dispatched request is counted as pending on its instance until a report
+# lists it, or at most this long.
+PENDING_TTL_S = 2.0
+
+
+class ClusterView:
+    def __init__(self, meta_store_address: str):
+        self.meta_store_address = meta_store_address
+        self.records: dict[str, InstanceRecord] = {}
+        self._pending: dict[str, dict[str, tuple[int, float]]] = {}  # instance -> rid -> (blocks, t)
+        self.synced = asyncio.Event()
+        self.connected = False
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch_forever())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _watch_forever(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.meta_store_address, options=GRPC_OPTIONS) as ch:
+                    stub = mpb_grpc.MetaStoreStub(ch)
+                    fresh: dict[str, InstanceRecord] = {}
+                    async for ev in stub.Watch(mpb.WatchRequest()):
+                        backoff = 0.05
+                        if ev.type == mpb.WatchEvent.SYNCED:
+                            self.records = fresh
+                            self.connected = True
+                            self.synced.set()
+                            self.changed.set()
+                            log.info("cluster view synced", instances=len(fresh))
+                            continue
+                        rec = convert.record_from_pb(ev.record)
+                        target = self.records if self.connected else fresh
+                        if ev.type == mpb.WatchEvent.REMOVED:
+                            target.pop(rec.info.instance_id, None)
+                            self._pending.pop(rec.info.instance_id, None)
+                        else:
+                            target[rec.info.instance_id] = rec
+                            self._settle(rec)
+                        self.changed.set()
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError as e:
+                if self.connected:
+                    log.warning("meta store watch lost; keeping last view", error=e.code().name)
+                self.connected = False
+            await asyncio.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
+
+    def _settle(self, rec: InstanceRecord) -> None:
+        pend = self._pending.get(rec.info.instance_id)
+        if not pend or rec.status is None:
+            return
+        seen = {r.request_id for r in rec.status.requests}
+        now = time.monotonic()
+        for rid in [r for r, (_, t) in pend.items() if r in seen or now - t > PENDING_TTL_S]:
+            del pend[rid]
+
+    def add_pending(self, instance_id: str, request_id: str, blocks: int) -> None:
+        self._pending.setdefault(instance_id, {})[request_id] = (blocks, time.monotonic())
+
+    def views(self) -> list[InstanceView]:
+        out = []
+        now = time.monotonic()
+        for iid, rec in self.records.items():
+            if rec.status is None:
+                continue
+            pend = {r: v for r, v in self._pending.get(iid, {}).items() if now - v[1] <= PENDING_TTL_S}
+            out.append(InstanceView(iid, rec.status, sum(b for b, _ in pend.values()), len(pend)))
+        return out
+
+    def address(self, instance_id: str) -> str | None:
+        rec = self.records.get(instance_id)
+        return rec.info.address if rec else None

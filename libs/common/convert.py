@@ -1,0 +1,124 @@
+"""Conversion between generated protobuf messages and libs.common.types.
+Generated types stay at the service edge; cores see dataclasses."""
+
+from __future__ import annotations
+
+from ferry.pb import common_pb2 as pb
+from ferry.pb import instance_pb2 as ipb
+from libs.common.types import (
+    InstanceInfo,
+    InstanceRecord,
+    InstanceStatus,
+    Priority,
+    RequestLoad,
+    RequestState,
+    SamplingParams,
+)
+
+_STATES = {"waiting": pb.RequestLoad.WAITING, "running": pb.RequestLoad.RUNNING,
+           "migrating": pb.RequestLoad.MIGRATING}
+_STATE_NAMES = {v: k for k, v in _STATES.items()}
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, has_seed=s.seed is not None,
+        seed=s.seed or 0, max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
+    )
+
+
+def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=m.temperature, top_p=m.top_p if m.top_p > 0 else 1.0, top_k=m.top_k,
+        seed=m.seed if m.has_seed else None, max_tokens=m.max_tokens,
+        stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
+    )
+
+
+def info_to_pb(i: InstanceInfo) -> pb.InstanceInfo:
+    return pb.InstanceInfo(
+        instance_id=i.instance_id, address=i.address, engine=i.engine, model=i.model,
+        block_size=i.block_size, total_blocks=i.total_blocks, max_model_len=i.max_model_len,
+        started_at_ms=i.started_at_ms,
+    )
+
+
+def info_from_pb(m: pb.InstanceInfo) -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=m.instance_id, address=m.address, engine=m.engine, model=m.model,
+        block_size=m.block_size, total_blocks=m.total_blocks, max_model_len=m.max_model_len,
+        started_at_ms=m.started_at_ms,
+    )
+
+
+def load_to_pb(r: RequestLoad) -> pb.RequestLoad:
+    return pb.RequestLoad(
+        request_id=r.request_id, priority=int(r.priority), state=_STATES[r.state],
+        physical_blocks=r.physical_blocks, num_tokens=r.num_tokens, virtual_usage=r.virtual_usage,
+    )
+
+
+def load_from_pb(m: pb.RequestLoad) -> RequestLoad:
+    return RequestLoad(
+        request_id=m.request_id, priority=Priority(m.priority), state=_STATE_NAMES[m.state],
+        physical_blocks=m.physical_blocks, num_tokens=m.num_tokens, virtual_usage=m.virtual_usage,
+    )
+
+
+_STATUS_SCALARS = (
+    "instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running",
+    "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
+    "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
+    "waiting_demand_blocks",
+)
+
+
+def status_to_pb(s: InstanceStatus) -> pb.InstanceStatus:
+    m = pb.InstanceStatus(**{k: getattr(s, k) for k in _STATUS_SCALARS})
+    m.requests.extend(load_to_pb(r) for r in s.requests)
+    return m
+
+
+def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
+    return InstanceStatus(
+        **{k: getattr(m, k) for k in _STATUS_SCALARS},
+        requests=tuple(load_from_pb(r) for r in m.requests),
+    )
+
+
+def record_to_pb(r: InstanceRecord) -> pb.InstanceRecord:
+    m = pb.InstanceRecord(info=info_to_pb(r.info), last_seen=r.last_seen)
+    if r.status is not None:
+        m.status.CopyFrom(status_to_pb(r.status))
+    return m
+
+
+def record_from_pb(m: pb.InstanceRecord) -> InstanceRecord:
+    return InstanceRecord(
+        info=info_from_pb(m.info),
+        status=status_from_pb(m.status) if m.HasField("status") else None,
+        last_seen=m.last_seen,
+    )
+
+
+def state_to_pb(s: RequestState) -> ipb.RequestState:
+    return ipb.RequestState(
+        request_id=s.request_id, prompt_token_ids=s.prompt_token_ids,
+        output_token_ids=s.output_token_ids, sampling=sampling_to_pb(s.sampling),
+        rng_state=s.rng_state, arrival_time=s.arrival_time, first_token_time=s.first_token_time,
+        num_preemptions=s.num_preemptions, priority=int(s.priority),
+        frontend_address=s.frontend_address, preemption_loss_ms=s.preemption_loss_ms,
+        num_migrations=s.num_migrations, num_computed_tokens=s.num_computed_tokens,
+    )
+
+
+def state_from_pb(m: ipb.RequestState) -> RequestState:
+    return RequestState(
+        request_id=m.request_id, prompt_token_ids=list(m.prompt_token_ids),
+        output_token_ids=list(m.output_token_ids), sampling=sampling_from_pb(m.sampling),
+        priority=Priority(m.priority), rng_state=m.rng_state, arrival_time=m.arrival_time,
+        first_token_time=m.first_token_time, num_preemptions=m.num_preemptions,
+        preemption_loss_ms=m.preemption_loss_ms, num_migrations=m.num_migrations,
+        num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address,
+    )

@@ -1,0 +1,152 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions,
+/v1/chat/completions, /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+
+from libs.common.errors import FerryError, InvalidArgument, Unauthenticated, openai_error
+from libs.common.logging import get_logger
+from services.frontend import metrics
+from services.frontend.completions import Prepared, prepare, text_stream, usage
+from services.frontend.config import FrontendConfig
+from services.frontend.router import Router
+from services.frontend.schema import ChatCompletionRequest, CompletionRequest
+from services.frontend.tokenizer import Tokenizer
+
+log = get_logger(__name__)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request body", None
+    e = errs[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    where = ".".join(loc) if loc else "body"
+    return f"{where}: {e.get('msg', 'invalid value')}", (loc[0] if loc else None)
+
+
+def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> FastAPI:
+    app = FastAPI(title="Ferry", version="0.1.0")
+    keys = config.api_keys()
+    model_name = config.model_name
+
+    def error_response(err: FerryError, endpoint: str = "") -> JSONResponse:
+        status, body = openai_error(err)
+        if endpoint:
+            metrics.REQUESTS.labels(endpoint, str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return error_response(InvalidArgument(msg, param=param), request.url.path)
+
+    @app.exception_handler(FerryError)
+    async def _ferry(request: Request, exc: FerryError):
+        return error_response(exc, request.url.path)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if keys and request.url.path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+            if not any(secrets.compare_digest(token, k) for k in keys):
+                return error_response(Unauthenticated("missing or invalid API key (Authorization: Bearer …)"),
+                                      request.url.path)
+        return await call_next(request)
+
+    def max_len() -> int:
+        return router.max_model_len(config.default_max_model_len)
+
+    async def respond(prep: Prepared, stream: bool, include_usage: bool, endpoint: str):
+        gen = prep.gen
+        obj = "chat.completion" if prep.kind == "chat" else "text_completion"
+
+        def choice(text: str, finish: str | None, final: bool) -> dict:
+            if prep.kind == "chat":
+                key = "message" if final else "delta"
+                body = {"role": "assistant", "content": text} if final else {"content": text}
+                return {"index": 0, key: body, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+        def extras() -> dict:
+            return {"instances": gen.instances, "migrations": gen.num_migrations,
+                    "preemptions": gen.num_preemptions, "preemption_loss_ms": gen.preemption_loss_ms,
+                    "resumes": gen.num_resumes,
+                    "ttft_ms": (gen.first_token_at - gen.arrival) * 1000 if gen.first_token_at else None}
+
+        base = {"id": gen.request_id, "created": prep.created, "model": model_name}
+        if not stream:
+            text = "".join([t async for t in text_stream(router, tokenizer, prep, config.max_resumes)])
+            metrics.REQUESTS.labels(endpoint, "200").inc()
+            return JSONResponse({**base, "object": obj, "choices": [choice(text, gen.finish_reason, True)],
+                                 "usage": usage(gen), "ferry": extras()})
+
+        chunk_obj = "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
+
+        def chunk(choices: list, **more) -> str:
+            return json.dumps({**base, "object": chunk_obj, "choices": choices, **more})
+
+        async def events():
+            try:
+                if prep.kind == "chat":
+                    yield {"data": chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "finish_reason": None, "logprobs": None}])}
+                async for text in text_stream(router, tokenizer, prep, config.max_resumes):
+                    yield {"data": chunk([choice(text, None, False)])}
+                yield {"data": chunk([choice("", gen.finish_reason, False)], ferry=extras())}
+                if include_usage:
+                    yield {"data": chunk([], usage=usage(gen))}
+                metrics.REQUESTS.labels(endpoint, "200").inc()
+            except FerryError as e:
+                status, body = openai_error(e)
+                metrics.REQUESTS.labels(endpoint, str(status)).inc()
+                yield {"data": json.dumps(body)}
+            yield {"data": "[DONE]"}
+
+        return EventSourceResponse(events(), ping=15)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(prep, body.stream, include_usage, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(prep, body.stream, include_usage, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "ferry", "max_model_len": max_len()}]}
+
+    @app.get("/health")
+    async def health():
+        n = len(router.view.records)
+        body = {"status": "ok" if n else "no_instances", "instances": n, "bypass": router.bypass}
+        return JSONResponse(body, status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        for iid, rec in router.view.records.items():
+            if rec.status is not None:
+                metrics.INSTANCE_FREENESS.labels(iid).set(rec.status.freeness)
+                metrics.INSTANCE_RUNNING.labels(iid).set(rec.status.num_running)
+                metrics.INSTANCE_WAITING.labels(iid).set(rec.status.num_waiting)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

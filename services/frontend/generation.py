@@ -1,0 +1,128 @@
+"""One request's token stream as the client sees it: dispatch, follow the
+request across migrations (re-attach where it moved), resume it on another
+instance by recompute if its instance dies. Delivery is exactly once and in
+order by index: the frontend keeps every token it delivered."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from ferry.pb import instance_pb2 as ipb
+from libs.common import convert
+from libs.common.errors import FerryError, InvalidArgument, Unavailable, from_grpc
+from libs.common.logging import get_logger
+from libs.common.types import Priority, SamplingParams
+from services.frontend import metrics
+from services.frontend.router import Router
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Generation:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    priority: Priority = Priority.NORMAL
+    # Filled in as the stream goes.
+    delivered: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    instances: list[str] = field(default_factory=list)
+    num_preemptions: int = 0
+    preemption_loss_ms: float = 0.0
+    num_migrations: int = 0
+    num_resumes: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) -> AsyncIterator[int]:
+    """Yield the request's token ids in order, each once. On return,
+    ``gen.finish_reason`` is set. Cancelling the iteration cancels the
+    instance call, which aborts the request there and frees its blocks."""
+    exclude: set[str] = set()
+    address = None
+    instance_id = None
+    attach = False
+    last_token_at = None
+    while True:
+        if address is None:
+            instance_id, address = await router.dispatch(
+                gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude))
+            metrics.PER_INSTANCE.labels(instance_id).inc()
+            gen.instances.append(instance_id)
+            attach = False
+        stub = router.instance(address)
+        if attach:
+            call = stub.Attach(ipb.AttachRequest(request_id=gen.request_id, from_index=len(gen.delivered)))
+        else:
+            call = stub.Generate(ipb.GenerateRequest(
+                request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
+                sampling=convert.sampling_to_pb(gen.sampling), priority=int(gen.priority),
+                resume_token_ids=gen.delivered))
+        moved = None
+        try:
+            async for ev in call:
+                if ev.has_token:
+                    if ev.index == len(gen.delivered):
+                        now = time.perf_counter()
+                        if gen.first_token_at is None:
+                            gen.first_token_at = now
+                            metrics.TTFT.observe(now - gen.arrival)
+                        elif last_token_at is not None:
+                            metrics.ITL.observe(now - last_token_at)
+                        last_token_at = now
+                        gen.delivered.append(ev.token_id)
+                        yield ev.token_id
+                    elif ev.index > len(gen.delivered):
+                        raise FerryError(f"token stream gap: got index {ev.index}, "
+                                         f"expected {len(gen.delivered)}")
+                    # ev.index < len(delivered): already delivered; drop it.
+                if ev.finish_reason:
+                    gen.finish_reason = ev.finish_reason
+                    gen.num_preemptions += ev.num_preemptions
+                    gen.preemption_loss_ms += ev.preemption_loss_ms
+                    gen.num_migrations = max(gen.num_migrations, ev.num_migrations)
+                    return
+                if ev.HasField("moved"):
+                    moved = ev.moved
+                    break
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(e.details() or "rejected by the instance") from e
+            if gen.num_resumes >= max_resumes:
+                raise Unavailable(f"instance failed and {max_resumes} resumes are used up") from e
+            gen.num_resumes += 1
+            metrics.RESUMES.inc()
+            log.warning("instance failed mid-stream; resuming elsewhere", request_id=gen.request_id,
+                        instance_id=instance_id, delivered=len(gen.delivered), error=code.name)
+            exclude.add(instance_id)
+            address = None
+            continue
+        finally:
+            call.cancel()
+        if moved is None:
+            # The stream ended without a final event: the instance went away.
+            if gen.num_resumes >= max_resumes:
+                raise Unavailable("instance stream ended early and resumes are used up")
+            gen.num_resumes += 1
+            metrics.RESUMES.inc()
+            exclude.add(instance_id)
+            address = None
+            continue
+        metrics.MIGRATIONS_FOLLOWED.inc()
+        gen.num_migrations += 1
+        instance_id, address, attach = moved.instance_id, moved.address, True
+        gen.instances.append(instance_id)
+
+
+async def collect(router: Router, gen: Generation, max_resumes: int = 3) -> list[int]:
+    try:
+        return [t async for t in run_generation(router, gen, max_resumes)]
+    except grpc.RpcError as e:
+        raise from_grpc(e) from e

@@ -1,0 +1,98 @@
+"""Where a request goes: ask the scheduler; when it is unreachable, dispatch
+locally from the last view of the meta store (bypass), and go back to the
+scheduler when it returns."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+from ferry.pb import scheduler_pb2 as spb
+from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.common.cluster_view import ClusterView
+from libs.common.errors import Unavailable, from_grpc, is_unavailable
+from libs.common.logging import get_logger
+from libs.common.server import GRPC_OPTIONS
+from libs.common.types import Priority
+from services.frontend import metrics
+from services.scheduler.policies import Dispatcher, DispatchRequest, blocks_for
+
+log = get_logger(__name__)
+
+
+class Router:
+    def __init__(self, scheduler: str, meta_store: str, dispatch_timeout_s: float = 1.0,
+                 bypass_retry_s: float = 1.0):
+        self.scheduler_address = scheduler
+        self.dispatch_timeout_s = dispatch_timeout_s
+        self.bypass_retry_s = bypass_retry_s
+        self.view = ClusterView(meta_store)
+        self._local = Dispatcher("llumnix")
+        self._rr = Dispatcher("round_robin")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sched = spb_grpc.SchedulerStub(self.channel(scheduler))
+        self.bypass = False
+        self._bypass_until = 0.0
+
+    def start(self) -> None:
+        self.view.start()
+
+    async def close(self) -> None:
+        await self.view.stop()
+        for ch in self._channels.values():
+            await ch.close()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = ch
+        return ch
+
+    def instance(self, address: str) -> ipb_grpc.InstanceStub:
+        return ipb_grpc.InstanceStub(self.channel(address))
+
+    def max_model_len(self, default: int) -> int:
+        lens = [r.info.max_model_len for r in self.view.records.values() if r.info.max_model_len > 0]
+        return min(lens) if lens else default
+
+    async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
+                       exclude: frozenset[str] = frozenset()) -> tuple[str, str]:
+        """(instance_id, address) for a new request."""
+        if time.monotonic() >= self._bypass_until:
+            try:
+                reply = await self._sched.Dispatch(
+                    spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                        priority=int(priority), exclude_instance_ids=sorted(exclude)),
+                    timeout=self.dispatch_timeout_s)
+                if self.bypass:
+                    log.info("scheduler is back; leaving bypass mode")
+                    self.bypass = False
+                    metrics.BYPASS.set(0)
+                return reply.instance_id, reply.address
+            except grpc.RpcError as e:
+                if not is_unavailable(e):
+                    raise from_grpc(e) from e
+                if not self.bypass:
+                    log.warning("scheduler unreachable; dispatching by myself (bypass mode)",
+                                error=e.code().name)
+                self.bypass = True
+                metrics.BYPASS.set(1)
+                self._bypass_until = time.monotonic() + self.bypass_retry_s
+        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude)
+
+    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> tuple[str, str]:
+        metrics.BYPASS_DISPATCHES.inc()
+        req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude)
+        views = self.view.views()
+        iid = self._local.choose(views, req) if views else None
+        if iid is None:  # no status known yet: round robin over registered instances
+            ids = sorted(i for i in self.view.records if i not in exclude)
+            if not ids:
+                raise Unavailable("no instance available (scheduler unreachable, none known)")
+            iid = ids[next(self._rr._rr) % len(ids)]
+        rec = self.view.records[iid]
+        self.view.add_pending(iid, request_id, blocks_for(num_prompt_tokens, rec.info.block_size))
+        return iid, rec.info.address

@@ -1,0 +1,55 @@
+"""Runs the frontend: the HTTP API on uvicorn and, optionally, the gRPC
+Generate API, on one event loop; both stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+
+from ferry.pb import frontend_pb2_grpc
+from libs.common.logging import get_logger
+from libs.common.server import Service, serve
+from services.frontend.app import create_app
+from services.frontend.config import FrontendConfig
+from services.frontend.grpc_api import FrontendServicer
+from services.frontend.router import Router
+from services.frontend.tokenizer import load_tokenizer
+
+log = get_logger(__name__)
+
+
+class _FrontendGrpc(Service):
+    name = "frontend-grpc"
+    service_names = ("ferry.v1.Frontend",)
+
+    def __init__(self, servicer: FrontendServicer):
+        self.servicer = servicer
+
+    def register(self, server) -> None:
+        frontend_pb2_grpc.add_FrontendServicer_to_server(self.servicer, server)
+
+
+async def run_frontend(config: FrontendConfig) -> None:
+    tokenizer = load_tokenizer(config.model)
+    router = Router(config.scheduler, config.meta_store, config.dispatch_timeout_s, config.bypass_retry_s)
+    router.start()
+    app = create_app(config, router, tokenizer)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+    grpc_stop = asyncio.Event()
+    tasks = []
+    if config.grpc_port >= 0:
+        servicer = FrontendServicer(router, tokenizer, lambda: router.max_model_len(config.default_max_model_len),
+                                    config.max_resumes)
+        tasks.append(asyncio.create_task(serve(_FrontendGrpc(servicer), config.host, config.grpc_port,
+                                               stop_event=grpc_stop)))
+    log.info("frontend listening", url=f"http://{config.host}:{config.port}", model=config.model_name)
+    try:
+        await server.serve()
+    finally:
+        grpc_stop.set()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await router.close()
+        log.info("frontend stopped")

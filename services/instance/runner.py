@@ -1,0 +1,108 @@
+"""Runs an engine in its own thread and bridges it to the agent's asyncio
+loop without blocking either: commands go in through a thread-safe queue and
+run between steps; outputs come back once per step via call_soon_threadsafe."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from typing import Any, Callable
+
+from libs.common.logging import get_logger
+from libs.common.types import TokenOutput
+from services.instance.engine.base import Engine, EngineLoad
+
+log = get_logger(__name__)
+
+StepCallback = Callable[[list[TokenOutput], EngineLoad], None]
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, on_step: StepCallback,
+                 idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.loop = loop
+        self.on_step = on_step
+        self.idle_wait_s = idle_wait_s
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on the engine thread between steps; await its result."""
+        fut = self.loop.create_future()
+        self._cmds.put((fn, args, fut))
+        self._wake.set()
+        return await fut
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire and forget (errors are logged)."""
+        self._cmds.put((fn, args, None))
+        self._wake.set()
+
+    def _resolve(self, fut: asyncio.Future | None, result: Any = None, exc: BaseException | None = None):
+        if fut is None:
+            if exc is not None:
+                log.error("engine command failed", error=repr(exc))
+            return
+
+        def settle():
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self.loop.call_soon_threadsafe(settle)
+
+    def _drain(self) -> bool:
+        ran = False
+        while True:
+            try:
+                fn, args, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            try:
+                self._resolve(fut, fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._resolve(fut, exc=e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                changed = self._drain()
+                if self.engine.has_work():
+                    outputs = self.engine.step()
+                    self.steps += 1
+                    self._publish(outputs)
+                    continue
+                if changed:
+                    self._publish([])
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+            log.error("engine thread died", error=repr(e), traceback=traceback.format_exc())
+            self.loop.call_soon_threadsafe(self.on_step, [], None)
+
+    def _publish(self, outputs: list[TokenOutput]) -> None:
+        load = self.engine.load()
+        try:
+            self.loop.call_soon_threadsafe(self.on_step, outputs, load)
+        except RuntimeError:  # loop closed during shutdown
+            self._stop.set()

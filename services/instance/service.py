@@ -1,0 +1,276 @@
+"""The instance agent ("llumlet"): serves Generate/Attach/Abort over gRPC,
+reports its load to the meta store, and hosts both sides of live migration."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import grpc
+
+from ferry.pb import instance_pb2 as pb
+from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.common import convert
+from libs.common.config import CommonConfig, opt
+from libs.common.errors import FailedPrecondition, InvalidArgument, NotFound, abort_with
+from libs.common.load import summarize
+from libs.common.logging import get_logger
+from libs.common.server import Service
+from libs.common.types import InstanceInfo, InstanceStatus, Priority, TokenOutput
+from services.instance.engine import ENGINES, create_engine
+from services.instance.engine.base import EngineConfig, EngineError, EngineLoad, EngineRequest
+from services.instance.runner import EngineRunner
+from services.instance.reporter import StatusReporter
+from services.instance.streams import Event, StreamTable
+
+log = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceConfig(CommonConfig):
+    port: int = opt(0, "port to listen on (0 = any free port)", min=0, max=65535)
+    instance_id: str = opt("", "instance id (default: random)")
+    advertise_host: str = opt("", "host other services use to reach this one (default: --host)")
+    meta_store: str = opt("127.0.0.1:7000", "meta store address host:port")
+    engine: str = opt("fake", "engine", choices=("fake", "sim", "native"))
+    model: str = opt("smollm2", "model name or local Hugging Face directory (native engine)")
+    num_blocks: int | None = opt(None, "KV cache blocks (default: from --kv-cache-gb or the engine)", min=1)
+    kv_cache_gb: float | None = opt(None, "KV cache memory budget in GiB", min=0.001)
+    block_size: int = opt(16, "tokens per KV block", min=1)
+    max_num_seqs: int = opt(256, "most requests in a running batch", min=1)
+    max_num_batched_tokens: int = opt(2048, "token budget per step (chunked prefill)", min=1)
+    max_model_len: int | None = opt(None, "context length (default: the model's)", min=16)
+    device: str = opt("cpu", "torch device (native engine)")
+    dtype: str = opt("float32", "weights/KV dtype (native)", choices=("float32", "bfloat16", "float16"))
+    token_delay_ms: float = opt(10.0, "fake engine: time per step (ms)", min=0.0)
+    profile: str = opt("llama-7b-a10", "sim engine: latency profile name or JSON path")
+    seed: int = opt(0, "engine seed", min=0)
+    headroom_high: int = opt(0, "virtual-usage headroom (blocks) for high-priority requests", min=0)
+    report_interval_s: float = opt(0.02, "least time between two status reports", min=0.0)
+    heartbeat_s: float = opt(0.5, "status report at least this often", min=0.01)
+    metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            engine=self.engine, model=self.model, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
+            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
+            seed=self.seed,
+        )
+
+
+def event_to_pb(ev: Event, num_prompt_tokens: int = 0) -> pb.TokenEvent:
+    m = pb.TokenEvent(index=ev.index, has_token=ev.token_id is not None, token_id=ev.token_id or 0,
+                      finish_reason=ev.finish_reason or "", num_prompt_tokens=num_prompt_tokens)
+    if ev.moved_to is not None:
+        m.moved.instance_id, m.moved.address = ev.moved_to
+        m.moved.next_index = ev.index
+    if ev.stats:
+        m.num_preemptions = int(ev.stats.get("num_preemptions", 0))
+        m.preemption_loss_ms = float(ev.stats.get("preemption_loss_ms", 0.0))
+        m.num_migrations = int(ev.stats.get("num_migrations", 0))
+    return m
+
+
+class InstanceService(Service):
+    name = "instance"
+    service_names = ("ferry.v1.Instance",)
+
+    def __init__(self, config: InstanceConfig):
+        self.config = config
+        self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
+        self.engine = create_engine(config.engine_config())
+        self.streams = StreamTable()
+        self.headroom = {Priority.HIGH: config.headroom_high}
+        self.terminating = False
+        self.seq = 0
+        self.load: EngineLoad = self.engine.load()
+        self.migrating_in = 0
+        self.migrating_out = 0
+        self.runner: EngineRunner | None = None
+        self.reporter: StatusReporter | None = None
+        self.info: InstanceInfo | None = None
+        self.migration = None  # set in start(): services.instance.migration.MigrationManager
+
+    # --- lifecycle --------------------------------------------------------------
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_InstanceServicer_to_server(InstanceServicer(self), server)
+
+    async def start(self, bound_address: str) -> None:
+        host = self.config.advertise_host or self.config.host
+        address = f"{host}:{bound_address.rsplit(':', 1)[1]}"
+        e = self.engine
+        self.info = InstanceInfo(self.instance_id, address, e.name, e.model_name, e.block_size,
+                                 e.num_total_blocks, e.max_model_len, int(time.time() * 1000))
+        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step)
+        self.runner.start()
+        try:
+            from services.instance.migration import MigrationManager
+        except ImportError:  # migration not built into this tree
+            MigrationManager = None
+        if MigrationManager is not None:
+            self.migration = MigrationManager(self)
+        self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
+                                       self.config.report_interval_s, self.config.heartbeat_s)
+        self.reporter.start()
+        log.info("instance ready", instance_id=self.instance_id, address=address, engine=e.name,
+                 blocks=e.num_total_blocks, block_size=e.block_size)
+
+    async def stop(self) -> None:
+        if self.reporter:
+            await self.reporter.stop(deregister=True)
+        if self.runner:
+            self.runner.stop()
+
+    # --- engine outputs (on the event loop) -----------------------------------------
+    def _on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            reason = out.finish_reason.value if out.finish_reason else None
+            stream.push(Event(out.index, out.token_id, reason, stats=out.stats))
+            if reason:
+                self.streams.close(out.request_id)
+        if load is None:  # the engine thread died: end every stream
+            for rid in list(self._stream_ids()):
+                self._end_stream(rid, "abort")
+            return
+        self.load = load
+        if self.reporter:
+            self.reporter.poke()
+
+    def _stream_ids(self):
+        return list(self.streams._streams)
+
+    def _end_stream(self, request_id: str, reason: str) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.push(Event(stream.next_index, None, reason))
+            self.streams.close(request_id)
+
+    # --- status --------------------------------------------------------------
+    def status(self) -> InstanceStatus:
+        load = self.load
+        summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks,
+                            self.headroom, self.terminating)
+        self.seq += 1
+        waiting = sum(1 for r in load.requests if r.state == "waiting")
+        return InstanceStatus(
+            instance_id=self.instance_id, seq=self.seq, timestamp=time.time(),
+            total_blocks=load.total_blocks, free_blocks=load.free_blocks, block_size=load.block_size,
+            num_running=summary.num_running, num_waiting=waiting,
+            head_of_line_demand_blocks=load.head_of_line_demand_blocks,
+            virtual_usage=summary.virtual_usage, freeness=summary.freeness,
+            normal_freeness=summary.normal_freeness, terminating=self.terminating,
+            num_preemptions=load.num_preemptions, migrating_in=self.migrating_in,
+            migrating_out=self.migrating_out, requests=summary.requests,
+            used_blocks=load.total_blocks - load.free_blocks - load.reserved_blocks,
+            waiting_demand_blocks=load.waiting_demand_blocks,
+        )
+
+
+class InstanceServicer(pb_grpc.InstanceServicer):
+    def __init__(self, svc: InstanceService):
+        self.svc = svc
+
+    async def Generate(self, request, context):
+        svc = self.svc
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in svc.streams:
+            await abort_with(context, InvalidArgument(f"request id {rid!r} is already running here"))
+        sampling = convert.sampling_from_pb(request.sampling)
+        if not request.prompt_token_ids:
+            await abort_with(context, InvalidArgument("prompt_token_ids is empty"))
+        if sampling.max_tokens < 1:
+            await abort_with(context, InvalidArgument("max_tokens must be >= 1"))
+        resume = tuple(request.resume_token_ids)
+        ereq = EngineRequest(rid, tuple(request.prompt_token_ids), sampling, Priority(request.priority),
+                             time.time(), resume)
+        stream = svc.streams.open(rid, next_index=len(resume))
+        try:
+            await svc.runner.call(svc.engine.add_request, ereq)
+        except EngineError as e:
+            svc.streams.close(rid)
+            await abort_with(context, InvalidArgument(str(e)))
+        async for m in self._follow(stream, rid, len(resume), len(request.prompt_token_ids)):
+            yield m
+
+    async def Attach(self, request, context):
+        stream = self.svc.streams.get(request.request_id)
+        if stream is None or stream.attached:
+            await abort_with(context, NotFound(f"request {request.request_id!r} is not here to attach to"))
+        async for m in self._follow(stream, request.request_id, request.from_index, 0):
+            yield m
+
+    async def _follow(self, stream, rid: str, from_index: int, num_prompt_tokens: int):
+        stream.attached = True
+        final = False
+        try:
+            async for ev in stream.events(from_index):
+                final = ev.final
+                yield event_to_pb(ev, num_prompt_tokens)
+        finally:
+            if not final:  # the client went away: abort and free the blocks
+                self.svc.streams.close(rid)
+                self.svc.runner.submit(self.svc.engine.abort_request, rid)
+                log.info("client gone; request aborted", request_id=rid)
+
+    async def Abort(self, request, context):
+        found = await self.svc.runner.call(self.svc.engine.abort_request, request.request_id)
+        self.svc._end_stream(request.request_id, "abort")
+        return pb.AbortReply(found=bool(found))
+
+    async def GetStatus(self, request, context):
+        return convert.status_to_pb(self.svc.status())
+
+    async def SetTerminating(self, request, context):
+        self.svc.terminating = request.terminating
+        log.info("terminating mark", terminating=request.terminating)
+        if self.svc.reporter:
+            self.svc.reporter.poke()
+        return pb.SetInstanceTerminatingReply(ok=True)
+
+    async def CheckIntegrity(self, request, context):
+        svc = self.svc
+
+        def check():
+            err = ""
+            try:
+                svc.engine.check_integrity()
+            except AssertionError as e:
+                err = str(e) or "integrity check failed"
+            return err, svc.engine.num_free_blocks, svc.engine.load()
+
+        err, free, load = await svc.runner.call(check)
+        reservations = len(svc.migration.reservations) if svc.migration else 0
+        return pb.CheckIntegrityReply(ok=not err, error=err, free_blocks=free,
+                                      total_blocks=svc.engine.num_total_blocks,
+                                      num_requests=len(load.requests), num_reservations=reservations)
+
+    # Migration RPCs delegate to the MigrationManager (services/instance/migration).
+    async def MigrateOut(self, request, context):
+        return await self._migration(context).migrate_out(request)
+
+    async def PreAllocate(self, request, context):
+        return await self._migration(context).pre_allocate(request)
+
+    async def TransferKv(self, request_iterator, context):
+        return await self._migration(context).transfer_kv(request_iterator)
+
+    async def Commit(self, request, context):
+        return await self._migration(context).commit(request)
+
+    async def AbortMigration(self, request, context):
+        return await self._migration(context).abort(request)
+
+    def _migration(self, context):
+        if self.svc.migration is None:
+            raise FailedPrecondition("migration is not available on this instance")
+        return self.svc.migration
+
+
+__all__ = ["InstanceService", "InstanceConfig", "ENGINES"]

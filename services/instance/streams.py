@@ -1,0 +1,71 @@
+"""Per-request token streams on an instance. The engine thread's outputs land
+here; Generate/Attach RPCs read from here. Unbounded queues, so a slow client
+never stalls the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Event:
+    index: int
+    token_id: int | None = None
+    finish_reason: str | None = None
+    moved_to: tuple[str, str] | None = None  # (instance_id, address) when migrated away
+    stats: dict | None = None  # counters, with the final event
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.moved_to is not None
+
+
+class RequestStream:
+    def __init__(self, request_id: str, next_index: int = 0):
+        self.request_id = request_id
+        self.next_index = next_index  # index of the next token to be emitted
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.closed = False
+        self.attached = False
+
+    def push(self, ev: Event) -> None:
+        if self.closed:
+            return
+        if ev.token_id is not None:
+            self.next_index = ev.index + 1
+        self.queue.put_nowait(ev)
+        if ev.final:
+            self.closed = True
+
+    async def events(self, from_index: int = 0):
+        while True:
+            ev = await self.queue.get()
+            if ev.token_id is None or ev.index >= from_index:
+                yield ev
+            elif ev.final:  # a final event on a token already delivered
+                yield Event(ev.index, None, ev.finish_reason, ev.moved_to, ev.stats)
+            if ev.final:
+                return
+
+
+class StreamTable:
+    def __init__(self):
+        self._streams: dict[str, RequestStream] = {}
+
+    def open(self, request_id: str, next_index: int = 0) -> RequestStream:
+        s = RequestStream(request_id, next_index)
+        self._streams[request_id] = s
+        return s
+
+    def get(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def __len__(self) -> int:
+        return len(self._streams)

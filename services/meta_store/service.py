@@ -1,0 +1,94 @@
+"""gRPC edge of the meta store: thin servicer over the Registry."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+
+from ferry.pb import meta_store_pb2 as pb
+from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.common import convert
+from libs.common.config import CommonConfig, opt
+from libs.common.logging import get_logger
+from libs.common.server import Service
+from services.meta_store.registry import ChangeType, Registry
+
+log = get_logger(__name__)
+
+_TYPES = {
+    ChangeType.ADDED: pb.WatchEvent.ADDED,
+    ChangeType.UPDATED: pb.WatchEvent.UPDATED,
+    ChangeType.REMOVED: pb.WatchEvent.REMOVED,
+    ChangeType.SYNCED: pb.WatchEvent.SYNCED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaStoreConfig(CommonConfig):
+    port: int = opt(7000, "port to listen on", min=0, max=65535)
+    ttl_s: float = opt(3.0, "an instance not reporting for this long disappears", min=0.05)
+
+
+class MetaStoreServicer(pb_grpc.MetaStoreServicer):
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    async def Register(self, request, context):
+        info = convert.info_from_pb(request.info)
+        self.registry.register(info)
+        log.info("instance registered", instance_id=info.instance_id, address=info.address)
+        return pb.RegisterReply(ttl_s=self.registry.ttl_s)
+
+    async def Deregister(self, request, context):
+        existed = self.registry.deregister(request.instance_id)
+        log.info("instance deregistered", instance_id=request.instance_id, existed=existed)
+        return pb.DeregisterReply(existed=existed)
+
+    async def ReportStatus(self, request, context):
+        return pb.ReportReply(known=self.registry.report(convert.status_from_pb(request)))
+
+    async def List(self, request, context):
+        return pb.ListReply(instances=[convert.record_to_pb(r) for r in self.registry.list()])
+
+    async def Watch(self, request, context):
+        q = self.registry.subscribe()
+        try:
+            while True:
+                change = await q.get()
+                if change is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watcher fell behind; watch again")
+                ev = pb.WatchEvent(type=_TYPES[change.type])
+                if change.record is not None:
+                    ev.record.CopyFrom(convert.record_to_pb(change.record))
+                yield ev
+        finally:
+            self.registry.unsubscribe(q)
+
+
+class MetaStoreService(Service):
+    name = "meta-store"
+    service_names = ("ferry.v1.MetaStore",)
+
+    def __init__(self, config: MetaStoreConfig):
+        self.config = config
+        self.registry = Registry(config.ttl_s)
+        self._reaper: asyncio.Task | None = None
+
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_MetaStoreServicer_to_server(MetaStoreServicer(self.registry), server)
+
+    async def start(self, bound_address: str) -> None:
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def stop(self) -> None:
+        if self._reaper:
+            self._reaper.cancel()
+
+    async def _reap(self) -> None:
+        interval = max(0.02, self.config.ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for instance_id in self.registry.expire():
+                log.warning("instance expired", instance_id=instance_id, ttl_s=self.config.ttl_s)

@@ -1,0 +1,80 @@
+"""The rescheduling loop (DESIGN §5): every interval, pair migration sources
+with destinations by the pure policy and order each source's llumlet to
+migrate out. The llumlet chooses the requests and stops when it is no longer
+a source."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ferry.pb import instance_pb2 as ipb
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common.logging import get_logger
+from services.scheduler.policies import DISPATCH_POLICIES, MigrationPair, pair_migrations
+
+log = get_logger(__name__)
+
+
+class Rescheduler:
+    def __init__(self, svc):
+        self.svc = svc
+        self.config = svc.config
+        self._task: asyncio.Task | None = None
+        self._busy: dict[str, asyncio.Task] = {}  # instance id -> its migrate-out order
+        self.freeness_of = DISPATCH_POLICIES[
+            "llumnix_base" if svc.config.dispatch == "llumnix_base" else "llumnix"]
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        for t in [self._task, *self._busy.values()]:
+            if t:
+                t.cancel()
+        await asyncio.gather(*[t for t in [self._task, *self._busy.values()] if t], return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.migrate_interval_s)
+            if not self.svc.view.synced.is_set():
+                continue
+            try:
+                self.tick()
+            except Exception as e:  # noqa: BLE001 - the loop must go on
+                log.error("rescheduling tick failed", error=repr(e))
+
+    def tick(self) -> list[MigrationPair]:
+        busy = frozenset(self._busy)
+        pairs = pair_migrations(self.svc.view.views(), self.config.migrate_out_threshold,
+                                self.config.migrate_in_threshold, self.freeness_of, busy)
+        for p in pairs:
+            self._busy[p.source] = asyncio.create_task(self._order(p))
+            self._busy[p.destination] = self._busy[p.source]
+        return pairs
+
+    async def _order(self, pair: MigrationPair) -> None:
+        view = self.svc.view
+        src, dst = view.address(pair.source), view.address(pair.destination)
+        try:
+            if src is None or dst is None:
+                return
+            self.svc.migrations_ordered += 1
+            log.debug("migrate-out order", source=pair.source, destination=pair.destination,
+                      source_freeness=round(pair.source_freeness, 2),
+                      destination_freeness=round(pair.destination_freeness, 2))
+            async with grpc.aio.insecure_channel(src) as ch:
+                reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+                    dest_instance_id=pair.destination, dest_address=dst,
+                    stop_when_freeness_above=self.config.migrate_out_threshold,
+                    use_priorities=self.config.dispatch == "llumnix"), timeout=60)
+            if reply.started:
+                log.info("migrate-out done", source=pair.source, destination=pair.destination,
+                         committed=reply.committed, aborted=reply.aborted)
+        except grpc.RpcError as e:
+            log.debug("migrate-out order failed", source=pair.source, error=e.code().name,
+                      details=e.details())
+        finally:
+            self._busy.pop(pair.source, None)
+            self._busy.pop(pair.destination, None)
