@@ -1,0 +1,39 @@
+"""Every service's serve(): health checking and a graceful stop on SIGTERM."""
+
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ferry.cluster import free_port, grpc_healthy
+
+
+def test_service_reports_health_and_stops_gracefully_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ferry", "serve", "meta-store", "--port", str(port)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not grpc_healthy(f"127.0.0.1:{port}"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="ferry.v1.MetaStore"), timeout=2)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        proc.terminate()
+        assert proc.wait(15) == 0
+        err = proc.stderr.read()
+        assert "stopping" in err and "stopped" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bad_flag_is_refused_with_a_clear_message():
+    r = subprocess.run([sys.executable, "-m", "ferry", "serve", "scheduler", "--dispatch", "best"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "llumnix" in r.stderr and "round_robin" in r.stderr

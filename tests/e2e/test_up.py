@@ -1,0 +1,83 @@
+"""`ferry up` as a user runs it: start, serve, stop with no process left;
+a child dying at start-up makes it exit non-zero and say which."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+from ferry.cluster import free_port
+from tests.helpers import expected_fake_text
+
+
+def _ferry_up(*args):
+    return subprocess.Popen([sys.executable, "-m", "ferry", "up", "--engine", "fake", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _descendants(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_up_serves_then_stops_everything_on_sigterm():
+    port = free_port()
+    proc = _ferry_up("--instances", "2", "--port", str(port))
+    try:
+        line = proc.stdout.readline()  # the endpoint, printed once all are healthy
+        assert line.strip() == f"http://127.0.0.1:{port}/v1"
+        children = _descendants(proc.pid)
+        assert len(children) == 5  # meta store, scheduler, 2 instances, frontend
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hey", "max_tokens": 6})
+        assert r.json()["choices"][0]["text"] == expected_fake_text("hey", 6)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_child_dying_at_startup_is_named_and_nothing_is_left():
+    port = free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen()
+    try:
+        proc = _ferry_up("--instances", "1", "--port", str(port))
+        t0 = time.monotonic()
+        seen = set()
+        while proc.poll() is None and time.monotonic() - t0 < 60:
+            seen |= {c.pid for c in _descendants(proc.pid)}
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "frontend exited" in err and "during start-up" in err
+        for pid in seen:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        blocker.close()
+
+
+def test_children_die_with_a_killed_parent():
+    port = free_port()
+    proc = _ferry_up("--instances", "1", "--port", str(port))
+    try:
+        assert proc.stdout.readline().strip().endswith("/v1")
+        children = _descendants(proc.pid)
+        proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG must do it
+        proc.wait(10)
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,58 @@
+"""The meta store over real gRPC on loopback."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from ferry.pb import common_pb2 as cpb
+from ferry.pb import meta_store_pb2 as pb
+from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.common.server import serve
+from services.meta_store.service import MetaStoreConfig, MetaStoreService
+
+
+@pytest.fixture
+async def store():
+    stop = asyncio.Event()
+    ready = asyncio.get_running_loop().create_future()
+    svc = MetaStoreService(MetaStoreConfig(port=0, ttl_s=0.4))
+    task = asyncio.create_task(serve(svc, "127.0.0.1", 0, stop_event=stop, ready=ready.set_result))
+    address = await asyncio.wait_for(ready, 10)
+    async with grpc.aio.insecure_channel(address) as ch:
+        yield pb_grpc.MetaStoreStub(ch)
+    stop.set()
+    await task
+
+
+def _info(i):
+    return cpb.InstanceInfo(instance_id=i, address="127.0.0.1:1", engine="fake", block_size=16, total_blocks=64)
+
+
+async def test_watch_sees_register_report_and_ttl_expiry(store):
+    await store.Register(pb.RegisterRequest(info=_info("a")))
+    call = store.Watch(pb.WatchRequest())
+    it = call.__aiter__()
+    ev = await it.__anext__()
+    assert ev.type == pb.WatchEvent.ADDED and ev.record.info.instance_id == "a"
+    assert (await it.__anext__()).type == pb.WatchEvent.SYNCED
+    reply = await store.ReportStatus(cpb.InstanceStatus(instance_id="a", seq=1, freeness=7.5))
+    assert reply.known
+    ev = await it.__anext__()
+    assert ev.type == pb.WatchEvent.UPDATED and ev.record.status.freeness == 7.5
+    # Stop reporting: the TTL (0.4 s) removes it.
+    ev = await asyncio.wait_for(it.__anext__(), 3)
+    assert ev.type == pb.WatchEvent.REMOVED and ev.record.info.instance_id == "a"
+    assert len((await store.List(pb.ListRequest())).instances) == 0
+    reply = await store.ReportStatus(cpb.InstanceStatus(instance_id="a", seq=2))
+    assert not reply.known  # must register again
+    call.cancel()
+
+
+async def test_reporting_instance_stays_alive(store):
+    await store.Register(pb.RegisterRequest(info=_info("b")))
+    for seq in range(1, 8):
+        await store.ReportStatus(cpb.InstanceStatus(instance_id="b", seq=seq))
+        await asyncio.sleep(0.15)
+    ids = [r.info.instance_id for r in (await store.List(pb.ListRequest())).instances]
+    assert ids == ["b"]

@@ -1,0 +1,88 @@
+"""Dispatch and migration policies on hand-made snapshots (no gRPC)."""
+
+import pytest
+
+from libs.common.types import InstanceStatus, Priority
+from services.scheduler.policies import (
+    Dispatcher,
+    DispatchRequest,
+    InstanceView,
+    base_freeness,
+    pair_migrations,
+)
+
+
+def view(iid, total=100, used=0, running=0, hol=0, waiting_demand=0, freeness=None, terminating=False,
+         pending=0, pending_reqs=0):
+    f = freeness if freeness is not None else (total - used - hol) / max(1, running)
+    st = InstanceStatus(iid, total_blocks=total, free_blocks=total - used, num_running=running,
+                        head_of_line_demand_blocks=hol, waiting_demand_blocks=waiting_demand,
+                        used_blocks=used, freeness=f, terminating=terminating)
+    return InstanceView(iid, st, pending, pending_reqs)
+
+
+REQ = DispatchRequest("r", 32, Priority.NORMAL)
+
+
+def test_llumnix_picks_highest_freeness():
+    views = [view("a", used=50, running=5), view("b", used=80, running=1), view("c", used=10, running=9)]
+    # F: a=10, b=20, c=10
+    assert Dispatcher("llumnix").choose(views, REQ) == "b"
+
+
+def test_llumnix_counts_headroom_through_reported_freeness():
+    # b has few blocks in use but a high-priority request's headroom makes it less free.
+    views = [view("a", used=40, running=2), view("b", used=10, running=1, freeness=5.0)]
+    assert Dispatcher("llumnix").choose(views, REQ) == "a"
+    # llumnix_base ignores headroom: b is freer by raw usage.
+    assert Dispatcher("llumnix_base").choose(views, REQ) == "b"
+
+
+def test_pending_dispatches_spread_a_burst():
+    views = [view("a", used=0, running=0, pending=0), view("b", used=0, running=0, pending=30, pending_reqs=1)]
+    assert Dispatcher("llumnix").choose(views, REQ) == "a"
+
+
+def test_infaas_counts_queued_demand():
+    views = [view("a", used=30, waiting_demand=40), view("b", used=50, waiting_demand=0)]
+    assert Dispatcher("infaas++").choose(views, REQ) == "b"
+
+
+def test_round_robin_cycles_in_id_order():
+    d = Dispatcher("round_robin")
+    views = [view("b"), view("a"), view("c")]
+    assert [d.choose(views, REQ) for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_terminating_and_excluded_instances_are_skipped():
+    views = [view("a", used=90, running=1), view("b", terminating=True), view("c", used=0)]
+    req = DispatchRequest("r", 1, Priority.NORMAL, frozenset({"c"}))
+    assert Dispatcher("llumnix").choose(views, req) == "a"
+
+
+def test_unknown_policy_lists_supported_names():
+    with pytest.raises(ValueError, match="llumnix.*round_robin"):
+        Dispatcher("best")
+
+
+def test_pairs_lowest_source_with_highest_destination():
+    views = [view("s1", freeness=-5, running=4), view("s2", freeness=2, running=3),
+             view("d1", freeness=80, running=1), view("d2", freeness=95, running=1), view("m", freeness=30)]
+    pairs = pair_migrations(views, out_threshold=10, in_threshold=60)
+    assert [(p.source, p.destination) for p in pairs] == [("s1", "d2"), ("s2", "d1")]
+
+
+def test_terminating_instance_is_a_source_never_a_destination():
+    views = [view("t", freeness=90, running=2, terminating=True), view("d", freeness=90, running=1)]
+    pairs = pair_migrations(views, out_threshold=10, in_threshold=60)
+    assert [(p.source, p.destination) for p in pairs] == [("t", "d")]
+
+
+def test_busy_instances_are_not_paired():
+    views = [view("s", freeness=-5, running=4), view("d", freeness=95)]
+    assert pair_migrations(views, 10, 60, busy=frozenset({"d"})) == []
+
+
+def test_base_freeness_counts_head_of_line_demand():
+    v = view("a", total=100, used=40, running=2, hol=30)
+    assert base_freeness(v) == (100 - 40 - 30) / 2
