@@ -11,7 +11,9 @@ from ferry.cli import LazyGroup
     cls=LazyGroup,
     lazy={
         # --- benchmarks: keep one line per command, sorted ---
+        "compare": "ferry.bench.compare:compare",
         "engine": "ferry.bench.engine:engine",
+        "serving": "ferry.bench.serving:serving",
     },
 )
 def bench() -> None:

@@ -1,0 +1,129 @@
+"""The load generator: replays a workload against a frontend's
+/v1/completions with streaming, one httpx connection pool, one asyncio task per
+request, and records each request's timeline.
+
+CPU matters here (the client shares the machine with the cluster): token
+chunks are recognised by a substring test and not JSON-parsed; only the final
+chunks (finish_reason, usage, errors) are parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import time
+from typing import Callable
+
+import httpx
+
+from ferry.bench.metrics import RequestRecord
+from ferry.bench.workload import Request, Workload, prompt_ids
+
+_TOKEN_CHUNK = '"finish_reason": null'
+
+
+def raise_fd_limit() -> int:
+    """Each in-flight stream holds a socket; lift the soft fd limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def request_body(req: Request, ids: list[int], model: str | None) -> dict:
+    body = {"prompt": ids, "max_tokens": req.output_len, "min_tokens": req.output_len, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+            "priority": req.priority}
+    if model:
+        body["model"] = model
+    return body
+
+
+def _final(rec: RequestRecord, obj: dict) -> None:
+    if "error" in obj:
+        err = obj["error"]
+        rec.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        return
+    if obj.get("usage"):
+        rec.tokens = int(obj["usage"].get("completion_tokens", rec.tokens))
+    for ch in obj.get("choices") or ():
+        if ch.get("finish_reason"):
+            rec.finish_reason = ch["finish_reason"]
+    extras = obj.get("ferry")
+    if extras:
+        rec.preemptions = int(extras.get("preemptions") or 0)
+        rec.preemption_loss_ms = float(extras.get("preemption_loss_ms") or 0.0)
+        rec.migrations = int(extras.get("migrations") or 0)
+        rec.resumes = int(extras.get("resumes") or 0)
+        rec.instances = list(extras.get("instances") or [])
+        rec.server_ttft_ms = extras.get("ttft_ms")
+
+
+async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
+    rec.sent_at = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.perf_counter()
+                data = line[5:].strip()
+                if _TOKEN_CHUNK in data and '"text": ""' not in data:
+                    chunks += 1
+                    if rec.first_token_at is None:
+                        rec.first_token_at = now
+                    rec.last_token_at = now
+                    continue
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                for ch in obj.get("choices") or ():
+                    if ch.get("text"):
+                        chunks += 1
+                        rec.first_token_at = rec.first_token_at or now
+                        rec.last_token_at = now
+                _final(rec, obj)
+        rec.finished_at = time.perf_counter()
+        if rec.error is None and rec.finish_reason is None:
+            rec.error = "stream ended without a finish_reason"
+        if rec.tokens == 0:
+            rec.tokens = chunks  # no usage chunk: count the text chunks
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def replay(url: str, workload: Workload, token_range: tuple[int, int], model: str | None = None,
+                 on_done: Callable[[RequestRecord], None] | None = None,
+                 max_connections: int = 8192) -> list[RequestRecord]:
+    """Send every request at its arrival time (relative to now); return the
+    records in workload order once all have finished."""
+    raise_fd_limit()
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    timeout = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=None)
+    records = [RequestRecord(r.index, r.priority, r.prompt_len, r.output_len, r.arrival_s) for r in workload.requests]
+    lo, hi = token_range
+
+    async def run(req: Request, rec: RequestRecord, body: dict) -> None:
+        await send_one(client, url, rec, body)
+        if on_done:
+            on_done(rec)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+        tasks = []
+        for req, rec in zip(workload.requests, records):
+            body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model)  # before the wait
+            rec.scheduled_at = start + req.arrival_s
+            delay = rec.scheduled_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(run(req, rec, body)))
+        await asyncio.gather(*tasks)
+    return records

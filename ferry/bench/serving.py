@@ -1,0 +1,297 @@
+"""``ferry bench serving``: replay a workload through the frontend's HTTP API
+(streaming) against a cluster it starts (or ``--url``), sample the cluster
+view while it runs, print a summary table, write JSON and plots.
+
+Sim time scale: ``--sim-slowdown K`` runs sim instances on a copy of the
+profile with every millisecond figure multiplied by K and the arrivals slowed
+by K, then divides every measured duration by K. The modelled system is the
+same; the cluster's Python overhead (frontend, gRPC, client, which do not
+scale) shrinks by K relative to the modelled GPU time, so 16 instances fit on
+a small machine. Results say which K they used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import click
+import httpx
+
+from ferry.bench import client, metrics, workload as wl
+
+POLICIES = ("round_robin", "infaas++", "llumnix_base", "llumnix")
+ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer's a..z
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    arrivals: str = "poisson:2"
+    lengths: str = "M-M"
+    num_requests: int = 100
+    seed: int = 0
+    time_scale: float = 1.0
+    high_priority_fraction: float = 0.0
+    max_model_len: int | None = None  # clip to this (default: what the frontend reports)
+    traces_dir: str | None = None
+    url: str | None = None
+    scheduler: str | None = None  # for cluster sampling with --url
+    instances: int = 2
+    engine: str = "sim"
+    profile: str = "llama-7b-a10"
+    sim_slowdown: float = 1.0
+    token_delay_ms: float | None = None
+    instance_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    vocab_size: int = 32000
+    sample_interval_s: float = 0.5
+    log_dir: str | None = None
+    progress: bool = True
+    startup_timeout_s: float = 120.0
+
+    @property
+    def scale(self) -> float:
+        return self.sim_slowdown if self.engine == "sim" else 1.0
+
+    def token_range(self) -> tuple[int, int]:
+        return ENGINE_TOKEN_RANGE.get(self.engine, (1000, self.vocab_size))
+
+
+# --- cluster -----------------------------------------------------------------------
+
+def scaled_profile(name_or_path: str, factor: float, folder: str) -> str:
+    """A copy of a sim profile (same JSON format) with every millisecond figure
+    times ``factor``; returns its path."""
+    from services.instance.engine.sim import PROFILE_DIR
+
+    src = pathlib.Path(name_or_path)
+    if not src.suffix:
+        src = PROFILE_DIR / f"{name_or_path}.json"
+    raw = json.loads(src.read_text())
+    for k, v in raw.items():
+        if "_ms" in k and isinstance(v, (int, float)):
+            raw[k] = v * factor
+    raw["name"] = f"{raw.get('name', src.stem)}-x{factor:g}"
+    raw["source"] = f"{src.name} with every _ms figure x{factor:g} (ferry bench --sim-slowdown)"
+    dst = pathlib.Path(folder) / f"{src.stem}-x{factor:g}.json"
+    dst.write_text(json.dumps(raw, indent=1))
+    return str(dst)
+
+
+def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
+    from ferry.cluster import ClusterSpec, LocalCluster, free_port
+
+    args = list(opts.instance_args)
+    if opts.engine == "sim":
+        profile = opts.profile if opts.sim_slowdown == 1 else scaled_profile(opts.profile, opts.sim_slowdown, log_dir)
+        args = ["--profile", profile, *args]
+    if opts.engine == "fake" and opts.token_delay_ms is not None:
+        args = ["--token-delay-ms", str(opts.token_delay_ms), *args]
+    spec = ClusterSpec(instances=opts.instances, engine=opts.engine, port=free_port(), dispatch=dispatch,
+                       instance_args=args, scheduler_args=list(opts.scheduler_args), log_dir=log_dir,
+                       log_level="warning")
+    cluster = LocalCluster(spec)
+    cluster.start(timeout_s=opts.startup_timeout_s)
+    return cluster
+
+
+def frontend_max_model_len(url: str) -> int | None:
+    try:
+        data = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        return int(data[0]["max_model_len"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
+# --- cluster sampling ----------------------------------------------------------------
+
+async def sample_cluster(address: str, interval_s: float, out: list[dict], stop: asyncio.Event) -> None:
+    """Append a compact GetClusterView snapshot every interval until stopped."""
+    import grpc
+
+    from ferry.pb import scheduler_pb2 as pb
+    from ferry.pb import scheduler_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.SchedulerStub(ch)
+        while not stop.is_set():
+            try:
+                v = await stub.GetClusterView(pb.ClusterViewRequest(), timeout=2.0)
+                out.append({"t": time.perf_counter(), "migrations_ordered": v.migrations_ordered, "instances": {
+                    r.info.instance_id: {"freeness": r.status.freeness, "num_running": r.status.num_running,
+                                         "num_waiting": r.status.num_waiting, "free_blocks": r.status.free_blocks,
+                                         "num_preemptions": r.status.num_preemptions,
+                                         "migrating_out": r.status.migrating_out} for r in v.instances}})
+            except grpc.RpcError:
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _drive(url: str, work: wl.Workload, opts: ServingOptions, scheduler: str | None,
+                 samples: list[dict], label: str) -> list[metrics.RequestRecord]:
+    stop = asyncio.Event()
+    sampler = None
+    if scheduler:
+        sampler = asyncio.create_task(sample_cluster(scheduler, opts.sample_interval_s, samples, stop))
+    bar = None
+    if opts.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(work.requests), desc=label, unit="req", dynamic_ncols=True, mininterval=1.0)
+    try:
+        return await client.replay(url, work, opts.token_range(), on_done=(lambda r: bar.update()) if bar else None)
+    finally:
+        stop.set()
+        if sampler:
+            await sampler
+        if bar:
+            bar.close()
+
+
+def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | None = None) -> dict:
+    """One run: start a cluster (unless opts.url), replay, stop. Returns the
+    run dict: options, workload, summary, per-request records, samples."""
+    label = label or dispatch
+    log_dir = opts.log_dir and os.path.join(opts.log_dir, label.replace("+", "p"))
+    tmp = tempfile.TemporaryDirectory(prefix="ferry-bench-") if not log_dir else None
+    log_dir = log_dir or tmp.name
+    cluster = None
+    try:
+        if opts.url:
+            url, scheduler = opts.url.rstrip("/"), opts.scheduler
+        else:
+            cluster = start_cluster(opts, dispatch, log_dir)
+            url, scheduler = cluster.url, cluster.scheduler
+        max_len = opts.max_model_len or frontend_max_model_len(url)
+        work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.scale,
+                        opts.high_priority_fraction, max_len, opts.traces_dir)
+        if work.clip and work.clip.clipped:
+            click.echo(f"[{label}] {work.clip.line()}", err=True)
+        samples: list[dict] = []
+        t0 = time.perf_counter()
+        records = asyncio.run(_drive(url, work, opts, scheduler, samples, label))
+        wall = time.perf_counter() - t0
+        dead = [c.name for c in cluster.children if not c.alive()] if cluster else []
+    finally:
+        if cluster:
+            cluster.stop()
+        if tmp:
+            tmp.cleanup()
+    summary = metrics.summarize(records, opts.scale)
+    summary["wall_s"] = wall
+    summary["dead_processes"] = dead
+    if samples:
+        summary["migrations_ordered"] = samples[-1]["migrations_ordered"] - samples[0]["migrations_ordered"]
+    return {"label": label, "dispatch": dispatch, "options": dataclasses.asdict(opts), "time_scale": opts.scale,
+            "workload": work.describe(), "summary": summary, "samples": samples,
+            "requests": [r.to_dict() for r in records]}
+
+
+# --- output --------------------------------------------------------------------------
+
+def _f(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def summary_table(run: dict) -> str:
+    s = run["summary"]
+    lines = [f"{run['label']}: {s['completed']}/{s['requests']} completed, wall {s['wall_s']:.1f}s, "
+             f"time scale 1/{run['time_scale']:g}, throughput {_f(s['throughput_rps'], 2)} req/s, "
+             f"{_f(s['output_tokens_per_s'], 0)} tok/s, send lag p99 {_f(s['send_lag_ms']['p99'])} ms (wall)",
+             f"{'':8}{'TTFT mean':>11}{'p50':>9}{'p99':>10}{'dec mean':>10}{'p99':>8}{'e2e mean':>11}{'p99':>10}"
+             f"{'preempt':>9}{'loss ms':>9}{'migr':>6}"]
+    for name, g in (("all", s), ("high", s["high"]), ("normal", s["normal"])):
+        if not g["requests"]:
+            continue
+        t, d, e = g["ttft_ms"], g["decode_ms"], g["e2e_ms"]
+        lines.append(f"{name:8}{_f(t['mean']):>11}{_f(t['p50']):>9}{_f(t['p99']):>10}{_f(d['mean'], 2):>10}"
+                     f"{_f(d['p99'], 2):>8}{_f(e['mean']):>11}{_f(e['p99']):>10}{g['preemptions']:>9}"
+                     f"{_f(g['preemption_loss_ms_mean']):>9}{g['migrations']:>6}")
+    if s["failed"] or s["short_outputs"]:
+        lines.append(f"failed {s['failed']}, short outputs {s['short_outputs']}: {s['errors']}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+
+
+# --- the command ---------------------------------------------------------------------
+
+def serving_options(f):
+    """The workload and cluster options shared by `serving` and `compare`."""
+    opts = [
+        click.option("--arrivals", default="poisson:2", show_default=True,
+                     help="poisson:RATE | gamma:RATE:CV | trace:PATH (Azure CSV; a name in --traces-dir works)"),
+        click.option("--lengths", default="M-M", show_default=True,
+                     help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
+        click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                     help="divide arrival times by this (2 = twice the rate)"),
+        click.option("--high-priority-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True),
+        click.option("--max-model-len", type=click.IntRange(2), default=None,
+                     help="clip lengths to this context (default: the frontend's)"),
+        click.option("--traces-dir", default=None, help="default: $FERRY_TRACES_DIR or <repo>/../shared/traces"),
+        click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True),
+        click.option("--engine", type=click.Choice(["sim", "fake", "native"]), default="sim", show_default=True),
+        click.option("--profile", default="llama-7b-a10", show_default=True, help="sim profile name or JSON path"),
+        click.option("--sim-slowdown", type=click.FloatRange(min=1), default=1.0, show_default=True,
+                     help="sim: run K times slower in wall time, report model time (see module doc)"),
+        click.option("--token-delay-ms", type=float, default=None, help="fake engine step time"),
+        click.option("--instance-arg", "instance_args", multiple=True,
+                     help="extra `ferry serve instance` argument (repeatable), e.g. --instance-arg=--max-model-len=8192"),
+        click.option("--scheduler-arg", "scheduler_args", multiple=True,
+                     help="extra `ferry serve scheduler` argument (repeatable)"),
+        click.option("--vocab-size", type=int, default=32000, show_default=True,
+                     help="native: prompt token ids are drawn from [1000, this)"),
+        click.option("--log-dir", default=None, help="keep the cluster's logs here (default: a temp dir)"),
+        click.option("--no-progress", "no_progress", is_flag=True, help="no progress bar"),
+        click.option("--json", "json_path", default=None, help="write results here"),
+        click.option("--plots", "plots_dir", default=None, help="write PNG plots into this folder"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def options_from(kw: dict, **more) -> ServingOptions:
+    names = {f.name for f in dataclasses.fields(ServingOptions)}
+    vals = {k: v for k, v in kw.items() if k in names}
+    vals["instance_args"] = tuple(kw.get("instance_args") or ())
+    vals["scheduler_args"] = tuple(kw.get("scheduler_args") or ())
+    vals["progress"] = not kw.get("no_progress")
+    return ServingOptions(**vals, **more)
+
+
+@click.command("serving")
+@serving_options
+@click.option("--dispatch", type=click.Choice(POLICIES), default="llumnix", show_default=True)
+@click.option("--url", default=None, help="target this frontend instead of starting a cluster")
+@click.option("--scheduler", default=None, help="with --url: scheduler host:port to sample the cluster view")
+def serving(dispatch, json_path, plots_dir, **kw) -> None:
+    """Serving benchmark: latency (TTFT, decode, end-to-end) of a replayed workload."""
+    try:
+        run = run_serving(options_from(kw), dispatch)
+    except wl.WorkloadError as e:
+        raise click.UsageError(str(e)) from e
+    click.echo(summary_table(run))
+    if json_path:
+        write_json(json_path, run)
+        click.echo(f"wrote {json_path}")
+    if plots_dir:
+        from ferry.bench import plots
+
+        for p in plots.write_all({run["label"]: run}, plots_dir):
+            click.echo(f"wrote {p}")
