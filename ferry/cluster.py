@@ -63,6 +63,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     dispatch: str = "llumnix"
     instance_args: list[str] = field(default_factory=list)
+    per_instance_args: dict[int, list[str]] = field(default_factory=dict)  # by instance index
     scheduler_args: list[str] = field(default_factory=list)
     frontend_args: list[str] = field(default_factory=list)
     meta_store_args: list[str] = field(default_factory=list)
@@ -133,7 +134,7 @@ class LocalCluster:
         return Child(f"instance-{i}", "instance",
                      ["--port", str(port), "--instance-id", f"instance-{i}", "--meta-store", self.meta_store,
                       "--engine", self.spec.engine, "--model", self.spec.model,
-                      *self.spec.instance_args, *(extra or [])], port)
+                      *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
     def frontend_child(self) -> Child:
         model = self.spec.model if self.spec.engine == "native" else "fake"

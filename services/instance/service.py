@@ -12,7 +12,7 @@ import grpc
 
 from ferry.pb import instance_pb2 as pb
 from ferry.pb import instance_pb2_grpc as pb_grpc
-from libs.common import convert
+from libs.common import convert, failpoints
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import FailedPrecondition, InvalidArgument, NotFound, abort_with
 from libs.common.load import summarize
@@ -51,6 +51,22 @@ class InstanceConfig(CommonConfig):
     report_interval_s: float = opt(0.02, "least time between two status reports", min=0.0)
     heartbeat_s: float = opt(0.5, "status report at least this often", min=0.01)
     metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
+    migration_max_stages: int = opt(4, "migration: most pre-copy stages before the last one", min=0)
+    migration_last_stage_max_blocks: int = opt(2, "migration: go to the last stage at this many uncopied blocks",
+                                               min=0)
+    migration_chunk_mb: float = opt(4.0, "migration: KV transfer chunk size (MiB)", min=0.01)
+    max_migrate_out: int = opt(1, "migration: concurrent migrations out of this instance", min=1)
+    max_migrate_in: int = opt(2, "migration: concurrent migrations into this instance", min=1)
+    migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
+    failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
+
+    def migration_config(self):
+        from services.instance.migration.source import MigrationConfig
+
+        return MigrationConfig(
+            max_stages=self.migration_max_stages, last_stage_max_blocks=self.migration_last_stage_max_blocks,
+            chunk_bytes=int(self.migration_chunk_mb * (1 << 20)), max_migrate_out=self.max_migrate_out,
+            max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -107,12 +123,15 @@ class InstanceService(Service):
                                  e.num_total_blocks, e.max_model_len, int(time.time() * 1000))
         self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step)
         self.runner.start()
-        try:
-            from services.instance.migration import MigrationManager
-        except ImportError:  # migration not built into this tree
-            MigrationManager = None
-        if MigrationManager is not None:
-            self.migration = MigrationManager(self)
+        from services.instance.migration import MigrationManager
+
+        if self.config.failpoints:
+            failpoints.configure(self.config.failpoints)
+        self.migration = MigrationManager(self, self.config.migration_config())
+        if self.config.metrics_port >= 0:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.config.metrics_port, addr=self.config.host)
         self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
                                        self.config.report_interval_s, self.config.heartbeat_s)
         self.reporter.start()
@@ -120,6 +139,8 @@ class InstanceService(Service):
                  blocks=e.num_total_blocks, block_size=e.block_size)
 
     async def stop(self) -> None:
+        if self.migration:
+            await self.migration.close()
         if self.reporter:
             await self.reporter.stop(deregister=True)
         if self.runner:
@@ -133,7 +154,9 @@ class InstanceService(Service):
                 continue
             reason = out.finish_reason.value if out.finish_reason else None
             stream.push(Event(out.index, out.token_id, reason, stats=out.stats))
-            if reason:
+            if reason and stream.attached:
+                # NOTE: a migrated-in request that finishes before its client
+                # re-attached keeps its stream until Attach drains it.
                 self.streams.close(out.request_id)
         if load is None:  # the engine thread died: end every stream
             for rid in list(self._stream_ids()):
@@ -214,8 +237,9 @@ class InstanceServicer(pb_grpc.InstanceServicer):
                 final = ev.final
                 yield event_to_pb(ev, num_prompt_tokens)
         finally:
-            if not final:  # the client went away: abort and free the blocks
+            if self.svc.streams.get(rid) is stream:
                 self.svc.streams.close(rid)
+            if not final:  # the client went away: abort and free the blocks
                 self.svc.runner.submit(self.svc.engine.abort_request, rid)
                 log.info("client gone; request aborted", request_id=rid)
 

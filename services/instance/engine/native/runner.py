@@ -1,0 +1,103 @@
+"""The native executor: owns the model and the KV cache, turns scheduled
+chunks into one flat batch, runs the forward pass and samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.instance.engine.base import KvLayout
+from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.request import Request
+from services.instance.engine.core.scheduler import ScheduledChunk
+from services.instance.engine.native.attention import AttentionMeta, build_group
+from services.instance.engine.native.model import LlamaModel
+from services.instance.engine.native.sampler import generator_state, new_generator, sample, set_generator_state
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class ModelRunner(Executor):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self._layout = KvLayout(_DTYPE_NAMES[dtype], block_size, cfg.num_hidden_layers,
+                                cfg.num_key_value_heads, cfg.head_dim)
+        # The fused transfer layout; see attention.py for why it is also fine for attention.
+        self.kv_cache = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+        self._seeds = np.random.default_rng(seed)  # seeds for requests without one
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return self._layout
+
+    # --- forward --------------------------------------------------------------
+    def _metadata(self, chunks: list[ScheduledChunk]):
+        bs = self._layout.block_size
+        ids, pos, slot_b, slot_o = [], [], [], []
+        starts = []
+        for c in chunks:
+            starts.append(len(ids))
+            r = c.request
+            ids += r.tokens(c.start, c.end)
+            p = range(c.start, c.end)
+            pos += p
+            slot_b += [r.block_ids[i // bs] for i in p]
+            slot_o += [i % bs for i in p]
+        groups = []
+        for decode in (True, False):
+            sel = [i for i, c in enumerate(chunks) if (c.num_new == 1) == decode]
+            if sel:
+                groups.append(build_group(
+                    [starts[i] for i in sel], [chunks[i].num_new for i in sel], [chunks[i].start for i in sel],
+                    [chunks[i].request.block_ids[: -(-chunks[i].end // bs)] for i in sel], bs, self.device))
+        dev = self.device
+        meta = AttentionMeta(torch.tensor(slot_b, device=dev), torch.tensor(slot_o, device=dev), groups, len(ids))
+        last_rows = [starts[i] + c.num_new - 1 for i, c in enumerate(chunks) if c.samples]
+        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
+                torch.tensor(last_rows, dtype=torch.long, device=dev))
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        input_ids, positions, meta, logits_index = self._metadata(chunks)
+        sampling = [c.request for c in chunks if c.samples]
+        tokens: list[int] = []
+        if sampling:
+            logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index)
+            tokens = sample(logits, sampling, self.eos_token_ids)
+        else:
+            self.model(input_ids, positions, self.kv_cache, meta, logits_index)
+        it = iter(tokens)
+        return [next(it) if c.samples else None for c in chunks]
+
+    # --- KV transfer (any thread; full or reserved blocks only) ------------------
+    def gather_kv(self, block_ids: list[int]) -> memoryview:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        buf = self.kv_cache.index_select(0, idx).cpu()
+        return memoryview(buf.view(torch.uint8).numpy()).cast("B")
+
+    def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        n = len(block_ids)
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if raw.numel() != n * self._layout.bytes_per_block:
+            raise ValueError(f"{raw.numel()} bytes for {n} blocks of {self._layout.bytes_per_block}")
+        blocks = raw.view(self.kv_cache.dtype).view((n,) + tuple(self.kv_cache.shape[1:]))
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(0, idx, blocks.to(self.device))
+
+    # --- sampler state ------------------------------------------------------------
+    def init_request(self, req: Request) -> None:
+        seed = req.sampling.seed
+        if seed is None:
+            seed = int(self._seeds.integers(0, 2**63 - 1))
+        req.generator = new_generator(seed)
+
+    def rng_state(self, req: Request) -> bytes:
+        return generator_state(req.generator)
+
+    def set_rng_state(self, req: Request, state: bytes) -> None:
+        set_generator_state(req.generator, state)

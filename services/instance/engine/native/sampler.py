@@ -1,0 +1,60 @@
+"""Sampling over a batch of logits: greedy rows in one argmax; temperature /
+top-k / top-p rows filtered together, then drawn per request with the
+request's own torch.Generator (its state migrates with the request)."""
+
+from __future__ import annotations
+
+import torch
+
+from services.instance.engine.core.request import Request
+
+
+def new_generator(seed: int) -> torch.Generator:
+    # CPU generator on every device: sampling draws on CPU so that the state
+    # is portable between CPU and CUDA instances.
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def generator_state(g: torch.Generator) -> bytes:
+    return g.get_state().numpy().tobytes()
+
+
+def set_generator_state(g: torch.Generator, state: bytes) -> None:
+    g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k (0 = off) and top-p exclude, row-wise."""
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (always the first token)
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> list[int]:
+    """logits: fp32 [B, vocab], one row per request."""
+    logits = logits.float()
+    for i, r in enumerate(reqs):  # min_tokens: stop tokens are not allowed yet (rare, cheap)
+        sp = r.sampling
+        if sp.min_tokens and len(r.output_token_ids) < sp.min_tokens:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+    out = logits.argmax(dim=-1).cpu()
+    rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+    if rows:
+        sub = logits[rows]
+        temp = torch.tensor([reqs[i].sampling.temperature for i in rows], device=sub.device)
+        top_k = torch.tensor([reqs[i].sampling.top_k for i in rows], device=sub.device)
+        top_p = torch.tensor([reqs[i].sampling.top_p for i in rows], device=sub.device, dtype=torch.float32)
+        probs = _filter(sub / temp.unsqueeze(1), top_k, top_p).softmax(dim=-1).cpu()
+        for j, i in enumerate(rows):
+            out[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator).item()
+    return out.tolist()
