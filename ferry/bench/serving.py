@@ -79,6 +79,7 @@ def scaled_profile(name_or_path: str, factor: float, folder: str) -> str:
             raw[k] = v * factor
     raw["name"] = f"{raw.get('name', src.stem)}-x{factor:g}"
     raw["source"] = f"{src.name} with every _ms figure x{factor:g} (ferry bench --sim-slowdown)"
+    os.makedirs(folder, exist_ok=True)
     dst = pathlib.Path(folder) / f"{src.stem}-x{factor:g}.json"
     dst.write_text(json.dumps(raw, indent=1))
     return str(dst)
