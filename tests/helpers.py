@@ -39,3 +39,59 @@ def wait_idle_and_check(address: str, timeout_s: float = 10.0) -> ipb.CheckInteg
         if (r.num_requests == 0 and r.num_reservations == 0) or time.monotonic() > deadline:
             return r
         time.sleep(0.05)
+
+
+def find_instance_of(cluster, request_id: str):
+    """The instance child that currently holds ``request_id`` (or None)."""
+    for inst in cluster.instances():
+        if not inst.alive():
+            continue
+        with grpc.insecure_channel(inst.address) as ch:
+            st = ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
+        if any(r.request_id == request_id for r in st.requests):
+            return inst
+    return None
+
+
+async def migrate(cluster, request_id: str, dest=None) -> ipb.MigrateOutReply | None:
+    """Order the instance holding ``request_id`` to migrate it to ``dest``
+    (default: another live instance). None if the request is nowhere."""
+    import asyncio
+
+    src = await asyncio.to_thread(find_instance_of, cluster, request_id)
+    if src is None:
+        return None
+    if dest is None:
+        dest = next(i for i in cluster.instances() if i is not src and i.alive())
+    async with grpc.aio.insecure_channel(src.address) as ch:
+        for _ in range(100):  # the source may be busy with another migration (limit): retry
+            try:
+                return await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+                    request_id=request_id, dest_instance_id=dest.name, dest_address=dest.address), timeout=60)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                await asyncio.sleep(0.02)
+        return None
+
+
+async def stream_completion(http, body: dict, on_chunk=None) -> tuple[str, dict | None]:
+    """POST a streaming completion; returns (text, the final `ferry` object).
+    ``on_chunk(text_so_far, request_id)`` may be a coroutine run after each chunk."""
+    import json
+
+    text, final = "", None
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+            if chunk.get("ferry"):
+                final = chunk["ferry"]
+            if on_chunk is not None:
+                await on_chunk(text, chunk["id"])
+    return text, final

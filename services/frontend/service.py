@@ -4,6 +4,8 @@ Generate API, on one event loop; both stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 
 import uvicorn
 
@@ -30,12 +32,21 @@ class _FrontendGrpc(Service):
         frontend_pb2_grpc.add_FrontendServicer_to_server(self.servicer, server)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM after shutting down, so the process
+    would die by the signal; we handle SIGTERM/SIGINT ourselves and exit 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 async def run_frontend(config: FrontendConfig) -> None:
     tokenizer = load_tokenizer(config.model)
     router = Router(config.scheduler, config.meta_store, config.dispatch_timeout_s, config.bypass_retry_s)
     router.start()
     app = create_app(config, router, tokenizer)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=5))
     grpc_stop = asyncio.Event()
     tasks = []
@@ -44,6 +55,15 @@ async def run_frontend(config: FrontendConfig) -> None:
                                     config.max_resumes)
         tasks.append(asyncio.create_task(serve(_FrontendGrpc(servicer), config.host, config.grpc_port,
                                                stop_event=grpc_stop)))
+    loop = asyncio.get_running_loop()
+
+    def on_signal():
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
     log.info("frontend listening", url=f"http://{config.host}:{config.port}", model=config.model_name)
     try:
         await server.serve()

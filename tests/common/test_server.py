@@ -37,3 +37,27 @@ def test_bad_flag_is_refused_with_a_clear_message():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "llumnix" in r.stderr and "round_robin" in r.stderr
+
+
+def test_frontend_exits_zero_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ferry", "serve", "frontend", "--model", "fake", "--port",
+                             str(port), "--scheduler", f"127.0.0.1:{free_port()}",
+                             "--meta-store", f"127.0.0.1:{free_port()}"], stderr=subprocess.PIPE, text=True)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        proc.terminate()
+        assert proc.wait(15) == 0
+        assert "frontend stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -98,7 +98,11 @@ class CoreEngine(Engine):
             if not req.first_token_time:
                 req.first_token_time = now
             reason = self._stop_reason(req, int(tok))
-            outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, int(tok), reason))
+            stats = None
+            if reason is not None:  # counters travel with the final token to the client
+                stats = {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
+                         "num_migrations": req.num_migrations}
+            outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, int(tok), reason, stats))
             if reason is not None:
                 self._finish(req, reason)
         return outputs
