@@ -13,6 +13,7 @@ from ferry.cli import LazyGroup
         # --- benchmarks: keep one line per command, sorted ---
         "compare": "ferry.bench.compare:compare",
         "engine": "ferry.bench.engine:engine",
+        "overhead": "ferry.bench.overhead:overhead",
         "serving": "ferry.bench.serving:serving",
     },
 )

@@ -1,0 +1,143 @@
+"""``ferry bench overhead``: what the frontend and scheduler add. On a
+fake-engine cluster: time to first token through the frontend (HTTP, SSE)
+vs calling an instance's Generate directly (gRPC); and the largest request
+rate the frontend+scheduler sustain with < 5% errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import click
+import grpc
+import httpx
+import numpy as np
+
+from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.pb import common_pb2 as cpb
+from ferry.pb import instance_pb2 as ipb
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+
+PROMPT = "measure the overhead of the serving path"
+
+
+async def _direct_ttft(address: str, n: int) -> list[float]:
+    out = []
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = ipb_grpc.InstanceStub(ch)
+        for _ in range(n):
+            req = ipb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(PROMPT.encode()),
+                                      sampling=cpb.SamplingParams(max_tokens=2))
+            t0 = time.perf_counter()
+            call = stub.Generate(req)
+            async for ev in call:
+                if ev.has_token:
+                    out.append(time.perf_counter() - t0)
+                    break
+            call.cancel()
+            await asyncio.sleep(0.005)  # let the abort land; keep both paths equally idle
+    return out
+
+
+async def _frontend_ttft(http: httpx.AsyncClient, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        async with http.stream("POST", "/v1/completions",
+                               json={"prompt": PROMPT, "max_tokens": 2, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"text": "' in line:
+                    out.append(time.perf_counter() - t0)
+                    break
+        await asyncio.sleep(0.005)
+    return out
+
+
+async def _rate_step(http: httpx.AsyncClient, rate: float, duration_s: float, timeout_s: float) -> dict:
+    """Open-loop arrivals at ``rate``/s for ``duration_s``; errors = non-200,
+    exceptions, or slower than ``timeout_s``."""
+    n = int(rate * duration_s)
+    results: list[tuple[bool, float]] = []
+
+    async def one():
+        t0 = time.perf_counter()
+        try:
+            r = await http.post("/v1/completions", json={"prompt": "rps", "max_tokens": 1}, timeout=timeout_s)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        results.append((ok, time.perf_counter() - t0))
+
+    start = time.perf_counter()
+    tasks = []
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    errors = sum(1 for ok, _ in results if not ok)
+    lat = sorted(t for ok, t in results if ok) or [float("nan")]
+    return {"offered_rps": rate, "achieved_rps": (n - errors) / wall, "error_rate": errors / max(1, n),
+            "latency_ms_p50": 1000 * lat[len(lat) // 2], "latency_ms_p99": 1000 * lat[int(len(lat) * 0.99)]}
+
+
+async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: float) -> dict:
+    inst = cluster.instances()[0]
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=30, limits=limits) as http:
+        await _frontend_ttft(http, 20)  # warm up both paths
+        await _direct_ttft(inst.address, 20)
+        direct, front = [], []
+        for _ in range(4):  # interleave so drift hits both alike
+            direct += await _direct_ttft(inst.address, samples // 4)
+            front += await _frontend_ttft(http, samples // 4)
+        steps = []
+        for rate in rates:
+            s = await _rate_step(http, rate, step_s, timeout_s=5.0)
+            steps.append(s)
+            click.echo(f"  {rate:7.0f} req/s offered: {s['achieved_rps']:7.1f} achieved, "
+                       f"{100 * s['error_rate']:5.1f}% errors, p50 {s['latency_ms_p50']:.1f} ms", err=True)
+            if s["error_rate"] >= 0.05 or s["achieved_rps"] < 0.9 * rate:
+                break
+    d, f = np.array(direct) * 1000, np.array(front) * 1000
+    ok = [s for s in steps if s["error_rate"] < 0.05 and s["achieved_rps"] >= 0.9 * s["offered_rps"]]
+    return {
+        "direct_ttft_ms_p50": float(np.percentile(d, 50)), "direct_ttft_ms_p99": float(np.percentile(d, 99)),
+        "frontend_ttft_ms_p50": float(np.percentile(f, 50)), "frontend_ttft_ms_p99": float(np.percentile(f, 99)),
+        "added_ttft_ms_p50": float(np.percentile(f, 50) - np.percentile(d, 50)),
+        "added_ttft_ms_p99": float(np.percentile(f, 99) - np.percentile(d, 99)),
+        "max_rps": max((s["offered_rps"] for s in ok), default=0.0),
+        "rate_steps": steps, "samples": samples,
+    }
+
+
+@click.command()
+@click.option("--instances", default=2, show_default=True)
+@click.option("--samples", default=200, show_default=True, help="TTFT samples per path")
+@click.option("--rates", default="100,200,300,400,500,600,800,1000,1200", show_default=True,
+              help="offered request rates to step through (stops at the first that fails)")
+@click.option("--step-s", default=4.0, show_default=True, help="seconds per rate step")
+@click.option("--token-delay-ms", default=1.0, show_default=True, help="fake engine step time")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results here")
+def overhead(instances, samples, rates, step_s, token_delay_ms, json_path) -> None:
+    """Frontend + scheduler overhead on a fake-engine cluster."""
+    spec = ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
+                       instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"])
+    cluster = LocalCluster(spec)
+    cluster.start(timeout_s=60)
+    try:
+        res = asyncio.run(_run(cluster, samples, [float(r) for r in rates.split(",")], step_s))
+    finally:
+        cluster.stop()
+    res["config"] = {"instances": instances, "token_delay_ms": token_delay_ms, "step_s": step_s}
+    click.echo(f"\n{'metric':28s}{'value':>12s}")
+    for k in ("direct_ttft_ms_p50", "frontend_ttft_ms_p50", "added_ttft_ms_p50", "direct_ttft_ms_p99",
+              "frontend_ttft_ms_p99", "added_ttft_ms_p99", "max_rps"):
+        click.echo(f"{k:28s}{res[k]:12.2f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
