@@ -56,6 +56,21 @@ def resolve_model(name: str) -> tuple[ModelConfig, pathlib.Path | None]:
     return ModelConfig.from_dir(path), path
 
 
+_SHARED: dict[tuple, object] = {}
+
+
+def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool):
+    """Weights are read-only after loading, so engines in one process (tests,
+    the bench) may share them: extra={"share_weights": True}."""
+    key = (str(path) if path else repr(mcfg), str(device), dtype, seed)
+    if share and key in _SHARED:
+        return _SHARED[key]
+    model = random_model(mcfg, device, dtype, seed=seed) if path is None else load_model(path, mcfg, device, dtype)
+    if share:
+        _SHARED[key] = model
+    return model
+
+
 class NativeEngine(CoreEngine):
     name = "native"
 
@@ -68,10 +83,7 @@ class NativeEngine(CoreEngine):
         mcfg, path = resolve_model(config.model)
         self.model_config = mcfg
         self.model_dir = path
-        if path is None:
-            model = random_model(mcfg, device, dtype, seed=config.seed)
-        else:
-            model = load_model(path, mcfg, device, dtype)
+        model = _build_model(mcfg, path, device, dtype, config.seed, bool(config.extra.get("share_weights")))
         layout_bytes = (mcfg.num_hidden_layers * 2 * config.block_size * mcfg.num_key_value_heads
                         * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size())
         num_blocks = config.num_blocks or max(1, int(self._kv_bytes(config, device) // layout_bytes))
