@@ -9,7 +9,7 @@ import pytest
 
 from services.instance.engine.base import EngineError
 from services.instance.engine.sim import PROFILE_DIR
-from tests.instance.engine.helpers import req, run
+from tests.instance.engine.helpers import req
 
 
 def test_shipped_profile_has_the_paper_capacity_and_a_source(make_engine):
@@ -45,4 +45,5 @@ def test_step_time_follows_the_profile(make_engine, tmp_path):
                    + p["decode_ms_per_kv_token"] * batch * (plen + 1))
     assert want_prefill / 1000 <= prefill_s < want_prefill / 1000 + 0.03
     assert want_decode / 1000 <= decode_s < want_decode / 1000 + 0.03
-    run(e)
+    for i in range(batch):
+        assert e.abort_request(f"r{i}")
