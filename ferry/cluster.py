@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -71,6 +72,9 @@ class ClusterSpec:
     log_level: str = "info"
     log_dir: str | None = None  # children's output to files (else inherited)
     grpc_port: int = -1
+    # Give the scheduler a launcher: the instance command it may start
+    # (--launch-args), so that auto-scaling (scheduler_args) can add instances.
+    launcher: bool = False
 
 
 class LocalCluster:
@@ -122,10 +126,21 @@ class LocalCluster:
         return Child("meta-store", "meta-store",
                      ["--port", str(self.meta_store_port), *self.spec.meta_store_args], self.meta_store_port)
 
+    def instance_launch_args(self) -> str:
+        """The arguments every instance of this cluster gets (less port, id
+        and meta store), shell-quoted: the scheduler launcher's template."""
+        return shlex.join(["--engine", self.spec.engine, "--model", self.spec.model,
+                           *self.spec.instance_args, *self._common()])
+
     def scheduler_child(self) -> Child:
+        launch = []
+        if self.spec.launcher:
+            launch = ["--launch-args", self.instance_launch_args()]
+            if self.spec.log_dir:
+                launch += ["--launch-log-dir", self.spec.log_dir]
         return Child("scheduler", "scheduler",
                      ["--port", str(self.scheduler_port), "--meta-store", self.meta_store,
-                      "--dispatch", self.spec.dispatch, *self.spec.scheduler_args], self.scheduler_port)
+                      "--dispatch", self.spec.dispatch, *launch, *self.spec.scheduler_args], self.scheduler_port)
 
     def instance_child(self, extra: list[str] | None = None) -> Child:
         i = self._instance_seq

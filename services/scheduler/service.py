@@ -32,6 +32,18 @@ class SchedulerConfig(CommonConfig):
     migrate_out_threshold: float = opt(10.0, "instances with freeness below this are migration sources")
     migrate_in_threshold: float = opt(60.0, "instances with freeness above this are destinations")
     migration: bool = opt(True, "run the rescheduling loop (for policies that migrate)")
+    # Launcher and auto-scaling (services/scheduler/launcher.py, autoscaler.py).
+    launch_args: str = opt("", "instance arguments (shell-quoted) for instances the scheduler launches; "
+                               "empty = no launcher")
+    launch_log_dir: str = opt("", "directory for the logs of launched instances (default: inherit)")
+    autoscale: bool = opt(False, "auto-scale instances through the launcher (needs --launch-args)")
+    scale_out_below: float = opt(10.0, "auto-scaling: launch when mean normal freeness stays below this")
+    scale_in_above: float = opt(60.0, "auto-scaling: drain and stop one when it stays above this")
+    scale_window_s: float = opt(10.0, "auto-scaling: averaging window (s)", min=0.0)
+    scale_cooldown_s: float = opt(10.0, "auto-scaling: least time between two actions (s)", min=0.0)
+    min_instances: int = opt(1, "auto-scaling: fewest live instances", min=0)
+    max_instances: int = opt(8, "auto-scaling: most live instances", min=1)
+    autoscale_interval_s: float = opt(0.5, "auto-scaling: sampling interval (s)", min=0.01)
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -81,6 +93,8 @@ class SchedulerService(Service):
         self.view = ClusterView(config.meta_store)
         self.migrations_ordered = 0
         self.rescheduler = None
+        self.launcher = None
+        self.autoscaler = None
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
@@ -92,8 +106,27 @@ class SchedulerService(Service):
 
             self.rescheduler = Rescheduler(self)
             self.rescheduler.start()
+        if self.config.launch_args:
+            from services.scheduler.launcher import LocalProcessLauncher
+
+            self.launcher = LocalProcessLauncher(self.config.meta_store, self.config.launch_args,
+                                                 log_dir=self.config.launch_log_dir)
+        if self.config.autoscale:
+            if self.launcher is None:
+                raise ValueError("--autoscale needs --launch-args (the instance command to launch)")
+            from services.scheduler.autoscaler import AutoscalePolicy, Autoscaler
+
+            c = self.config
+            self.autoscaler = Autoscaler(self, self.launcher, AutoscalePolicy(
+                c.scale_out_below, c.scale_in_above, c.scale_window_s, c.min_instances, c.max_instances,
+                c.scale_cooldown_s), interval_s=c.autoscale_interval_s)
+            self.autoscaler.start()
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
+        if self.launcher is not None:
+            await self.launcher.close()
         if self.rescheduler is not None:
             await self.rescheduler.stop()
         await self.view.stop()

@@ -1,0 +1,308 @@
+"""Auto-scaling (DESIGN §5, Llumnix §4.4.3): keep the mean normal-priority
+freeness of the live, non-terminating instances within [x, y] over a window.
+
+- below x for the window (and fewer than max instances): launch one instance;
+  the rescheduler pairs the empty newcomer as a migration destination at once,
+  so it fills by migration, not only by new dispatches;
+- above y for the window (and more than min instances): mark the instance with
+  the fewest running requests terminating — its fake request of infinite
+  virtual usage makes it a migration source and drains it — and stop it
+  through the launcher once it reports no running or waiting request;
+- fewer than min instances (a crash): launch at once, without a window.
+
+``decide`` is the pure policy (no I/O), unit tested on hand-made windows;
+``Autoscaler`` is the loop in the scheduler that samples the cluster view,
+calls ``decide`` and carries decisions out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+from ferry.pb import instance_pb2 as ipb
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common.load import is_finite
+from libs.common.logging import get_logger
+from libs.common.server import GRPC_OPTIONS
+
+log = get_logger(__name__)
+
+NONE, SCALE_OUT, SCALE_IN = "none", "scale_out", "scale_in"
+
+
+@dataclass(frozen=True)
+class AutoscalePolicy:
+    scale_out_below: float = 10.0  # x
+    scale_in_above: float = 60.0  # y
+    window_s: float = 10.0
+    min_instances: int = 1
+    max_instances: int = 8
+    cooldown_s: float = 10.0
+    min_coverage: float = 0.8  # the window must hold samples spanning this fraction of window_s
+
+
+@dataclass(frozen=True)
+class InstanceSample:
+    instance_id: str
+    normal_freeness: float
+    num_running: int = 0
+    num_waiting: int = 0
+    terminating: bool = False
+    pending_requests: int = 0  # dispatched, not yet reported
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    t: float
+    instances: tuple[InstanceSample, ...]
+
+    def live(self) -> list[InstanceSample]:
+        return [i for i in self.instances if not i.terminating]
+
+    def mean_freeness(self) -> float | None:
+        vals = [i.normal_freeness for i in self.live() if is_finite(i.normal_freeness)]
+        return sum(vals) / len(vals) if vals else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str = NONE
+    instance_id: str | None = None
+    reason: str = ""
+    mean_freeness: float | None = None
+
+
+def decide(window: Sequence[Snapshot], policy: AutoscalePolicy, *, now: float,
+           last_action_at: float | None = None, launching: int = 0, draining: int = 0,
+           stoppable: frozenset[str] | None = None) -> Decision:
+    """What to do now, given snapshots (oldest first) of the cluster.
+
+    ``launching``: instances being started (counted as live); ``draining``:
+    instances marked terminating by us and not yet stopped. One action at a
+    time: nothing happens while a launch or a drain is under way, nor within
+    ``cooldown_s`` of the last action. Samples older than the last action do
+    not count (the fleet changed). ``stoppable``: the instances a scale-in may
+    pick (those the launcher can stop); None means any."""
+    if not window:
+        return Decision(reason="no samples")
+    latest = window[-1]
+    live = latest.live()
+    n = len(live) + launching
+    if n < policy.min_instances and not launching:
+        return Decision(SCALE_OUT, reason=f"{n} live < min {policy.min_instances}")
+    if launching or draining:
+        return Decision(reason="an action is under way")
+    if last_action_at is not None and now - last_action_at < policy.cooldown_s:
+        return Decision(reason="cooldown")
+    start = now - policy.window_s
+    if last_action_at is not None:
+        start = max(start, last_action_at)
+    recent = [s for s in window if s.t >= start and s.t <= now]
+    means = [m for m in (s.mean_freeness() for s in recent) if m is not None]
+    if not means or now - recent[0].t < policy.min_coverage * policy.window_s:
+        return Decision(reason="window not full")
+    mean = sum(means) / len(means)
+    if mean < policy.scale_out_below:
+        if n >= policy.max_instances:
+            return Decision(reason=f"at max {policy.max_instances}", mean_freeness=mean)
+        return Decision(SCALE_OUT, reason=f"mean freeness {mean:.1f} < {policy.scale_out_below}",
+                        mean_freeness=mean)
+    if mean > policy.scale_in_above:
+        if n <= policy.min_instances:
+            return Decision(reason=f"at min {policy.min_instances}", mean_freeness=mean)
+        cands = [i for i in live if stoppable is None or i.instance_id in stoppable]
+        if not cands:
+            return Decision(reason="no stoppable instance", mean_freeness=mean)
+        # Fewest running requests (queued and just-dispatched ones count too);
+        # ties: the newest id (highest), deterministic.
+        victim = min(cands, key=lambda i: (i.num_running + i.num_waiting + i.pending_requests,
+                                           _neg_key(i.instance_id)))
+        return Decision(SCALE_IN, victim.instance_id,
+                        f"mean freeness {mean:.1f} > {policy.scale_in_above}", mean)
+    return Decision(reason="within range", mean_freeness=mean)
+
+
+def _neg_key(s: str) -> tuple:
+    """Sort key that orders strings descending (natural order on digit runs)."""
+    import re
+
+    parts = [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s)]
+    return tuple((-p if isinstance(p, int) else tuple(-ord(c) for c in p)) for p in parts)
+
+
+@dataclass
+class ScaleEvent:
+    t: float
+    action: str
+    instance_id: str | None
+    reason: str
+    done_at: float | None = None
+
+
+@dataclass
+class _Drain:
+    instance_id: str
+    since: float
+    marked: bool = False
+
+
+class Autoscaler:
+    """The scheduler's scaling loop: sample the view, decide, act."""
+
+    def __init__(self, svc, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
+                 drain_timeout_s: float = 120.0):
+        self.svc = svc
+        self.launcher = launcher
+        self.policy = policy
+        self.interval_s = interval_s
+        self.drain_timeout_s = drain_timeout_s
+        self.window: deque[Snapshot] = deque()
+        self.last_action_at: float | None = None
+        self.launching: set[asyncio.Task] = set()
+        self.draining: dict[str, _Drain] = {}
+        self.events: list[ScaleEvent] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self._task, *self.launching] if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- the loop ---------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self.svc.view.synced.is_set():
+                continue
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the loop must go on
+                log.error("autoscaler tick failed", error=repr(e))
+
+    def sample(self, now: float) -> Snapshot:
+        return Snapshot(now, tuple(
+            InstanceSample(v.instance_id, v.status.normal_freeness, v.status.num_running,
+                           v.status.num_waiting, v.status.terminating, v.pending_requests)
+            for v in self.svc.view.views()))
+
+    async def tick(self) -> Decision:
+        now = time.monotonic()
+        reap = getattr(self.launcher, "reap", None)
+        if reap:
+            for iid in reap():
+                log.warning("launched instance died", instance_id=iid)
+                self.draining.pop(iid, None)
+        await self._check_drains(now)
+        snap = self.sample(now)
+        self.window.append(snap)
+        horizon = now - self.policy.window_s * 1.5
+        while self.window and self.window[0].t < horizon:
+            self.window.popleft()
+        d = decide(list(self.window), self.policy, now=now, last_action_at=self.last_action_at,
+                   launching=len(self.launching), draining=len(self.draining),
+                   stoppable=frozenset(self.launcher.instances()))
+        if d.action == SCALE_OUT:
+            self._scale_out(now, d)
+        elif d.action == SCALE_IN and d.instance_id:
+            await self._scale_in(now, d)
+        return d
+
+    def _scale_out(self, now: float, d: Decision) -> None:
+        self.last_action_at = now
+        ev = ScaleEvent(now, SCALE_OUT, None, d.reason)
+        self.events.append(ev)
+        log.info("scale out", reason=d.reason, live=len(self.window[-1].live()) if self.window else 0)
+
+        async def run():
+            try:
+                ev.instance_id = await self.launcher.launch()
+                ev.done_at = time.monotonic()
+            except Exception as e:  # noqa: BLE001
+                log.error("launch failed", error=repr(e))
+            finally:
+                # The cooldown counts from when the newcomer is up.
+                self.last_action_at = time.monotonic()
+
+        t = asyncio.create_task(run())
+        self.launching.add(t)
+        t.add_done_callback(self.launching.discard)
+
+    async def _scale_in(self, now: float, d: Decision) -> None:
+        self.last_action_at = now
+        self.events.append(ScaleEvent(now, SCALE_IN, d.instance_id, d.reason))
+        log.info("scale in: draining", instance_id=d.instance_id, reason=d.reason)
+        dr = _Drain(d.instance_id, now)
+        self.draining[d.instance_id] = dr
+        dr.marked = await self._set_terminating(d.instance_id, True)
+
+    async def _set_terminating(self, instance_id: str, value: bool) -> bool:
+        address = self.svc.view.address(instance_id)
+        if address is None:
+            return False
+        try:
+            async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+                await ipb_grpc.InstanceStub(ch).SetTerminating(
+                    ipb.SetInstanceTerminatingRequest(terminating=value), timeout=5)
+            return True
+        except grpc.RpcError as e:
+            log.warning("set terminating failed", instance_id=instance_id, error=e.code().name)
+            return False
+
+    async def _check_drains(self, now: float) -> None:
+        views = {v.instance_id: v for v in self.svc.view.views()}
+        for iid, dr in list(self.draining.items()):
+            v = views.get(iid)
+            if iid not in self.launcher.instances():
+                self.draining.pop(iid, None)  # died or stopped meanwhile
+                continue
+            if v is None:
+                if now - dr.since > self.drain_timeout_s:
+                    await self._finish_drain(iid)
+                continue
+            if not v.status.terminating:
+                dr.marked = await self._set_terminating(iid, True)  # e.g. the mark was lost
+                continue
+            s = v.status
+            empty = (s.num_running == 0 and s.num_waiting == 0 and s.migrating_out == 0
+                     and s.migrating_in == 0 and v.pending_requests == 0)
+            if empty and await self._empty_now(iid):
+                await self._finish_drain(iid)
+            elif now - dr.since > self.drain_timeout_s:
+                # Stopping it now would cut streams over to recompute: give up
+                # the scale-in instead and let it serve again.
+                log.warning("drain timed out; keeping the instance", instance_id=iid)
+                await self._set_terminating(iid, False)
+                self.draining.pop(iid, None)
+
+    async def _empty_now(self, instance_id: str) -> bool:
+        """Ask the instance itself (the view may lag a report)."""
+        address = self.svc.view.address(instance_id)
+        if address is None:
+            return False
+        try:
+            async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+                s = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
+            return s.num_running == 0 and s.num_waiting == 0 and s.migrating_out == 0 and s.migrating_in == 0
+        except grpc.RpcError:
+            return False
+
+    async def _finish_drain(self, instance_id: str) -> None:
+        self.draining.pop(instance_id, None)
+        await self.launcher.stop(instance_id)
+        for ev in reversed(self.events):
+            if ev.action == SCALE_IN and ev.instance_id == instance_id and ev.done_at is None:
+                ev.done_at = time.monotonic()
+                break
+        self.last_action_at = time.monotonic()
+        log.info("scale in: stopped", instance_id=instance_id)

@@ -1,0 +1,154 @@
+"""Starting and stopping instances for the scheduler (DESIGN §5 auto-scaling).
+
+``Launcher`` is the interface the autoscaler uses; ``LocalProcessLauncher``
+runs ``python -m ferry serve instance <launch_args> --port P --instance-id I
+--meta-store M`` as child processes of the scheduler on this host. Children
+die with the scheduler (PR_SET_PDEATHSIG, the helper of ferry/cluster.py).
+
+A launched instance is ready when its gRPC health check answers SERVING; it
+then registers with the meta store by itself and the scheduler sees it in its
+view like any other instance."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ferry.cluster import _die_with_parent, free_port
+from libs.common.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Launcher(abc.ABC):
+    """Starts and stops model instances."""
+
+    @abc.abstractmethod
+    async def launch(self) -> str:
+        """Start one instance; return its id once it serves."""
+
+    @abc.abstractmethod
+    async def stop(self, instance_id: str) -> None:
+        """Stop an instance this launcher started (gracefully, then by force)."""
+
+    @abc.abstractmethod
+    def instances(self) -> list[str]:
+        """Ids of the live instances this launcher started (and did not stop)."""
+
+    async def close(self) -> None:
+        """Stop every instance this launcher started."""
+        await asyncio.gather(*(self.stop(i) for i in self.instances()), return_exceptions=True)
+
+
+@dataclass
+class _Proc:
+    instance_id: str
+    address: str
+    proc: subprocess.Popen
+    started_at: float
+
+
+class LocalProcessLauncher(Launcher):
+    def __init__(self, meta_store: str, launch_args: str, *, log_dir: str = "", id_prefix: str = "auto",
+                 host: str = "127.0.0.1", ready_timeout_s: float = 60.0, stop_timeout_s: float = 10.0):
+        self.meta_store = meta_store
+        self.args = shlex.split(launch_args)
+        self.log_dir = log_dir
+        # A scheduler restarted later must not reuse ids (its old children may
+        # still be in the meta store until their TTL passes).
+        self.id_prefix = f"{id_prefix}-{uuid.uuid4().hex[:4]}"
+        self.host = host
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._procs: dict[str, _Proc] = {}
+        self._seq = 0
+        self.launched = 0
+        self.stopped = 0
+
+    def command(self, instance_id: str, port: int) -> list[str]:
+        # Ours come last: click keeps the last value of a repeated option.
+        return [sys.executable, "-m", "ferry", "serve", "instance", *self.args,
+                "--host", self.host, "--port", str(port), "--instance-id", instance_id,
+                "--meta-store", self.meta_store]
+
+    def instances(self) -> list[str]:
+        return [i for i, p in self._procs.items() if p.proc.poll() is None]
+
+    def address(self, instance_id: str) -> str | None:
+        p = self._procs.get(instance_id)
+        return p.address if p else None
+
+    async def launch(self) -> str:
+        self._seq += 1
+        iid = f"{self.id_prefix}-{self._seq}"
+        port = free_port(self.host)
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{iid}.log"), "ab")
+        # Popen on the event loop's thread: PR_SET_PDEATHSIG fires when the
+        # parent *thread* exits, so a pool thread must not be the parent.
+        proc = subprocess.Popen(self.command(iid, port), stdout=out,
+                                stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if out:
+            out.close()
+        p = _Proc(iid, f"{self.host}:{port}", proc, time.monotonic())
+        self._procs[iid] = p
+        self.launched += 1
+        log.info("launching instance", instance_id=iid, address=p.address, pid=proc.pid)
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not await _healthy(p.address):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                await self.stop(iid)
+                raise LaunchError(f"instance {iid} did not start (exit code {proc.returncode})")
+            await asyncio.sleep(0.1)
+        log.info("instance launched", instance_id=iid, seconds=round(time.monotonic() - p.started_at, 2))
+        return iid
+
+    async def stop(self, instance_id: str) -> None:
+        p = self._procs.pop(instance_id, None)
+        if p is None:
+            return
+        self.stopped += 1
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            while p.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if p.proc.poll() is None:
+                p.proc.kill()
+                await asyncio.to_thread(p.proc.wait, 5)
+        log.info("instance stopped", instance_id=instance_id, exit_code=p.proc.returncode)
+
+    def reap(self) -> list[str]:
+        """Forget children that died on their own; return their ids."""
+        dead = [i for i, p in self._procs.items() if p.proc.poll() is not None]
+        for i in dead:
+            self._procs.pop(i)
+        return dead
+
+
+async def _healthy(address: str) -> bool:
+    try:
+        async with grpc.aio.insecure_channel(address) as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                           timeout=0.5)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False

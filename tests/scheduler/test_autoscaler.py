@@ -1,0 +1,121 @@
+"""The auto-scaling decision: a pure function over a window of snapshots."""
+
+import math
+
+import pytest
+
+from services.scheduler.autoscaler import (
+    NONE,
+    SCALE_IN,
+    SCALE_OUT,
+    AutoscalePolicy,
+    InstanceSample,
+    Snapshot,
+    decide,
+)
+
+P = AutoscalePolicy(scale_out_below=10, scale_in_above=60, window_s=10, min_instances=1, max_instances=4,
+                    cooldown_s=5)
+
+
+def inst(iid, f, running=1, waiting=0, terminating=False, pending=0):
+    return InstanceSample(iid, f, running, waiting, terminating, pending)
+
+
+def window(freeness_by_instance: dict, t0=0.0, t1=10.0, step=1.0, **kw):
+    """Constant snapshots from t0 to t1 (inclusive)."""
+    out, t = [], t0
+    while t <= t1 + 1e-9:
+        out.append(Snapshot(t, tuple(inst(i, f, **kw.get(i, {})) for i, f in freeness_by_instance.items())))
+        t += step
+    return out
+
+
+def test_scale_out_when_mean_below_x_for_the_window():
+    w = window({"a": 5, "b": 8})
+    d = decide(w, P, now=10)
+    assert d.action == SCALE_OUT and d.mean_freeness == pytest.approx(6.5)
+
+
+def test_mean_is_over_instances_and_time():
+    # a is overloaded, b has room: mean 15 is inside [10, 60]: nothing.
+    assert decide(window({"a": -10, "b": 40}), P, now=10).action == NONE
+    # The first half of the window low, the second half high: mean 12.5 in range.
+    w = window({"a": 5}, 0, 4.5, 0.5) + window({"a": 20}, 5, 10, 0.5)
+    d = decide(w, P, now=10)
+    assert d.action == NONE and 10 < d.mean_freeness < 15
+
+
+def test_a_short_dip_does_not_scale_out():
+    w = window({"a": 30, "b": 30}, 0, 8) + window({"a": -50, "b": -50}, 9, 10)
+    assert decide(w, P, now=10).action == NONE
+
+
+def test_window_must_be_full():
+    assert decide(window({"a": 1}, 7, 10), P, now=10).reason == "window not full"
+    assert decide([], P, now=10).action == NONE
+
+
+def test_samples_before_the_last_action_do_not_count():
+    w = window({"a": 1, "b": 1})
+    d = decide(w, P, now=10, last_action_at=4)  # past the 5 s cooldown, but only 6 s of fresh samples
+    assert d.action == NONE and d.reason == "window not full"
+    assert decide(w + window({"a": 1, "b": 1}, 11, 16), P, now=16, last_action_at=4).action == SCALE_OUT
+
+
+def test_cooldown_and_one_action_at_a_time():
+    w = window({"a": 1})
+    assert decide(w, P, now=10, last_action_at=7).reason == "cooldown"
+    assert decide(w, P, now=10, launching=1).action == NONE
+    assert decide(w, P, now=10, draining=1).action == NONE
+
+
+def test_max_instances_caps_scale_out():
+    w = window({"a": 1, "b": 1, "c": 1, "d": 1})
+    assert decide(w, P, now=10).action == NONE
+    # A terminating instance is not live: it does not count against max.
+    w = window({"a": 1, "b": 1, "c": 1, "d": 1}, d={"terminating": True})
+    assert decide(w, P, now=10).action == SCALE_OUT
+
+
+def test_below_min_launches_at_once():
+    p = AutoscalePolicy(min_instances=3, max_instances=4, window_s=10, cooldown_s=5)
+    w = window({"a": 500, "b": 500}, 9, 10)  # no full window, in cooldown, freeness high
+    d = decide(w, p, now=10, last_action_at=9.5)
+    assert d.action == SCALE_OUT and "min" in d.reason
+    assert decide(w, p, now=10, launching=1).action == NONE  # the launch under way counts
+
+
+def test_scale_in_picks_fewest_running_among_stoppable():
+    w = window({"a": 100, "b": 100, "c": 100},
+               a={"running": 0}, b={"running": 2}, c={"running": 1, "pending": 0})
+    d = decide(w, P, now=10)
+    assert (d.action, d.instance_id) == (SCALE_IN, "a")
+    d = decide(w, P, now=10, stoppable=frozenset({"b", "c"}))
+    assert (d.action, d.instance_id) == (SCALE_IN, "c")
+    assert decide(w, P, now=10, stoppable=frozenset()).reason == "no stoppable instance"
+
+
+def test_scale_in_counts_waiting_and_pending_and_breaks_ties_by_newest():
+    w = window({"auto-2": 100, "auto-10": 100, "x": 100},
+               **{"auto-2": {"running": 0}, "auto-10": {"running": 0}, "x": {"running": 0, "pending": 1}})
+    assert decide(w, P, now=10).instance_id == "auto-10"
+    w = window({"a": 100, "b": 100}, a={"running": 0, "waiting": 3}, b={"running": 1})
+    assert decide(w, P, now=10).instance_id == "b"
+
+
+def test_min_instances_caps_scale_in():
+    assert decide(window({"a": 1000}), P, now=10).reason == "at min 1"
+    # Terminating instances are neither live nor averaged.
+    w = window({"a": 1000, "b": -math.inf}, b={"terminating": True})
+    assert decide(w, P, now=10).reason == "at min 1"
+
+
+def test_terminating_instance_is_left_out_of_the_mean():
+    w = window({"a": 5, "b": 5, "t": 1e9}, t={"terminating": True})
+    assert decide(w, P, now=10).action == SCALE_OUT
+
+
+def test_within_range_does_nothing():
+    d = decide(window({"a": 30, "b": 50}), P, now=10)
+    assert d.action == NONE and d.reason == "within range"
