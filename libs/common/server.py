@@ -20,6 +20,9 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
+    # Reconnect to a restarted peer (scheduler, meta store, instance) within a
+    # second, not after gRPC's default exponential backoff of up to 120 s.
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -155,8 +155,12 @@ class Autoscaler:
     """The scheduler's scaling loop: sample the view, decide, act."""
 
     def __init__(self, svc, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
-                 drain_timeout_s: float = 120.0):
+                 drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0):
         self.svc = svc
+        # Instances register in the first seconds after a (re)start of the
+        # scheduler: an empty early view must not look like "below min".
+        self.startup_grace_s = startup_grace_s
+        self._started_at = 0.0
         self.launcher = launcher
         self.policy = policy
         self.interval_s = interval_s
@@ -169,6 +173,7 @@ class Autoscaler:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
@@ -182,6 +187,8 @@ class Autoscaler:
         while True:
             await asyncio.sleep(self.interval_s)
             if not self.svc.view.synced.is_set():
+                continue
+            if time.monotonic() - self._started_at < self.startup_grace_s:
                 continue
             try:
                 await self.tick()

@@ -25,10 +25,22 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferry.cluster import _die_with_parent, free_port
+from ferry.cluster import free_port
 from libs.common.logging import get_logger
 
 log = get_logger(__name__)
+
+
+# Run in the child: die with the scheduler (the helper of ferry/cluster.py),
+# exit if the scheduler is already gone, then run ``python -m ferry <args>``.
+_BOOTSTRAP = (
+    "import os, runpy, sys\n"
+    "from ferry.cluster import _die_with_parent\n"
+    "_die_with_parent()\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "sys.argv = ['ferry', *sys.argv[2:]]\n"
+    "runpy.run_module('ferry', run_name='__main__', alter_sys=True)\n"
+)
 
 
 class LaunchError(RuntimeError):
@@ -81,10 +93,14 @@ class LocalProcessLauncher(Launcher):
         self.stopped = 0
 
     def command(self, instance_id: str, port: int) -> list[str]:
+        """``python -m ferry serve instance …`` behind a two-line bootstrap
+        that sets PR_SET_PDEATHSIG first (ferry/cluster.py's helper). Not a
+        preexec_fn: running Python between fork and exec in the scheduler
+        (gRPC threads, uvloop) crashes the child (SIGSEGV)."""
         # Ours come last: click keeps the last value of a repeated option.
-        return [sys.executable, "-m", "ferry", "serve", "instance", *self.args,
-                "--host", self.host, "--port", str(port), "--instance-id", instance_id,
-                "--meta-store", self.meta_store]
+        args = ["serve", "instance", *self.args, "--host", self.host, "--port", str(port),
+                "--instance-id", instance_id, "--meta-store", self.meta_store]
+        return [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *args]
 
     def instances(self) -> list[str]:
         return [i for i, p in self._procs.items() if p.proc.poll() is None]
@@ -103,9 +119,10 @@ class LocalProcessLauncher(Launcher):
             out = open(os.path.join(self.log_dir, f"{iid}.log"), "ab")
         # Popen on the event loop's thread: PR_SET_PDEATHSIG fires when the
         # parent *thread* exits, so a pool thread must not be the parent.
+        # (The fork itself is cheap: no preexec_fn, so vfork/posix_spawn.)
         proc = subprocess.Popen(self.command(iid, port), stdout=out,
                                 stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if out:
             out.close()
         p = _Proc(iid, f"{self.host}:{port}", proc, time.monotonic())
