@@ -58,7 +58,12 @@ async def migrate(cluster, request_id: str, dest=None) -> ipb.MigrateOutReply | 
     (default: another live instance). None if the request is nowhere."""
     import asyncio
 
-    src = await asyncio.to_thread(find_instance_of, cluster, request_id)
+    src = None
+    for _ in range(100):  # just after a commit it may be between two instances
+        src = await asyncio.to_thread(find_instance_of, cluster, request_id)
+        if src is not None:
+            break
+        await asyncio.sleep(0.02)
     if src is None:
         return None
     if dest is None:

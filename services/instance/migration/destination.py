@@ -126,15 +126,31 @@ class Destination:
                    if res.received.get(s, 0) != len(b)}
         if missing:
             raise FailedPrecondition(f"blocks not received per stage: {missing}")
-        stream = self.svc.streams.open(state.request_id, next_index=len(state.output_token_ids))
-        try:
-            await self.runner.call(self.engine.install_request, state, res.blocks)
-        except Exception:
-            self.svc.streams.close(state.request_id)
-            raise
+        n_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
+        need = -(-state.num_computed_tokens // self.engine.block_size)
+        if not 0 <= state.num_computed_tokens < n_tokens or len(res.blocks) != need:
+            raise InvalidArgument(f"{len(res.blocks)} blocks for {state.num_computed_tokens} computed tokens")
+        # NOTE: a dict lookup from the event loop; the engine thread only adds
+        # this id through _install below, which runs after this check.
+        if self.engine.request_phase(state.request_id) is not None or state.request_id in self.svc.streams:
+            raise FailedPrecondition(f"request {state.request_id!r} already lives here")
+        # Validated: acknowledge now and install at the engine's next step
+        # boundary (waiting for it here would add a step to the downtime).
+        self.svc.streams.open(state.request_id, next_index=len(state.output_token_ids))
+        self.runner.submit(self._install, state, res.blocks)
         res.committed_at = time.monotonic()
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
         self.svc.migrating_in = self.active
+
+    def _install(self, state: RequestState, blocks: list[int]) -> None:
+        """On the engine thread. NOTE: the commit was validated; a failure here
+        is a bug, and the client's stream is ended rather than left hanging."""
+        try:
+            self.engine.install_request(state, blocks)
+        except Exception as e:  # noqa: BLE001
+            log.error("install after commit failed", request_id=state.request_id, error=repr(e))
+            self.engine.release_blocks(blocks)
+            self.runner.loop.call_soon_threadsafe(self.svc._end_stream, state.request_id, "abort")
 
     async def abort(self, migration_id: str, reason: str) -> bool:
         res = self.reservations.get(migration_id)

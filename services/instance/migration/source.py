@@ -160,11 +160,12 @@ class SourceMigration:
             stage += 1
 
         self.m.to(S.SUSPEND, stage=stage)
-        t_suspend = time.perf_counter()
-        if not await self.runner.call(self.engine.suspend_request, self.request_id):
+        # One engine-thread call at a step boundary: suspend, export, and list
+        # what is left to copy (a second call would wait a whole step).
+        suspended, t_suspend, state, rest = await self.runner.call(self._suspend_and_export)
+        if not suspended:
             raise MigrationAborted("request finished or was preempted before suspend")
         self.suspended = True
-        state, rest = await self.runner.call(self._export)
         self.m.to(S.PRE_ALLOC_LAST, stage=stage, blocks=len(rest))
         await self._pre_allocate(stage, len(rest))
         self.m.to(S.COPY_LAST, stage=stage, blocks=len(rest))
@@ -177,25 +178,30 @@ class SourceMigration:
                                        timeout=self.config.rpc_timeout_s)
         if not reply.ok:
             raise MigrationAborted(f"commit refused: {reply.reason}")
-        # The destination owns the request now: forget it here, and tell the
-        # client's stream where to go on.
+        # The destination owns the request now: tell the client's stream where
+        # to go on first (it is suspended here, no token can come between),
+        # then forget it here.
         self.out.downtime_ms = (time.perf_counter() - t_suspend) * 1000
-        await self.runner.call(self.engine.drop_request, self.request_id)
-        self.suspended = False
         stream = self.svc.streams.get(self.request_id)
         if stream is not None:
             stream.push(Event(len(state.output_token_ids), moved_to=(self.dest_id, self.dest_address)))
             self.svc.streams.close(self.request_id)
+        self.suspended = False
+        await self.runner.call(self.engine.drop_request, self.request_id)
         self.out.committed = True
         self.m.to(S.DONE, blocks=self.out.blocks, bytes=self.out.bytes,
                   downtime_ms=round(self.out.downtime_ms, 3))
 
-    def _export(self):
-        """On the engine thread: the suspended request's state and its blocks
-        not yet copied (the partial last block included)."""
+    def _suspend_and_export(self):
+        """On the engine thread, between two steps: take the request out of
+        the batch; its state; its blocks not yet copied (the partial last
+        block included). Downtime starts here."""
+        if not self.engine.suspend_request(self.request_id):
+            return False, 0.0, None, []
+        t = time.perf_counter()
         state = self.engine.export_state(self.request_id)
         rest = self.engine.all_blocks(self.request_id)[self.sent:]
-        return state, rest
+        return True, t, state, rest
 
     async def _abort(self, reason: str) -> None:
         self.out.reason = reason
