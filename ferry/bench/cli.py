@@ -11,8 +11,11 @@ from ferry.cli import LazyGroup
     cls=LazyGroup,
     lazy={
         # --- benchmarks: keep one line per command, sorted ---
+        "autoscale": "ferry.bench.autoscale:autoscale",
+        "chaos": "ferry.bench.chaos:chaos",
         "compare": "ferry.bench.compare:compare",
         "engine": "ferry.bench.engine:engine",
+        "migration": "ferry.bench.migration:migration",
         "overhead": "ferry.bench.overhead:overhead",
         "serving": "ferry.bench.serving:serving",
     },

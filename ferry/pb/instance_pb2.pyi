@@ -112,20 +112,22 @@ class CheckIntegrityReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
 
 class MigrateOutRequest(_message.Message):
-    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities")
+    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking")
     DEST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STOP_WHEN_FREENESS_ABOVE_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKING_FIELD_NUMBER: _ClassVar[int]
     dest_instance_id: str
     dest_address: str
     stop_when_freeness_above: float
     max_requests: int
     request_id: str
     use_priorities: bool
-    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ...) -> None: ...
+    blocking: bool
+    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ...) -> None: ...
 
 class MigrateOutReply(_message.Message):
     __slots__ = ("started", "committed", "aborted", "results")
@@ -176,7 +178,7 @@ class KvHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id")
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class PreAllocateRequest(_message.Message):
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPARE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     num_blocks: int
@@ -191,7 +194,8 @@ class PreAllocateRequest(_message.Message):
     header: KvHeader
     deadline_ms: int
     source_instance_id: str
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ...) -> None: ...
+    spare_blocks: int
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ...) -> None: ...
 
 class PreAllocateReply(_message.Message):
     __slots__ = ("accepted", "reason")

@@ -27,10 +27,15 @@ class Reservation:
     received: dict[int, int] = field(default_factory=dict)  # stage -> blocks written
     bytes: int = 0
     committed_at: float | None = None
+    spare: list[int] = field(default_factory=list)  # held for the last stage
 
     @property
     def blocks(self) -> list[int]:
         return [b for s in sorted(self.stages) for b in self.stages[s]]
+
+    @property
+    def held(self) -> list[int]:
+        return self.blocks + self.spare
 
     def renew(self) -> None:
         self.deadline = time.monotonic() + self.deadline_s
@@ -58,7 +63,7 @@ class Destination:
         return res
 
     async def pre_allocate(self, migration_id: str, request_id: str, stage: int, num_blocks: int,
-                           layout: KvLayout, deadline_ms: int, source: str) -> tuple[bool, str]:
+                           layout: KvLayout, deadline_ms: int, source: str, spare: int = 0) -> tuple[bool, str]:
         mine = self.engine.kv_layout
         if layout != mine:
             return False, f"kv layout mismatch: source {layout}, destination {mine}"
@@ -77,17 +82,23 @@ class Destination:
             return False, f"migration is {res.machine.state.value}"
         if stage in res.stages:
             return False, f"stage {stage} already reserved"
-        blocks = await self.runner.call(self.engine.reserve_blocks, num_blocks) if num_blocks else []
-        if blocks is None:
+        # Serve the stage from the spare blocks when they suffice (no engine
+        # step needed: the last stage comes right after the suspend).
+        from_spare = min(num_blocks, len(res.spare))
+        want = num_blocks - from_spare + max(0, spare - (len(res.spare) - from_spare))
+        fresh = await self.runner.call(self.engine.reserve_blocks, want) if want else []
+        if fresh is None:
             if res.machine.state is DestState.RESERVED:  # keep earlier stages until the source aborts
                 res.renew()
-            return False, f"{num_blocks} blocks do not fit above the watermark"
+            return False, f"{want} blocks do not fit above the watermark"
+        pool = res.spare + fresh
+        res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
         if migration_id not in self.reservations:
             self.reservations[migration_id] = res
-        res.stages[stage] = blocks
         res.received[stage] = 0
         res.renew()
-        res.machine.to(DestState.RESERVED, stage=stage, blocks=num_blocks, total_blocks=len(res.blocks))
+        res.machine.to(DestState.RESERVED, stage=stage, blocks=num_blocks, spare=len(res.spare),
+                       total_blocks=len(res.blocks))
         self.svc.migrating_in = self.active
         return True, ""
 
@@ -137,14 +148,17 @@ class Destination:
         # Validated: acknowledge now and install at the engine's next step
         # boundary (waiting for it here would add a step to the downtime).
         self.svc.streams.open(state.request_id, next_index=len(state.output_token_ids))
-        self.runner.submit(self._install, state, res.blocks)
+        self.runner.submit(self._install, state, res.blocks, res.spare)
+        res.spare = []
         res.committed_at = time.monotonic()
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
         self.svc.migrating_in = self.active
 
-    def _install(self, state: RequestState, blocks: list[int]) -> None:
+    def _install(self, state: RequestState, blocks: list[int], spare: list[int]) -> None:
         """On the engine thread. NOTE: the commit was validated; a failure here
         is a bug, and the client's stream is ended rather than left hanging."""
+        if spare:
+            self.engine.release_blocks(spare)
         try:
             self.engine.install_request(state, blocks)
         except Exception as e:  # noqa: BLE001
@@ -166,7 +180,7 @@ class Destination:
             self.svc.streams.close(res.machine.request_id)
             await self.runner.call(self.engine.abort_request, res.machine.request_id)
         else:
-            await self.runner.call(self.engine.release_blocks, res.blocks)
+            await self.runner.call(self.engine.release_blocks, res.held)
         res.machine.to(DestState.ABORTED, reason=reason)
         self.svc.migrating_in = self.active
         return True
@@ -178,8 +192,8 @@ class Destination:
         for mid, res in list(self.reservations.items()):
             st = res.machine.state
             if st is DestState.RESERVED and now > res.deadline:
-                await self.runner.call(self.engine.release_blocks, res.blocks)
-                res.machine.to(DestState.EXPIRED, blocks=len(res.blocks))
+                await self.runner.call(self.engine.release_blocks, res.held)
+                res.machine.to(DestState.EXPIRED, blocks=len(res.held))
                 self.svc.migrating_in = self.active
             elif st is DestState.COMMITTED:
                 stream = self.svc.streams.get(res.machine.request_id)

@@ -5,6 +5,7 @@ the destination RPCs."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 
@@ -56,10 +57,12 @@ class MigrationManager:
                 log.error("reservation expiry failed", error=repr(e))
 
     # --- source ------------------------------------------------------------------
-    async def migrate_one(self, request_id: str, dest_id: str, dest_address: str) -> Outcome:
+    async def migrate_one(self, request_id: str, dest_id: str, dest_address: str,
+                          blocking: bool = False) -> Outcome:
         if len(self.outgoing) >= self.config.max_migrate_out:
             raise ResourceExhausted(f"migrate-out limit {self.config.max_migrate_out} reached")
-        mig = SourceMigration(self.svc, request_id, dest_id, dest_address, self._stub(dest_address), self.config)
+        config = replace(self.config, max_stages=0) if blocking else self.config
+        mig = SourceMigration(self.svc, request_id, dest_id, dest_address, self._stub(dest_address), config)
         self.outgoing[request_id] = mig
         self.svc.migrating_out = len(self.outgoing)
         try:
@@ -99,7 +102,7 @@ class MigrationManager:
                 rid = order[0]
             tried.add(rid)
             reply.started += 1
-            out = await self.migrate_one(rid, req.dest_instance_id, req.dest_address)
+            out = await self.migrate_one(rid, req.dest_instance_id, req.dest_address, req.blocking)
             reply.results.append(out.to_pb())
             if out.committed:
                 reply.committed += 1
@@ -114,7 +117,8 @@ class MigrationManager:
         h = req.header
         layout = KvLayout(h.dtype, h.block_size, h.num_layers, h.num_kv_heads, h.head_dim)
         ok, reason = await self.dest.pre_allocate(req.migration_id, req.request_id, req.stage, req.num_blocks,
-                                                  layout, req.deadline_ms, req.source_instance_id)
+                                                  layout, req.deadline_ms, req.source_instance_id,
+                                                  req.spare_blocks)
         if not ok:
             log.info("pre-allocate refused", migration_id=req.migration_id, reason=reason)
         return pb.PreAllocateReply(accepted=ok, reason=reason)

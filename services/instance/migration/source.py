@@ -82,11 +82,18 @@ class SourceMigration:
         self.suspended = False
 
     # --- helpers ---------------------------------------------------------------
-    async def _pre_allocate(self, stage: int, n: int) -> None:
+    @property
+    def spare_blocks(self) -> int:
+        """Most blocks the last stage can need: the uncopied full blocks that
+        allow it, the partial block, and one more the request may fill while
+        the suspend waits for the step boundary."""
+        return self.config.last_stage_max_blocks + 2
+
+    async def _pre_allocate(self, stage: int, n: int, spare: int = 0) -> None:
         reply = await self.stub.PreAllocate(pb.PreAllocateRequest(
             migration_id=self.id, request_id=self.request_id, num_blocks=n, stage=stage,
             header=_header(self.engine.kv_layout), deadline_ms=self.config.deadline_ms,
-            source_instance_id=self.svc.instance_id), timeout=self.config.rpc_timeout_s)
+            source_instance_id=self.svc.instance_id, spare_blocks=spare), timeout=self.config.rpc_timeout_s)
         if not reply.accepted:
             raise MigrationAborted(f"destination refused: {reply.reason}")
 
@@ -146,10 +153,20 @@ class SourceMigration:
         while True:
             full = await self.runner.call(self.engine.full_blocks, self.request_id)
             todo = full[self.sent:]
-            if len(todo) <= self.config.last_stage_max_blocks or stage >= self.config.max_stages:
+            # Stage 0 always runs (with no block if none is full yet): it
+            # reserves the spare blocks of the last stage before the suspend.
+            last = len(todo) <= self.config.last_stage_max_blocks or stage >= self.config.max_stages
+            if stage > 0 and last:
                 break
+            if last:
+                todo = []
+            spare = 0
+            if stage == 0:
+                spare = self.spare_blocks
+                if self.config.max_stages == 0:  # blocking baseline: the last stage is everything
+                    spare += len(await self.runner.call(self.engine.all_blocks, self.request_id))
             self.m.to(S.PRE_ALLOC, stage=stage, blocks=len(todo))
-            await self._pre_allocate(stage, len(todo))
+            await self._pre_allocate(stage, len(todo), spare=spare)
             self.m.to(S.COPY, stage=stage, blocks=len(todo))
             nbytes = await self._copy(stage, todo)
             self.out.blocks += len(todo)
@@ -158,6 +175,8 @@ class SourceMigration:
             self.m.to(S.VERIFY, stage=stage, blocks=len(todo), bytes=nbytes)
             await self._verify()
             stage += 1
+            if last:
+                break
 
         self.m.to(S.SUSPEND, stage=stage)
         # One engine-thread call at a step boundary: suspend, export, and list

@@ -1,0 +1,234 @@
+"""``ferry bench migration``: live migration of a decoding request between two
+instance processes (native engine, default model), each running a background
+batch, at several sequence lengths; against two baselines at the same length:
+blocking copy (suspend, then copy everything) and recompute (re-prefill prompt
++ output at the destination)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+
+import click
+import grpc
+import httpx
+
+from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.pb import common_pb2 as cpb
+from ferry.pb import instance_pb2 as ipb
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+
+
+class Background:
+    """Requests decoding on one instance through its own gRPC stream; their
+    inter-token gaps measure that instance's decode step time."""
+
+    def __init__(self, address: str, n: int, prompt_len: int, vocab: int):
+        self.address, self.n, self.prompt_len, self.vocab = address, n, prompt_len, vocab
+        self.times: list[float] = []  # arrival time of every background token
+        self.tasks: list[asyncio.Task] = []
+
+    async def _one(self, i: int):
+        rng = random.Random(i)
+        async with grpc.aio.insecure_channel(self.address) as ch:
+            call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
+                request_id=f"bg-{uuid.uuid4().hex[:8]}",
+                prompt_token_ids=[rng.randrange(100, self.vocab) for _ in range(self.prompt_len)],
+                sampling=cpb.SamplingParams(max_tokens=100_000, ignore_eos=True)))
+            try:
+                async for ev in call:
+                    if ev.has_token and i == 0:  # one stream is enough to time steps
+                        self.times.append(time.perf_counter())
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                pass
+
+    def start(self):
+        self.tasks = [asyncio.create_task(self._one(i)) for i in range(self.n)]
+
+    async def stop(self):
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def step_ms(self, t0: float, t1: float, inside: bool) -> float | None:
+        gaps = [(b - a) * 1000 for a, b in zip(self.times, self.times[1:]) if (t0 <= b <= t1) == inside]
+        return statistics.median(gaps) if gaps else None
+
+
+async def _stream(http, body, on_token=None):
+    times, text, final, rid = [], "", None, None
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ch = json.loads(line[6:])
+            if "error" in ch:
+                raise RuntimeError(ch["error"]["message"])
+            rid = ch["id"]
+            if ch["choices"] and ch["choices"][0]["text"]:
+                times.append(time.perf_counter())
+                text += ch["choices"][0]["text"]
+            if ch.get("ferry"):
+                final = ch["ferry"]
+            if on_token is not None:
+                await on_token(len(times), rid)
+    return text, times, final
+
+
+async def _holder(cluster, rid):
+    for _ in range(200):
+        for inst in cluster.instances():
+            async with grpc.aio.insecure_channel(inst.address) as ch:
+                st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest())
+            if any(r.request_id == rid and r.state == cpb.RequestLoad.RUNNING for r in st.requests):
+                return inst
+        await asyncio.sleep(0.01)
+    raise RuntimeError(f"request {rid} not running anywhere")
+
+
+async def _migrate(cluster, rid, blocking=False):
+    src = await _holder(cluster, rid)
+    dst = next(i for i in cluster.instances() if i is not src)
+    async with grpc.aio.insecure_channel(src.address) as ch:
+        reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+            request_id=rid, dest_instance_id=dst.name, dest_address=dst.address, blocking=blocking), timeout=300)
+    return src, dst, reply.results[0]
+
+
+async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token, vocab):
+    rng = random.Random(length)
+    prompt = [rng.randrange(100, vocab) for _ in range(length)]
+    body = {"prompt": prompt, "max_tokens": out_tokens, "ignore_eos": True, "temperature": 0}
+    reference, _, _ = await _stream(http, body)
+    rows = []
+    for _ in range(runs):
+        info = {}
+
+        async def on_token(n, rid):
+            if n == at_token and "res" not in info:
+                info["t0"] = time.perf_counter()
+                info["src"], _, info["res"] = await _migrate(cluster, rid)
+                info["t1"] = time.perf_counter()
+
+        text, times, final = await _stream(http, body, on_token)
+        res = info["res"]
+        gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+        near = [(b - a) * 1000 for a, b in zip(times, times[1:]) if info["t0"] - 0.5 <= b <= info["t1"] + 1.0]
+        bg = bgs[info["src"].name]
+        rows.append({
+            "committed": res.outcome == "committed", "reason": res.reason,
+            "downtime_ms": res.downtime_ms, "total_ms": res.duration_ms, "stages": res.stages,
+            "bytes": res.bytes, "blocks": res.blocks,
+            "stall_ms": (max(near) - statistics.median(gaps)) if near else None,
+            "tokens_match": text == reference and final["migrations"] == 1,
+            "step_ms_during": bg.step_ms(info["t0"], info["t1"], True),
+            "step_ms_outside": bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
+        })
+    # Baseline 1: blocking copy = suspend, then copy every block (no pre-copy).
+    info = {}
+
+    async def block_at(n, rid):
+        if n == at_token and "res" not in info:
+            _, _, info["res"] = await _migrate(cluster, rid, blocking=True)
+
+    await _stream(http, body, block_at)
+    blocking_ms = info["res"].downtime_ms
+    # Baseline 2: recompute = prefill prompt + output so far at the destination.
+    dst = cluster.instances()[1]
+    async with grpc.aio.insecure_channel(dst.address) as ch:
+        t0 = time.perf_counter()
+        call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
+            request_id=f"recompute-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt + [100] * at_token,
+            sampling=cpb.SamplingParams(max_tokens=1, ignore_eos=True)))
+        async for ev in call:
+            if ev.has_token:
+                break
+        recompute_ms = (time.perf_counter() - t0) * 1000
+    ok = [r for r in rows if r["committed"]]
+
+    def med(key):
+        vals = [r[key] for r in ok if r[key] is not None]
+        return statistics.median(vals) if vals else None
+
+    during, outside = med("step_ms_during"), med("step_ms_outside")
+    return {
+        "downtime_ms": med("downtime_ms"), "stall_ms": med("stall_ms"), "stages": med("stages"),
+        "bytes": med("bytes"), "total_ms": med("total_ms"),
+        "tokens_match": bool(rows) and all(r["tokens_match"] for r in rows),
+        "decode_step_ms": {"without_migration": outside, "during_migration": during,
+                           "slowdown": (during / outside - 1) if during and outside else None},
+        "blocking_copy_ms": blocking_ms, "recompute_ms": recompute_ms,
+        "runs": len(rows), "committed": len(ok), "aborted_reasons": [r["reason"] for r in rows if not r["committed"]],
+        "per_run": rows,
+    }
+
+
+async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab):
+    bgs = {i.name: Background(i.address, background, 128, vocab) for i in cluster.instances()}
+    for b in bgs.values():
+        b.start()
+    await asyncio.sleep(2.0)
+    results = {}
+    try:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=600) as http:
+            for length in lengths:
+                click.echo(f"length {length} …", err=True)
+                results[str(length)] = await _measure_length(cluster, http, bgs, length, runs, out_tokens,
+                                                             at_token, vocab)
+    finally:
+        for b in bgs.values():
+            await b.stop()
+    return results
+
+
+@click.command()
+@click.option("--lengths", default="256,1024,4096,8000", show_default=True)
+@click.option("--runs", default=5, show_default=True, help="migrations per length (p50 reported)")
+@click.option("--background", default=4, show_default=True, help="background requests per instance")
+@click.option("--out-tokens", default=48, show_default=True)
+@click.option("--at-token", default=12, show_default=True, help="migrate after this many output tokens")
+@click.option("--engine", default="native", show_default=True, type=click.Choice(["native", "sim", "fake"]))
+@click.option("--model", default="smollm2", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--num-blocks", default=1100, show_default=True)
+@click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
+@click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+def migration(lengths, runs, background, out_tokens, at_token, engine, model, device, dtype, num_blocks, vocab,
+              instance_args, json_path) -> None:
+    """Downtime of live migration vs sequence length, against blocking copy and recompute."""
+    lens = [int(x) for x in lengths.split(",")]
+    args = ["--num-blocks", str(num_blocks), "--device", device, "--dtype", dtype,
+            "--max-model-len", str(max(lens) + out_tokens + 64), *instance_args]
+    spec = ClusterSpec(instances=2, engine=engine, model=model, port=free_port(), dispatch="round_robin",
+                       instance_args=args, scheduler_args=["--no-migration"], log_level="warning")
+    cluster = LocalCluster(spec)
+    cluster.start(timeout_s=600)
+    try:
+        res = asyncio.run(_run(cluster, lens, runs, background, out_tokens, at_token, vocab))
+    finally:
+        cluster.stop()
+    first, last = res[str(lens[0])]["downtime_ms"], res[str(lens[-1])]["downtime_ms"]
+    out = {"lengths": res, "flatness": (last / first) if first and last else None,
+           "config": {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
+                      "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token}}
+    hdr = ["length", "downtime", "stall", "stages", "MiB", "total", "match", "step", "step(mig)",
+           "blocking", "recompute"]
+    click.echo("".join(f"{h:>11s}" for h in hdr))
+    for length, r in res.items():
+        s = r["decode_step_ms"]
+        vals = [length, r["downtime_ms"], r["stall_ms"], r["stages"], (r["bytes"] or 0) / 2**20, r["total_ms"],
+                str(r["tokens_match"]), s["without_migration"], s["during_migration"], r["blocking_copy_ms"],
+                r["recompute_ms"]]
+        click.echo("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals))
+    click.echo(f"flatness (downtime at {lens[-1]} / at {lens[0]}): "
+               f"{out['flatness']:.2f}" if out["flatness"] else "flatness: n/a")
+    click.echo("(times in ms; step = background decode step on the source, median)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
