@@ -159,15 +159,12 @@ class InstanceService(Service):
                 # re-attached keeps its stream until Attach drains it.
                 self.streams.close(out.request_id)
         if load is None:  # the engine thread died: end every stream
-            for rid in list(self._stream_ids()):
+            for rid in self.streams.ids():
                 self._end_stream(rid, "abort")
             return
         self.load = load
         if self.reporter:
             self.reporter.poke()
-
-    def _stream_ids(self):
-        return list(self.streams._streams)
 
     def _end_stream(self, request_id: str, reason: str) -> None:
         stream = self.streams.get(request_id)

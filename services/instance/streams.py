@@ -64,6 +64,9 @@ class StreamTable:
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def ids(self) -> list[str]:
+        return list(self._streams)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._streams
 
