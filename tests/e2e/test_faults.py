@@ -268,3 +268,17 @@ async def test_meta_store_killed_then_restarted_loses_no_request(tmp_path_factor
         assert_clean([i.address for i in c.instances()])
     finally:
         c.stop()
+
+
+async def test_short_chaos_run(tmp_path_factory):
+    # Every fault kind once in ~20 s of streaming load (ferry bench chaos).
+    from ferry.bench.chaos import FAULT_KINDS, run_chaos
+
+    res = await run_chaos(duration_s=22, seed=1, instances=4, concurrency=6, fault_every_s=1.0,
+                          log_dir=str(tmp_path_factory.mktemp("chaos")))
+    assert res["requests"] > 50
+    assert (res["lost"], res["duplicated_tokens"], res["leaked_blocks"]) == (0, 0, 0), res
+    assert res["completed"] == res["requests"] and not res["errors_by_kind"] and not res["integrity_errors"]
+    assert {f["kind"] for f in res["faults"]} == set(FAULT_KINDS), res["faults"]
+    assert all(f["recovery_s"] is not None and f["recovery_s"] < 15 for f in res["faults"])
+    assert res["resumes"] >= 1  # killed instances had streams; they resumed elsewhere

@@ -1,0 +1,341 @@
+"""``ferry bench chaos``: a fake-engine cluster (auto-scaling on) under steady
+streaming load while a seeded schedule kills and restarts instances, the
+scheduler and the meta store, and kills migration peers mid-transfer.
+
+Every response is checked against the fake model's deterministic tokens.
+Reports requests, completed, lost, duplicated_tokens, leaked_blocks (after
+idle: total - free blocks on every live instance), errors_by_kind and, per
+fault, the recovery time: from the fault until the instance count is back and
+a probe request is served exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import click
+import grpc
+import httpx
+
+from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.pb import instance_pb2 as ipb
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+from ferry.pb import meta_store_pb2 as mpb
+from ferry.pb import meta_store_pb2_grpc as mpb_grpc
+from ferry.pb import scheduler_pb2 as spb
+from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from services.instance.engine.fake import fake_next_token
+
+FAULT_KINDS = ("instance", "scheduler", "meta_store", "migration_dest", "migration_source")
+
+
+def expected_fake_tokens(prompt: list[int], n: int) -> list[int]:
+    """The fake engine's output for ``prompt`` (greedy, no EOS: it never emits 0)."""
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        t = fake_next_token(ctx)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+def expected_fake_text(text: str, n: int) -> str:
+    return bytes(expected_fake_tokens(list(text.encode()), n)).decode()
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at_s: float  # since the start of the load
+    recovery_s: float | None = None
+    note: str = ""
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    completed: int = 0
+    lost: int = 0
+    duplicated_tokens: int = 0
+    resumes: int = 0
+    migrations: int = 0
+    errors_by_kind: collections.Counter = field(default_factory=collections.Counter)
+
+
+async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, dict | None]:
+    text, final = "", None
+    async with http.stream("POST", "/v1/completions",
+                           json={"prompt": prompt, "max_tokens": n, "stream": True}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"http_{r.status_code}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream_error:{chunk['error'].get('type', 'error')}")
+            if chunk["choices"]:
+                text += chunk["choices"][0]["text"]
+            if chunk.get("ferry"):
+                final = chunk["ferry"]
+    return text, final
+
+
+def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None) -> None:
+    want = expected_fake_text(prompt, n)
+    if text == want:
+        stats.completed += 1
+    else:
+        stats.lost += 1
+        # Tokens delivered more than once: the answer is longer than it must
+        # be, or repeats its own tail where the expected text goes on.
+        extra = max(0, len(text) - len(want))
+        stats.duplicated_tokens += extra
+        stats.errors_by_kind["wrong_tokens"] += 1
+    if final:
+        stats.resumes += final.get("resumes", 0)
+        stats.migrations += final.get("migrations", 0)
+
+
+async def _scheduler_view(address: str, timeout: float = 1.0) -> spb.ClusterViewReply:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await spb_grpc.SchedulerStub(ch).GetClusterView(spb.ClusterViewRequest(), timeout=timeout)
+
+
+async def _meta_instances(address: str) -> list:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return list((await mpb_grpc.MetaStoreStub(ch).List(mpb.ListRequest(), timeout=1.0)).instances)
+
+
+async def _instance_status(address: str) -> ipb.InstanceStatus:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=1.0)
+
+
+class Chaos:
+    def __init__(self, cluster: LocalCluster, n_instances: int, seed: int, down_s: float = 1.0):
+        self.c = cluster
+        self.n = n_instances
+        self.rng = random.Random(seed)
+        self.down_s = down_s
+        self.faults: list[Fault] = []
+        self.t0 = time.monotonic()
+
+    def _live_static(self):
+        return [i for i in self.c.instances() if i.alive()]
+
+    async def healthy(self, http: httpx.AsyncClient) -> bool:
+        """Scheduler and meta store see >= n live instances, and a probe is exact."""
+        try:
+            view = await _scheduler_view(self.c.scheduler)
+            live = [i for i in view.instances if i.HasField("status") and not i.status.terminating]
+            if len(live) < self.n or len(await _meta_instances(self.c.meta_store)) < self.n:
+                return False
+            p = f"probe {self.rng.random():.6f}"
+            text, _ = await asyncio.wait_for(_stream(http, p, 4), 5)
+            return text == expected_fake_text(p, 4)
+        except (grpc.RpcError, RuntimeError, httpx.HTTPError, asyncio.TimeoutError):
+            return False
+
+    async def inject(self, kind: str, http: httpx.AsyncClient) -> Fault:
+        t = time.monotonic()
+        f = Fault(kind, "", round(t - self.t0, 2))
+        if kind == "instance":
+            victim = self.rng.choice(self._live_static())
+            f.target = victim.name
+            await asyncio.to_thread(self.c.kill, victim.name)
+            await asyncio.sleep(self.down_s)
+            await asyncio.to_thread(self.c.restart, victim.name)
+        elif kind in ("scheduler", "meta_store"):
+            name = "scheduler" if kind == "scheduler" else "meta-store"
+            f.target = name
+            await asyncio.to_thread(self.c.kill, name)
+            await asyncio.sleep(self.down_s)
+            await asyncio.to_thread(self.c.restart, name)
+        else:
+            f.target, f.note = await self._kill_migration_peer(kind == "migration_dest")
+            if f.target:
+                await asyncio.sleep(self.down_s)
+                await asyncio.to_thread(self.c.restart, f.target)
+        while not await self.healthy(http):
+            await asyncio.sleep(0.1)
+        f.recovery_s = round(time.monotonic() - t, 2)
+        self.faults.append(f)
+        return f
+
+    async def _kill_migration_peer(self, kill_dest: bool) -> tuple[str, str]:
+        """Order a migration of a running request between two static
+        instances, and kill one side while its KV is in transit."""
+        live = self._live_static()
+        self.rng.shuffle(live)
+        for src in live:
+            try:
+                st = await _instance_status(src.address)
+            except grpc.RpcError:
+                continue
+            running = [r.request_id for r in st.requests if r.state == 1]
+            if not running:
+                continue
+            dst = next(i for i in live if i is not src)
+            rid = self.rng.choice(running)
+
+            async def order():
+                async with grpc.aio.insecure_channel(src.address) as ch:
+                    return await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+                        request_id=rid, dest_instance_id=dst.name, dest_address=dst.address), timeout=30)
+            task = asyncio.create_task(order())
+            await asyncio.sleep(0.15)  # inside the first copy stage (slowed by a failpoint)
+            victim = dst if kill_dest else src
+            in_flight = not task.done()
+            await asyncio.to_thread(self.c.kill, victim.name)
+            try:
+                reply = await task
+                note = f"committed={reply.committed} aborted={reply.aborted}"
+            except grpc.RpcError as e:
+                note = f"order failed: {e.code().name}"
+            except Exception as e:  # noqa: BLE001
+                note = f"order failed: {e!r}"
+            return victim.name, ("mid-transfer " if in_flight else "after transfer ") + note
+        return "", "no running request to migrate"
+
+
+async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4, concurrency: int = 8,
+                    fault_every_s: float | None = None, log_dir: str | None = None,
+                    token_delay_ms: float = 10.0) -> dict:
+    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-chaos-")
+    spec = ClusterSpec(
+        instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True,
+        instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "96",
+                       "--migration-last-stage-max-blocks", "1", "--migration-deadline-ms", "1000",
+                       "--failpoints", "source.copy_delay_ms=400", "--heartbeat-s", "0.2"],
+        meta_store_args=["--ttl-s", "1.5"],
+        scheduler_args=["--migrate-interval-s", "0.1", "--migrate-out-threshold", "8",
+                        "--migrate-in-threshold", "24", "--autoscale", "--scale-out-below", "8",
+                        "--scale-in-above", "60", "--scale-window-s", "3", "--scale-cooldown-s", "3",
+                        "--min-instances", str(instances), "--max-instances", str(instances + 2),
+                        "--autoscale-interval-s", "0.2"],
+        frontend_args=["--max-resumes", "6", "--bypass-retry-s", "0.5"],
+    )
+    cluster = LocalCluster(spec)
+    await asyncio.to_thread(cluster.start, 120)
+    rng = random.Random(seed)
+    stats = Stats()
+    stop = asyncio.Event()
+    chaos = Chaos(cluster, instances, seed)
+    kinds = list(FAULT_KINDS)
+    rng.shuffle(kinds)
+    every = fault_every_s or max(3.0, duration_s / (len(kinds) + 1))
+    try:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+            async def client(k: int) -> None:
+                i = 0
+                crng = random.Random(seed * 1000 + k)
+                while not stop.is_set():
+                    prompt, n = f"chaos {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
+                    i += 1
+                    stats.requests += 1
+                    try:
+                        text, final = await _stream(http, prompt, n)
+                    except Exception as e:  # noqa: BLE001 - every failure is counted by kind
+                        stats.lost += 1
+                        stats.errors_by_kind[str(e).split(":")[0] if isinstance(e, RuntimeError)
+                                             else type(e).__name__] += 1
+                        continue
+                    _account(stats, prompt, n, text, final)
+
+            clients = [asyncio.create_task(client(k)) for k in range(concurrency)]
+            chaos.t0 = time.monotonic()
+            end = chaos.t0 + duration_s
+            j = 0
+            await asyncio.sleep(min(every, duration_s) * rng.uniform(0.5, 1.0))
+            while time.monotonic() < end - 2.0:
+                kind = kinds[j % len(kinds)]
+                j += 1
+                f = await chaos.inject(kind, http)
+                print(f"  fault {f.kind:<16} {f.target:<14} at {f.at_s:6.1f}s  recovered in "
+                      f"{f.recovery_s:5.2f}s  {f.note}", flush=True)
+                await asyncio.sleep(max(0.0, min(end - time.monotonic(), every * rng.uniform(0.5, 1.0))))
+            while time.monotonic() < end:
+                await asyncio.sleep(0.1)
+            stop.set()
+            await asyncio.gather(*clients)
+            load_s = time.monotonic() - chaos.t0
+            leaked, integrity_errors, live = await _leaks(cluster)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+    return {
+        "duration_s": round(load_s, 1), "seed": seed, "instances": instances, "concurrency": concurrency,
+        "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
+        "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
+        "integrity_errors": integrity_errors, "live_instances_at_end": live,
+        "errors_by_kind": dict(stats.errors_by_kind), "resumes": stats.resumes,
+        "migrations": stats.migrations, "faults": [asdict(f) for f in chaos.faults],
+        "max_recovery_s": max((f.recovery_s or 0.0 for f in chaos.faults), default=0.0),
+        "log_dir": log_dir,
+    }
+
+
+async def _leaks(cluster: LocalCluster, timeout_s: float = 15.0) -> tuple[int, list[str], list[str]]:
+    """After idle: total - free blocks summed over every live instance (the
+    static ones and those the scheduler launched)."""
+    addresses = {i.name: i.address for i in cluster.instances() if i.alive()}
+    try:
+        for rec in (await _scheduler_view(cluster.scheduler, 2.0)).instances:
+            addresses.setdefault(rec.info.instance_id, rec.info.address)
+    except grpc.RpcError:
+        pass
+    leaked, errors = 0, []
+    for name, address in sorted(addresses.items()):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(address) as ch:
+                    r = await ipb_grpc.InstanceStub(ch).CheckIntegrity(ipb.CheckIntegrityRequest(), timeout=5)
+            except grpc.RpcError as e:
+                errors.append(f"{name}: unreachable ({e.code().name})")
+                break
+            if (r.num_requests == 0 and r.num_reservations == 0) or time.monotonic() > deadline:
+                leaked += r.total_blocks - r.free_blocks
+                if not r.ok:
+                    errors.append(f"{name}: {r.error}")
+                break
+            await asyncio.sleep(0.1)
+    return leaked, errors, sorted(addresses)
+
+
+def print_report(res: dict) -> None:
+    print(f"\nchaos: {res['duration_s']}s, seed {res['seed']}, {res['instances']} instances, "
+          f"{res['concurrency']} streams")
+    print(f"{'fault':<17}{'target':<16}{'at (s)':>8}{'recovery (s)':>14}  note")
+    for f in res["faults"]:
+        print(f"{f['kind']:<17}{f['target']:<16}{f['at_s']:>8.1f}{f['recovery_s']:>14.2f}  {f['note']}")
+    print(f"\nrequests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
+          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
+          f"resumes {res['resumes']}  migrations {res['migrations']}")
+    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
+
+
+@click.command("chaos")
+@click.option("--duration", "duration", type=float, default=60.0, show_default=True, help="seconds of load")
+@click.option("--seed", type=int, default=0, show_default=True, help="fault schedule and workload seed")
+@click.option("--instances", type=int, default=4, show_default=True, help="instances (auto-scaling min)")
+@click.option("--concurrency", type=int, default=8, show_default=True, help="concurrent client streams")
+@click.option("--fault-every", "fault_every", type=float, default=None,
+              help="seconds between faults (default: spread five over the run)")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="children's logs")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results here")
+def chaos(duration, seed, instances, concurrency, fault_every, log_dir, json_path) -> None:
+    """Faults under streaming load: no request lost, no token duplicated, no block leaked."""
+    res = asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))
+    print_report(res)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(res, fh, indent=2)
+    if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]:
+        raise SystemExit(1)
