@@ -21,11 +21,16 @@ log = get_logger(__name__)
 # A dispatched request is counted as pending on its instance until a report
 # lists it, or at most this long.
 PENDING_TTL_S = 2.0
+# After a re-watch (meta store restarted), instances missing from the fresh
+# snapshot are kept this long: they re-register within a report or two.
+CARRY_OVER_S = 3.0
 
 
 class ClusterView:
-    def __init__(self, meta_store_address: str):
+    def __init__(self, meta_store_address: str, carry_over_s: float = CARRY_OVER_S):
         self.meta_store_address = meta_store_address
+        self.carry_over_s = carry_over_s
+        self._carried: dict[str, float] = {}  # instance -> drop after (monotonic)
         self.records: dict[str, InstanceRecord] = {}
         self._pending: dict[str, dict[str, tuple[int, float]]] = {}  # instance -> rid -> (blocks, t)
         self.synced = asyncio.Event()
@@ -54,7 +59,11 @@ class ClusterView:
                     async for ev in stub.Watch(mpb.WatchRequest()):
                         backoff = 0.05
                         if ev.type == mpb.WatchEvent.SYNCED:
-                            self.records = fresh
+                            # NOTE: keep the last view (DESIGN §7): instances the
+                            # fresh snapshot lacks stay for a grace period.
+                            until = time.monotonic() + self.carry_over_s
+                            self._carried = {i: until for i in self.records if i not in fresh}
+                            self.records = {**{i: self.records[i] for i in self._carried}, **fresh}
                             self.connected = True
                             self.synced.set()
                             self.changed.set()
@@ -67,7 +76,9 @@ class ClusterView:
                             self._pending.pop(rec.info.instance_id, None)
                         else:
                             target[rec.info.instance_id] = rec
+                            self._carried.pop(rec.info.instance_id, None)
                             self._settle(rec)
+                        self._drop_carried()
                         self.changed.set()
             except asyncio.CancelledError:
                 raise
@@ -77,6 +88,12 @@ class ClusterView:
                 self.connected = False
             await asyncio.sleep(backoff)
             backoff = min(1.0, backoff * 2)
+
+    def _drop_carried(self) -> None:
+        now = time.monotonic()
+        for iid in [i for i, t in self._carried.items() if now > t]:
+            del self._carried[iid]
+            self.records.pop(iid, None)
 
     def _settle(self, rec: InstanceRecord) -> None:
         pend = self._pending.get(rec.info.instance_id)
@@ -91,6 +108,7 @@ class ClusterView:
         self._pending.setdefault(instance_id, {})[request_id] = (blocks, time.monotonic())
 
     def views(self) -> list[InstanceView]:
+        self._drop_carried()
         out = []
         now = time.monotonic()
         for iid, rec in self.records.items():

@@ -1,0 +1,52 @@
+"""The cluster view keeps its last view across a meta store restart."""
+
+import asyncio
+
+from ferry.pb import common_pb2 as cpb
+from ferry.pb import meta_store_pb2 as pb
+from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.common.cluster_view import ClusterView
+from libs.common.server import serve
+from services.meta_store.service import MetaStoreConfig, MetaStoreService
+
+
+async def start_store(port=0):
+    stop = asyncio.Event()
+    ready = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve(MetaStoreService(MetaStoreConfig(port=port, ttl_s=5)), "127.0.0.1", port,
+                                     stop_event=stop, ready=ready.set_result, grace_s=0))
+    return await asyncio.wait_for(ready, 10), stop, task
+
+
+async def test_instances_survive_a_meta_store_restart_until_they_reregister():
+    import grpc
+
+    address, stop, task = await start_store()
+    port = int(address.rsplit(":", 1)[1])
+    info = cpb.InstanceInfo(instance_id="i0", address="127.0.0.1:1", block_size=16, total_blocks=64)
+    async with grpc.aio.insecure_channel(address) as ch:
+        await pb_grpc.MetaStoreStub(ch).Register(pb.RegisterRequest(info=info))
+    view = ClusterView(address, carry_over_s=0.5)
+    view.start()
+    await asyncio.wait_for(view.synced.wait(), 5)
+    assert list(view.records) == ["i0"]
+    stop.set()
+    await task
+    for _ in range(100):  # the watch notices the loss
+        if not view.connected:
+            break
+        await asyncio.sleep(0.01)
+    assert not view.connected
+    _, stop2, task2 = await start_store(port)  # restarted: empty
+    for _ in range(200):  # the watch re-syncs with the empty store
+        if view.connected:
+            break
+        await asyncio.sleep(0.01)
+    assert view.connected
+    assert list(view.records) == ["i0"]  # carried over while it re-registers
+    await asyncio.sleep(0.6)
+    view.views()
+    assert list(view.records) == []  # never came back: dropped after the grace period
+    await view.stop()
+    stop2.set()
+    await task2
