@@ -31,10 +31,11 @@ def raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def request_body(req: Request, ids: list[int], model: str | None) -> dict:
+def request_body(req: Request, ids: list[int], model: str | None, stream: bool = True) -> dict:
     body = {"prompt": ids, "max_tokens": req.output_len, "min_tokens": req.output_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-            "priority": req.priority}
+            "temperature": 0.0, "stream": stream, "priority": req.priority}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if model:
         body["model"] = model
     return body
@@ -60,7 +61,31 @@ def _final(rec: RequestRecord, obj: dict) -> None:
         rec.server_ttft_ms = extras.get("ttft_ms")
 
 
+async def send_unary(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
+    """Non-streaming: half the CPU per token on both ends. TTFT is the
+    frontend's (``ferry.ttft_ms``, from its arrival), the last token is the
+    response time."""
+    rec.sent_at = time.perf_counter()
+    try:
+        resp = await client.post(f"{url}/v1/completions", json=body)
+        rec.finished_at = time.perf_counter()
+        if resp.status_code != 200:
+            rec.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            return rec
+        _final(rec, resp.json())
+        if rec.server_ttft_ms is None:
+            rec.error = "response without ferry.ttft_ms"
+            return rec
+        rec.first_token_at = rec.sent_at + rec.server_ttft_ms / 1000.0
+        rec.last_token_at = rec.finished_at
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
 async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
+    if not body.get("stream"):
+        return await send_unary(client, url, rec, body)
     rec.sent_at = time.perf_counter()
     chunks = 0
     try:
@@ -101,7 +126,7 @@ async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body
 
 async def replay(url: str, workload: Workload, token_range: tuple[int, int], model: str | None = None,
                  on_done: Callable[[RequestRecord], None] | None = None,
-                 max_connections: int = 8192) -> list[RequestRecord]:
+                 max_connections: int = 8192, stream: bool = True) -> list[RequestRecord]:
     """Send every request at its arrival time (relative to now); return the
     records in workload order once all have finished."""
     raise_fd_limit()
@@ -119,7 +144,7 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
         start = time.perf_counter()
         tasks = []
         for req, rec in zip(workload.requests, records):
-            body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model)  # before the wait
+            body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model, stream)  # before the wait
             rec.scheduled_at = start + req.arrival_s
             delay = rec.scheduled_at - time.perf_counter()
             if delay > 0:

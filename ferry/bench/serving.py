@@ -4,10 +4,12 @@ view while it runs, print a summary table, write JSON and plots.
 
 Sim time scale: ``--sim-slowdown K`` runs sim instances on a copy of the
 profile with every millisecond figure multiplied by K and the arrivals slowed
-by K, then divides every measured duration by K. The modelled system is the
-same; the cluster's Python overhead (frontend, gRPC, client, which do not
-scale) shrinks by K relative to the modelled GPU time, so 16 instances fit on
-a small machine. Results say which K they used.
+by K, stretches the control loops (status reports, rescheduling interval) by
+K, then divides every measured duration by K. The modelled system is the same;
+the cluster's Python overhead (frontend, gRPC, client, which do not scale)
+shrinks by K relative to the modelled GPU time, so 16 instances fit on a small
+machine. Not scaled: migration transfer time (K times faster in model time).
+Results say which K they used.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ServingOptions:
     sample_interval_s: float = 0.5
     log_dir: str | None = None
     progress: bool = True
+    stream: bool = True
     startup_timeout_s: float = 120.0
 
     @property
@@ -85,17 +88,34 @@ def scaled_profile(name_or_path: str, factor: float, folder: str) -> str:
     return str(dst)
 
 
+def slowed_intervals(factor: float) -> tuple[list[str], list[str]]:
+    """Instance and scheduler arguments that stretch the control loops with
+    the sim slowdown, so the scheduler's view is as stale in model time as it
+    would be unscaled (and the status traffic, the largest CPU cost of a big
+    sim cluster, shrinks by the same factor). Heartbeats stay: they guard the
+    meta store's TTL, which is wall time."""
+    if factor == 1:
+        return [], []
+    from services.instance.service import InstanceConfig
+    from services.scheduler.service import SchedulerConfig
+
+    report = InstanceConfig.__dataclass_fields__["report_interval_s"].default * factor
+    migrate = SchedulerConfig.__dataclass_fields__["migrate_interval_s"].default * factor
+    return ["--report-interval-s", f"{report:g}"], ["--migrate-interval-s", f"{migrate:g}"]
+
+
 def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
     from ferry.cluster import ClusterSpec, LocalCluster, free_port
 
-    args = list(opts.instance_args)
+    args, sched_args = list(opts.instance_args), list(opts.scheduler_args)
     if opts.engine == "sim":
         profile = opts.profile if opts.sim_slowdown == 1 else scaled_profile(opts.profile, opts.sim_slowdown, log_dir)
-        args = ["--profile", profile, *args]
+        args = ["--profile", profile, *slowed_intervals(opts.sim_slowdown)[0], *args]
+        sched_args = [*slowed_intervals(opts.sim_slowdown)[1], *sched_args]  # the user's come last and win
     if opts.engine == "fake" and opts.token_delay_ms is not None:
         args = ["--token-delay-ms", str(opts.token_delay_ms), *args]
     spec = ClusterSpec(instances=opts.instances, engine=opts.engine, port=free_port(), dispatch=dispatch,
-                       instance_args=args, scheduler_args=list(opts.scheduler_args), log_dir=log_dir,
+                       instance_args=args, scheduler_args=sched_args, log_dir=log_dir,
                        log_level="warning")
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=opts.startup_timeout_s)
@@ -149,7 +169,8 @@ async def _drive(url: str, work: wl.Workload, opts: ServingOptions, scheduler: s
 
         bar = tqdm(total=len(work.requests), desc=label, unit="req", dynamic_ncols=True, mininterval=1.0)
     try:
-        return await client.replay(url, work, opts.token_range(), on_done=(lambda r: bar.update()) if bar else None)
+        return await client.replay(url, work, opts.token_range(), stream=opts.stream,
+                                  on_done=(lambda r: bar.update()) if bar else None)
     finally:
         stop.set()
         if sampler:
@@ -257,6 +278,8 @@ def serving_options(f):
                      help="extra `ferry serve scheduler` argument (repeatable)"),
         click.option("--vocab-size", type=int, default=32000, show_default=True,
                      help="native: prompt token ids are drawn from [1000, this)"),
+        click.option("--stream/--no-stream", default=True, show_default=True,
+                     help="stream tokens (client-side TTFT) or not (frontend-measured TTFT, less CPU)"),
         click.option("--log-dir", default=None, help="keep the cluster's logs here (default: a temp dir)"),
         click.option("--no-progress", "no_progress", is_flag=True, help="no progress bar"),
         click.option("--json", "json_path", default=None, help="write results here"),
