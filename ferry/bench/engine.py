@@ -1,0 +1,165 @@
+"""``ferry bench engine``: tokens per second of the native engine against
+transformers ``generate`` on the same weights, in the same run.
+
+Prompts of --prompt-len random tokens, --output-len output tokens (ignore_eos),
+batch sizes --batch-sizes for native and --hf-batch-sizes for transformers.
+Also: instance ready time (engine construction + warmup from the cached model)
+and ``matches_reference``: greedy tokens of the native engine equal
+transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+VLLM_CPU_TOK_S = {1: 8.7, 8: 68.0, 32: 182.0}  # the issue's reference numbers (vLLM CPU build, bf16)
+REFERENCE_TEXTS = [
+    "Paris is",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Write a haiku about the sea, then explain which words carry the rhythm.",
+    " ".join(f"Item {i}: a list entry that makes the prompt long." for i in range(10)),
+]
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab, 32000), (batch, length), generator=g).tolist()
+
+
+def native_tok_s(engine, prompts: list[list[int]], output_len: int) -> float:
+    from libs.common.types import SamplingParams
+    from services.instance.engine.base import EngineRequest
+
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(f"bench-{i}", tuple(p), sp))
+    n = 0
+    while engine.has_work():
+        n += len(engine.step())
+    return n / (time.perf_counter() - t0)
+
+
+def hf_tok_s(model, prompts: list[list[int]], output_len: int, device: str) -> float:
+    import torch
+
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
+    model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm up
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                         min_new_tokens=output_len, do_sample=False)
+    el = time.perf_counter() - t0
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / el
+
+
+def reference_check(model_dir, device: str, n_tokens: int = 64) -> bool:
+    """Greedy tokens of the native engine (fp32) == transformers (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from libs.common.types import SamplingParams
+    from services.instance.engine import create_engine
+    from services.instance.engine.base import EngineConfig, EngineRequest
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    engine = create_engine(EngineConfig(engine="native", model=str(model_dir), device=device, dtype="float32",
+                                        num_blocks=128, extra={"warmup": False}))
+    sp = SamplingParams(max_tokens=n_tokens, min_tokens=n_tokens)  # min_tokens masks EOS like HF
+    prompts = [tok(t)["input_ids"] for t in REFERENCE_TEXTS]
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineRequest(str(i), tuple(p), sp))
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(o.token_id)
+    ok = True
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device=device)
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens,
+                          min_new_tokens=n_tokens, do_sample=False)[0, len(p):].tolist()
+        ok &= ref == got[str(i)]
+    engine.check_integrity()
+    return bool(ok)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+@click.command()
+@click.option("--model", default="smollm2", show_default=True, help="model name, HF dir, or random shape")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="auto", show_default=True, help="auto: bfloat16 where the CPU has BF16, else float32")
+@click.option("--batch-sizes", default="1,8,32", show_default=True)
+@click.option("--hf-batch-sizes", default="1,8", show_default=True)
+@click.option("--prompt-len", default=128, show_default=True)
+@click.option("--output-len", default=128, show_default=True)
+@click.option("--no-reference", is_flag=True, help="skip transformers (throughput and correctness)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, no_reference, json_path):
+    """Native engine throughput vs transformers generate (same weights, same run)."""
+    import torch
+
+    from services.instance.engine import create_engine
+    from services.instance.engine.base import EngineConfig
+    from services.instance.engine.native.config import SHAPES
+
+    bss, hf_bss = _ints(batch_sizes), _ints(hf_batch_sizes)
+    need_blocks = max(bss) * -(-(prompt_len + output_len) // 16) + 8
+    t0 = time.perf_counter()
+    eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
+                                     num_blocks=need_blocks, max_num_batched_tokens=2048,
+                                     extra={"warmup": True}))
+    ready_s = time.perf_counter() - t0
+    dt = str(eng.dtype).replace("torch.", "")
+    vocab = eng.model_config.vocab_size
+    result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(),
+              "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
+              "native_tok_s": {}, "transformers_tok_s": {}, "matches_reference": None,
+              "vllm_cpu_reference_tok_s": VLLM_CPU_TOK_S}
+    for bs in bss:
+        result["native_tok_s"][str(bs)] = round(native_tok_s(eng, _prompts(bs, prompt_len, vocab, bs), output_len), 2)
+        click.echo(f"native bs={bs}: {result['native_tok_s'][str(bs)]} tok/s", err=True)
+    eng.check_integrity()
+    del eng
+    if not no_reference and model not in SHAPES:
+        from transformers import AutoModelForCausalLM
+
+        from libs.common.models import ensure_model
+
+        mdir = ensure_model(model)
+        hf = AutoModelForCausalLM.from_pretrained(mdir, dtype=getattr(torch, dt)).to(device).eval()
+        for bs in hf_bss:
+            result["transformers_tok_s"][str(bs)] = round(
+                hf_tok_s(hf, _prompts(bs, prompt_len, vocab, bs), output_len, device), 2)
+            click.echo(f"transformers bs={bs}: {result['transformers_tok_s'][str(bs)]} tok/s", err=True)
+        del hf
+        result["matches_reference"] = reference_check(mdir, device)
+    base = result["transformers_tok_s"].get("1")
+    top = result["native_tok_s"].get(str(max(bss)))
+    if base and top:
+        result[f"speedup_native_bs{max(bss)}_vs_transformers_bs1"] = round(top / base, 2)
+    _print_table(result, bss, hf_bss)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
+    click.echo(f"model {r['model']}  device {r['device']}  dtype {r['dtype']}  threads {r['threads']}  "
+               f"prompt {r['prompt_len']}  output {r['output_len']}")
+    click.echo(f"{'batch':>5}  {'native tok/s':>12}  {'transformers tok/s':>18}  {'vLLM CPU tok/s':>14}")
+    for bs in sorted(set(bss) | set(hf_bss)):
+        n = r["native_tok_s"].get(str(bs), "-")
+        h = r["transformers_tok_s"].get(str(bs), "-")
+        v = VLLM_CPU_TOK_S.get(bs, "-")
+        click.echo(f"{bs:>5}  {n:>12}  {h:>18}  {v:>14}")
+    click.echo(f"ready in {r['ready_s']} s (construction + warmup, cached model); "
+               f"matches_reference: {r['matches_reference']}")
