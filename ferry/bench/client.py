@@ -13,7 +13,7 @@ import asyncio
 import json
 import resource
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 

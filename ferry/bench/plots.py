@@ -9,8 +9,8 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
 METRICS = (("ttft_ms", "TTFT"), ("decode_ms", "decode / token"), ("e2e_ms", "end-to-end"))
 

@@ -21,12 +21,13 @@ import os
 import pathlib
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import click
 import httpx
 
-from ferry.bench import client, metrics, workload as wl
+from ferry.bench import client, metrics
+from ferry.bench import workload as wl
 
 POLICIES = ("round_robin", "infaas++", "llumnix_base", "llumnix")
 ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer's a..z
@@ -153,7 +154,7 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -226,17 +227,18 @@ def _f(v, digits: int = 1) -> str:
 
 def summary_table(run: dict) -> str:
     s = run["summary"]
-    lines = [f"{run['label']}: {s['completed']}/{s['requests']} completed, wall {s['wall_s']:.1f}s, "
-             f"time scale 1/{run['time_scale']:g}, throughput {_f(s['throughput_rps'], 2)} req/s, "
-             f"{_f(s['output_tokens_per_s'], 0)} tok/s, send lag p99 {_f(s['send_lag_ms']['p99'])} ms (wall)",
-             f"{'':8}{'TTFT mean':>11}{'p50':>9}{'p99':>10}{'dec mean':>10}{'p99':>8}{'e2e mean':>11}{'p99':>10}"
-             f"{'preempt':>9}{'loss ms':>9}{'migr':>6}"]
+    head = (f"{run['label']}: {s['completed']}/{s['requests']} completed, wall {s['wall_s']:.1f}s, "
+            f"time scale 1/{run['time_scale']:g}, throughput {_f(s['throughput_rps'], 2)} req/s, "
+            f"{_f(s['output_tokens_per_s'], 0)} tok/s, send lag p99 {_f(s['send_lag_ms']['p99'])} ms (wall)")
+    cols = (f"{'':8}{'TTFT mean':>11}{'p50':>9}{'p99':>10}{'dec mean':>11}{'p99':>9}{'e2e mean':>11}{'p99':>10}"
+            f"{'preempt':>9}{'loss ms':>9}{'migr':>6}")
+    lines = [head, cols]
     for name, g in (("all", s), ("high", s["high"]), ("normal", s["normal"])):
         if not g["requests"]:
             continue
         t, d, e = g["ttft_ms"], g["decode_ms"], g["e2e_ms"]
-        lines.append(f"{name:8}{_f(t['mean']):>11}{_f(t['p50']):>9}{_f(t['p99']):>10}{_f(d['mean'], 2):>10}"
-                     f"{_f(d['p99'], 2):>8}{_f(e['mean']):>11}{_f(e['p99']):>10}{g['preemptions']:>9}"
+        lines.append(f"{name:8}{_f(t['mean']):>11}{_f(t['p50']):>9}{_f(t['p99']):>10}{_f(d['mean'], 2):>11}"
+                     f"{_f(d['p99'], 2):>9}{_f(e['mean']):>11}{_f(e['p99']):>10}{g['preemptions']:>9}"
                      f"{_f(g['preemption_loss_ms_mean']):>9}{g['migrations']:>6}")
     if s["failed"] or s["short_outputs"]:
         lines.append(f"failed {s['failed']}, short outputs {s['short_outputs']}: {s['errors']}")
