@@ -37,42 +37,40 @@ class ModelRunner(Executor):
 
     # --- forward --------------------------------------------------------------
     def _metadata(self, chunks: list[ScheduledChunk]):
-        bs = self._layout.block_size
-        ids, pos, slot_b, slot_o = [], [], [], []
-        starts = []
+        """chunks are ordered decodes first (see attention.py)."""
+        bs, layers = self._layout.block_size, self._layout.num_layers
+        ids, pos, slots = [], [], []
         for c in chunks:
-            starts.append(len(ids))
             r = c.request
             ids += r.tokens(c.start, c.end)
             p = range(c.start, c.end)
             pos += p
-            slot_b += [r.block_ids[i // bs] for i in p]
-            slot_o += [i % bs for i in p]
+            slots += [r.block_ids[i // bs] * (layers * 2 * bs) + i % bs for i in p]
         groups = []
         for decode in (True, False):
-            sel = [i for i, c in enumerate(chunks) if (c.num_new == 1) == decode]
-            if sel:
-                groups.append(build_group(
-                    [starts[i] for i in sel], [chunks[i].num_new for i in sel], [chunks[i].start for i in sel],
-                    [chunks[i].request.block_ids[: -(-chunks[i].end // bs)] for i in sel], bs, self.device))
+            sel = [c for c in chunks if (c.num_new == 1) == decode]
+            groups.append(build_group([c.num_new for c in sel], [c.start for c in sel],
+                                      [c.request.block_ids[: -(-c.end // bs)] for c in sel], bs, layers,
+                                      self.device) if sel else None)
         dev = self.device
-        meta = AttentionMeta(torch.tensor(slot_b, device=dev), torch.tensor(slot_o, device=dev), groups, len(ids))
-        last_rows = [starts[i] + c.num_new - 1 for i, c in enumerate(chunks) if c.samples]
+        meta = AttentionMeta(torch.tensor(slots, device=dev), groups[0], groups[1], layers, bs)
+        last_rows, row = [], 0
+        for c in chunks:
+            row += c.num_new
+            if c.samples:
+                last_rows.append(row - 1)
         return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
                 torch.tensor(last_rows, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        input_ids, positions, meta, logits_index = self._metadata(chunks)
-        sampling = [c.request for c in chunks if c.samples]
-        tokens: list[int] = []
-        if sampling:
-            logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index)
-            tokens = sample(logits, sampling, self.eos_token_ids)
-        else:
-            self.model(input_ids, positions, self.kv_cache, meta, logits_index)
-        it = iter(tokens)
-        return [next(it) if c.samples else None for c in chunks]
+        ordered = [c for c in chunks if c.num_new == 1] + [c for c in chunks if c.num_new != 1]
+        input_ids, positions, meta, logits_index = self._metadata(ordered)
+        sampling = [c.request for c in ordered if c.samples]
+        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index)
+        tokens = sample(logits, sampling, self.eos_token_ids) if sampling else []
+        by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
+        return [by_id[c.request.request_id] if c.samples else None for c in chunks]
 
     # --- KV transfer (any thread; full or reserved blocks only) ------------------
     def gather_kv(self, block_ids: list[int]) -> memoryview:
