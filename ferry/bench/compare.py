@@ -59,6 +59,8 @@ def compare_table(summaries: dict[str, dict], baseline: str | None = BASELINE) -
     lines.append(f"  {'migrations':22}" + "".join(f"{s['migrations']:>{width}}" for s in summaries.values()))
     lines.append(f"  {'completed':22}" + "".join(f"{str(s['completed']) + '/' + str(s['requests']):>{width}}"
                                                 for s in summaries.values()))
+    lines.append(f"  {'send lag p99 (wall ms)':22}" + "".join(f"{_cell(s['send_lag_ms']['p99'], None):>{width}}"
+                                                            for s in summaries.values()))
     lines.append(f"  {'wall s':22}" + "".join(f"{s['wall_s']:>{width}.1f}" for s in summaries.values()))
     return "\n".join(lines)
 

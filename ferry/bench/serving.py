@@ -30,6 +30,7 @@ from ferry.bench import client, metrics
 from ferry.bench import workload as wl
 
 POLICIES = ("round_robin", "infaas++", "llumnix_base", "llumnix")
+LAG_WARN_MS = 100.0  # send lag (wall) above this: the client could not keep up
 ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer's a..z
 
 
@@ -240,6 +241,10 @@ def summary_table(run: dict) -> str:
         lines.append(f"{name:8}{_f(t['mean']):>11}{_f(t['p50']):>9}{_f(t['p99']):>10}{_f(d['mean'], 2):>11}"
                      f"{_f(d['p99'], 2):>9}{_f(e['mean']):>11}{_f(e['p99']):>10}{g['preemptions']:>9}"
                      f"{_f(g['preemption_loss_ms_mean']):>9}{g['migrations']:>6}")
+    lag = s["send_lag_ms"]["p99"]
+    if lag is not None and lag > LAG_WARN_MS:
+        lines.append(f"WARNING: the client sent requests up to {lag:,.0f} ms late (p99, wall): this machine's CPU "
+                     f"is saturated; latencies include client-side delay (raise --sim-slowdown or lower the rate)")
     if s["failed"] or s["short_outputs"]:
         lines.append(f"failed {s['failed']}, short outputs {s['short_outputs']}: {s['errors']}")
     return "\n".join(lines)
