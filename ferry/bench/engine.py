@@ -101,11 +101,16 @@ def _ints(s: str) -> list[int]:
 @click.option("--hf-batch-sizes", default="1,8", show_default=True)
 @click.option("--prompt-len", default=128, show_default=True)
 @click.option("--output-len", default=128, show_default=True)
+@click.option("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
 @click.option("--no-reference", is_flag=True, help="skip transformers (throughput and correctness)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, no_reference, json_path):
+def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, threads, no_reference,
+           json_path):
     """Native engine throughput vs transformers generate (same weights, same run)."""
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
@@ -120,7 +125,11 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
     vocab = eng.model_config.vocab_size
-    result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(),
+    try:
+        load = [round(x, 2) for x in __import__("os").getloadavg()]
+    except OSError:
+        load = None
+    result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(), "loadavg": load,
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
               "native_tok_s": {}, "transformers_tok_s": {}, "matches_reference": None,
               "vllm_cpu_reference_tok_s": VLLM_CPU_TOK_S}

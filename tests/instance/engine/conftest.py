@@ -9,6 +9,22 @@ from services.instance.engine import create_engine
 from services.instance.engine.base import EngineConfig
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared 2-core box, two spinning OpenMP threads
+    per process made every op wait for a descheduled sibling (measured 6x
+    slower steps under load); on a quiet box one thread costs < 2x."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def make_engine():
     built = []

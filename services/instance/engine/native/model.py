@@ -64,10 +64,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMeta):
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent in qkv: rotate them in one go.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                  self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out)
 
