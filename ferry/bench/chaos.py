@@ -207,7 +207,9 @@ class Chaos:
 
 async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4, concurrency: int = 8,
                     fault_every_s: float | None = None, log_dir: str | None = None,
-                    token_delay_ms: float = 10.0) -> dict:
+                    token_delay_ms: float = 10.0, min_faults: int = 0) -> dict:
+    """``min_faults``: go on past ``duration_s`` until this many faults were
+    injected (a slow machine recovers slowly; tests want every kind once)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-chaos-")
     spec = ClusterSpec(
         instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True,
@@ -254,13 +256,13 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
             end = chaos.t0 + duration_s
             j = 0
             await asyncio.sleep(min(every, duration_s) * rng.uniform(0.5, 1.0))
-            while time.monotonic() < end - 2.0:
+            while time.monotonic() < end - 2.0 or j < min_faults:
                 kind = kinds[j % len(kinds)]
                 j += 1
                 f = await chaos.inject(kind, http)
                 print(f"  fault {f.kind:<16} {f.target:<14} at {f.at_s:6.1f}s  recovered in "
                       f"{f.recovery_s:5.2f}s  {f.note}", flush=True)
-                await asyncio.sleep(max(0.0, min(end - time.monotonic(), every * rng.uniform(0.5, 1.0))))
+                await asyncio.sleep(max(0.0, min(max(end - time.monotonic(), 1.0), every * rng.uniform(0.5, 1.0))))
             while time.monotonic() < end:
                 await asyncio.sleep(0.1)
             stop.set()

@@ -275,7 +275,7 @@ async def test_short_chaos_run(tmp_path_factory):
     from ferry.bench.chaos import FAULT_KINDS, run_chaos
 
     res = await run_chaos(duration_s=22, seed=1, instances=4, concurrency=6, fault_every_s=1.0,
-                          log_dir=str(tmp_path_factory.mktemp("chaos")))
+                          log_dir=str(tmp_path_factory.mktemp("chaos")), min_faults=len(FAULT_KINDS))
     assert res["requests"] > 50
     assert (res["lost"], res["duplicated_tokens"], res["leaked_blocks"]) == (0, 0, 0), res
     assert res["completed"] == res["requests"] and not res["errors_by_kind"] and not res["integrity_errors"]

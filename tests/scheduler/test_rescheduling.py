@@ -54,12 +54,11 @@ async def test_imbalanced_pair_converges(tmp_path_factory):
             assert await wait_for(lambda: _running(c, "instance-0", 8))
             c.add_instance()  # empty: freeness 200 > in-threshold; instance-0 at ~17 < out-threshold
 
-            async def balanced():
+            async def balanced():  # (a request in transit is on neither for a moment)
                 v = await view(c)
-                return v.get("instance-1") is not None and v["instance-1"].num_running >= 2
-            assert await wait_for(balanced)
-            v = await view(c)
-            assert v["instance-0"].num_running + v["instance-1"].num_running == 8
+                return (v.get("instance-1") is not None and v["instance-1"].num_running >= 2
+                        and v["instance-0"].num_running + v["instance-1"].num_running == 8)
+            assert await wait_for(balanced), await view(c)
             results = await asyncio.gather(*tasks)
         assert all(t == expected_fake_text(p, 300) for p, (t, _) in zip(prompts, results))
         assert sum(f["migrations"] for _, f in results) >= 2
