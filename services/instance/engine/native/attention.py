@@ -99,9 +99,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if g is not None:
         kg, vg = _gather(block_rows, g, layer, kvh, D)  # [B, Lk, KVH, D]
         qg = q[: g.batch].view(g.batch, kvh, H // kvh, D)
-        scores = torch.matmul(qg, kg.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, G, Lk]
-        scores = scores.masked_fill(~g.mask, float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype)
+        scores = torch.matmul(qg, kg.permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, Lk]
+        scores.masked_fill_(~g.mask, float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 accumulation
         outs.append(torch.matmul(probs, vg.transpose(1, 2)).reshape(g.batch, H * D))  # [B, KVH, G, D]
     g = meta.prefill
     if g is not None:
