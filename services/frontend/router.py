@@ -32,6 +32,7 @@ class Router:
         self._local = Dispatcher("llumnix")
         self._rr = Dispatcher("round_robin")
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, ipb_grpc.InstanceStub] = {}
         self._sched = spb_grpc.SchedulerStub(self.channel(scheduler))
         self.bypass = False
         self._bypass_until = 0.0
@@ -52,7 +53,10 @@ class Router:
         return ch
 
     def instance(self, address: str) -> ipb_grpc.InstanceStub:
-        return ipb_grpc.InstanceStub(self.channel(address))
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = ipb_grpc.InstanceStub(self.channel(address))
+        return stub
 
     def max_model_len(self, default: int) -> int:
         lens = [r.info.max_model_len for r in self.view.records.values() if r.info.max_model_len > 0]

@@ -47,7 +47,8 @@ async def run_frontend(config: FrontendConfig) -> None:
     router.start()
     app = create_app(config, router, tokenizer)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                           http="httptools", loop="none"))
     grpc_stop = asyncio.Event()
     tasks = []
     if config.grpc_port >= 0:
