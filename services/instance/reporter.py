@@ -22,7 +22,7 @@ log = get_logger(__name__)
 
 class StatusReporter:
     def __init__(self, meta_store: str, info: InstanceInfo, snapshot: Callable[[], InstanceStatus],
-                 min_interval_s: float = 0.02, heartbeat_s: float = 0.5):
+                 min_interval_s: float = 0.05, heartbeat_s: float = 0.5):
         self.meta_store = meta_store
         self.info = info
         self.snapshot = snapshot

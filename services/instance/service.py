@@ -48,7 +48,7 @@ class InstanceConfig(CommonConfig):
     profile: str = opt("llama-7b-a10", "sim engine: latency profile name or JSON path")
     seed: int = opt(0, "engine seed", min=0)
     headroom_high: int = opt(0, "virtual-usage headroom (blocks) for high-priority requests", min=0)
-    report_interval_s: float = opt(0.02, "least time between two status reports", min=0.0)
+    report_interval_s: float = opt(0.05, "least time between two status reports", min=0.0)
     heartbeat_s: float = opt(0.5, "status report at least this often", min=0.01)
     metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
     migration_max_stages: int = opt(4, "migration: most pre-copy stages before the last one", min=0)
