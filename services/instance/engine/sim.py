@@ -50,7 +50,7 @@ class SimProfile:
                 + self.decode_ms_per_kv_token * kv_tokens + self.prefill_ms_per_token * prefill_tokens)
 
     @classmethod
-    def load(cls, name_or_path: str) -> "SimProfile":
+    def load(cls, name_or_path: str) -> SimProfile:
         path = pathlib.Path(name_or_path)
         if not path.suffix:
             path = PROFILE_DIR / f"{name_or_path}.json"

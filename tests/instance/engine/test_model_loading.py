@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from libs.common.models import ModelNotFound, ensure_model, model_max_len  # noqa: E402
-from services.instance.engine.base import EngineError  # noqa: E402
-from tests.instance.engine.helpers import req, run  # noqa: E402
+from libs.common.models import ModelNotFound, ensure_model, model_max_len
+from services.instance.engine.base import EngineError
+from tests.instance.engine.helpers import req, run
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from libs.common.models import ensure_model  # noqa: E402
-from tests.instance.engine.helpers import migrate, req, run, run_alone, step_collect  # noqa: E402
+from libs.common.models import ensure_model
+from tests.instance.engine.helpers import migrate, req, run, run_alone, step_collect
 
 pytestmark = pytest.mark.model
 
 TEXTS = [
     "Paris is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Write a haiku about the sea, then explain which words carry the rhythm and why the season word "
-    "matters in classical Japanese poetry. Be brief and concrete, and give one example.",
+    ("Write a haiku about the sea, then explain which words carry the rhythm and why the season word "
+     "matters in classical Japanese poetry. Be brief and concrete, and give one example."),
     " ".join(f"Item {i}: a list entry that makes the prompt long enough to span many KV blocks." for i in range(12)),
 ]
 N = 64

@@ -59,7 +59,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_dict(cls, cfg: dict) -> ModelConfig:
         if cfg.get("model_type", "llama") not in ("llama", "mistral", "smollm"):
             raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Llama-family decoder")
         # transformers 5 writes rope_parameters; older configs rope_theta + rope_scaling.
@@ -88,11 +88,11 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+    def from_dir(cls, path: str | pathlib.Path) -> ModelConfig:
         return cls.from_dict(json.loads((pathlib.Path(path) / "config.json").read_text()))
 
     @classmethod
-    def from_shape(cls, name: str) -> "ModelConfig":
+    def from_shape(cls, name: str) -> ModelConfig:
         return cls.from_dict(dict(SHAPES[name]))
 
     def inv_freq(self) -> torch.Tensor:

@@ -34,7 +34,7 @@ def weight_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 def _hf_tensors(files: list[pathlib.Path]):
     for f in files:
         with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, st.get_tensor(name)
 
 
@@ -59,8 +59,7 @@ def load_model(model_dir: pathlib.Path, config: ModelConfig, device: torch.devic
         loaded.add(name)
 
     for name, t in _hf_tensors(files):
-        if name.startswith("model."):
-            name = name[len("model."):]
+        name = name.removeprefix("model.")
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if "rotary_emb" in name:

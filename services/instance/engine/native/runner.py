@@ -12,7 +12,12 @@ from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.native.attention import AttentionMeta, build_group
 from services.instance.engine.native.model import LlamaModel
-from services.instance.engine.native.sampler import generator_state, new_generator, sample, set_generator_state
+from services.instance.engine.native.sampler import (
+    generator_state,
+    new_generator,
+    sample,
+    set_generator_state,
+)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
