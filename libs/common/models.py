@@ -125,7 +125,7 @@ def _save_plain(model, out: pathlib.Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    config.torch_dtype = "float32"
+    config.dtype = "float32"
     config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(out)

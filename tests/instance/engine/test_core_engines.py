@@ -67,6 +67,10 @@ def test_preemption_recomputes_the_same_tokens(make_engine, kind):
     assert e.load().num_preemptions > 0
     for i in range(4):
         assert outs[f"r{i}"] == expected(PROMPTS["p17"][i:] + [97 + i], 30)
+    # the latest arrival is the first victim; its counters travel on its last token
+    last = finals["r3"].stats
+    assert last["num_preemptions"] >= 1 and last["preemption_loss_ms"] > 0
+    assert finals["r0"].stats["num_preemptions"] == 0 and finals["r0"].stats["preemption_loss_ms"] == 0
 
 
 def test_high_priority_is_admitted_first(make_engine, kind):
@@ -171,3 +175,31 @@ def test_corrupted_kv_transfer_changes_tokens(make_engine, kind):
     dst.install_request(src.export_state("a"), mine)
     src.drop_request("a")
     assert run(dst, outs)["a"] != ref
+
+
+def test_gather_from_another_thread_while_stepping(make_engine, kind):
+    """Full blocks are never rewritten: a copy taken on another thread while
+    the engine steps equals one taken while it is idle."""
+    import threading
+
+    e = make_engine(**kind, num_blocks=64)
+    e.add_request(req("a", PROMPTS["p40"], max_tokens=30))
+    e.add_request(req("b", PROMPTS["p17"], max_tokens=30))
+    e.step()
+    full = e.full_blocks("a")
+    before = bytes(e.gather_kv(full))
+    copies, stop = [], threading.Event()
+
+    def copier():
+        while not stop.is_set():
+            copies.append(bytes(e.gather_kv(full)))
+
+    t = threading.Thread(target=copier)
+    t.start()
+    outs = {}
+    step_collect(e, outs, 10)
+    stop.set()
+    t.join()
+    assert copies and all(c == before for c in copies)
+    e.abort_request("a")
+    e.abort_request("b")
