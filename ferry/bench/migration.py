@@ -194,7 +194,7 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab):
 @click.option("--engine", default="native", show_default=True, type=click.Choice(["native", "sim", "fake"]))
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
 @click.option("--num-blocks", default=1100, show_default=True)
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
 @click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")

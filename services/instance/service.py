@@ -43,7 +43,8 @@ class InstanceConfig(CommonConfig):
     max_num_batched_tokens: int = opt(2048, "token budget per step (chunked prefill)", min=1)
     max_model_len: int | None = opt(None, "context length (default: the model's)", min=16)
     device: str = opt("cpu", "torch device (native engine)")
-    dtype: str = opt("float32", "weights/KV dtype (native)", choices=("float32", "bfloat16", "float16"))
+    dtype: str = opt("auto", "weights/KV dtype (native; auto = bf16 where the CPU or GPU has it, else fp32)",
+                     choices=("auto", "float32", "bfloat16", "float16"))
     token_delay_ms: float = opt(10.0, "fake engine: time per step (ms)", min=0.0)
     profile: str = opt("llama-7b-a10", "sim engine: latency profile name or JSON path")
     seed: int = opt(0, "engine seed", min=0)

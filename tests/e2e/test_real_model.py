@@ -51,7 +51,7 @@ def test_frontend_greedy_equals_engine_greedy(client):
 
     tok = HFTokenizer(str(ensure_model("smollm2")))
     ids = tok.apply_chat_template(QUESTION)
-    engine = create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=64))
+    engine = create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=64, dtype="auto"))
     engine.add_request(EngineRequest("ref", tuple(ids), SamplingParams(max_tokens=24)))
     ref = []
     while engine.has_work():

@@ -27,17 +27,28 @@ VOCAB_LO, VOCAB_HI = 97, 123  # a..z
 EOS_TOKEN_ID = 0
 
 
+def _mix(tail: list[int], length: int, weighted: int) -> int:
+    h = 1469598103934665603
+    for t in tail:
+        h = ((h ^ t) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    h ^= length
+    h = ((h ^ (weighted % 1000003)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return VOCAB_LO + (h >> 7) % (VOCAB_HI - VOCAB_LO)
+
+
 def fake_next_token(context: list[int]) -> int:
     """The fake model: the next token is a function of the whole context (a
     hash of the last 8 tokens, the length, and a position-weighted sum of all
     tokens, so any changed position changes the result)."""
-    h = 1469598103934665603
-    for t in context[-8:]:
-        h = ((h ^ t) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    h ^= len(context)
     weighted = sum(map(operator.mul, context, range(1, len(context) + 1)))
-    h = ((h ^ (weighted % 1000003)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
-    return VOCAB_LO + (h >> 7) % (VOCAB_HI - VOCAB_LO)
+    return _mix(list(context[-8:]), len(context), weighted)
+
+
+def fake_next_token_array(context: np.ndarray) -> int:
+    """fake_next_token over an int64 array, vectorised (the sim engine's hot
+    path). NOTE: exact: ids < 2**24 and length < 2**20 keep the sum in int64."""
+    weighted = int(np.dot(context, np.arange(1, len(context) + 1, dtype=np.int64)))
+    return _mix(context[-8:].tolist(), len(context), weighted)
 
 
 class TokenKvExecutor(Executor):
@@ -63,19 +74,19 @@ class TokenKvExecutor(Executor):
             b = req.block_ids[pos // bs]
             self.cache[b, 0, :, pos % bs, 0, 0] = tok
 
-    def _read(self, chunk: ScheduledChunk) -> list[int]:
+    def _read(self, chunk: ScheduledChunk) -> np.ndarray:
         bs = self._layout.block_size
         ids = chunk.request.block_ids[: cdiv(chunk.end, bs)]
         keys = self.cache[ids, 0, 0, :, 0, 0].reshape(-1)[: chunk.end]
         vals = self.cache[ids, 0, 1, :, 0, 0].reshape(-1)[: chunk.end]
         # K and V must agree: mixing them makes a swapped half show up too.
-        return [int(k) if k == v else int(k) + 1 for k, v in zip(keys, vals)]
+        return np.where(keys == vals, keys, keys + 1).astype(np.int64)
 
     def compute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
         out: list[int | None] = []
         for c in chunks:
             self._write(c)
-            out.append(fake_next_token(self._read(c)) if c.samples else None)
+            out.append(fake_next_token_array(self._read(c)) if c.samples else None)
         return out
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
