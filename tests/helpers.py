@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import grpc
 
+from ferry.bench import sse
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
-from services.instance.engine.fake import fake_next_token
+from services.instance.engine.fake import fake_generate
 
 
 def expected_fake_tokens(prompt: list[int], n: int) -> list[int]:
-    """What the fake engine must emit for ``prompt`` (its model, run here)."""
-    ctx = list(prompt)
-    out = []
-    for _ in range(n):
-        t = fake_next_token(ctx)
-        out.append(t)
-        ctx.append(t)
-    return out
+    """What the fake engine must emit for ``prompt``."""
+    return fake_generate(prompt, n)
 
 
 def expected_fake_text(text: str, n: int) -> str:
-    return bytes(expected_fake_tokens(list(text.encode()), n)).decode()
+    return bytes(fake_generate(list(text.encode()), n)).decode()
 
 
 def check_integrity(address: str) -> ipb.CheckIntegrityReply:
@@ -82,21 +77,10 @@ async def migrate(cluster, request_id: str, dest=None) -> ipb.MigrateOutReply | 
 
 async def stream_completion(http, body: dict, on_chunk=None) -> tuple[str, dict | None]:
     """POST a streaming completion; returns (text, the final `ferry` object).
-    ``on_chunk(text_so_far, request_id)`` may be a coroutine run after each chunk."""
-    import json
-
-    text, final = "", None
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk["choices"]:
-                text += chunk["choices"][0]["text"]
-            if chunk.get("ferry"):
-                final = chunk["ferry"]
-            if on_chunk is not None:
-                await on_chunk(text, chunk["id"])
-    return text, final
+    ``on_chunk(text_so_far, request_id)`` is a coroutine run after each chunk."""
+    cb = None
+    if on_chunk is not None:
+        async def cb(c: sse.Completion) -> None:
+            await on_chunk(c.text, c.request_id)
+    c = await sse.stream_completion(http, body, cb)
+    return c.text, c.final

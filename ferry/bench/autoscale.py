@@ -17,7 +17,8 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import _scheduler_view, _stream, expected_fake_text
+from ferry.bench.chaos import _scheduler_view, expected_fake_text
+from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 
 
@@ -68,17 +69,16 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
                 nonlocal wrong, errors
                 await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
                 prompt = f"scale {i} " * 3
-                start = time.monotonic()
-                first = []
+                start = time.perf_counter()
                 try:
-                    text, _ = await _stream_ttft(http, prompt, max_tokens, first)
+                    c = await stream_completion(http, {"prompt": prompt, "max_tokens": max_tokens})
                 except Exception:  # noqa: BLE001
                     errors += 1
                     return
-                if text != expected_fake_text(prompt, max_tokens):
+                if c.text != expected_fake_text(prompt, max_tokens):
                     wrong += 1
-                if first:
-                    ttft.append(first[0] - start)
+                if c.token_times:
+                    ttft.append(c.token_times[0] - start)
 
             async def sample():
                 while True:
@@ -105,25 +105,6 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
             "max_instances_seen": max((n for _, n in counts), default=0),
             "ttft_p50_s": round(pct(ttft, 0.5), 3), "ttft_p99_s": round(pct(ttft, 0.99), 3),
             "instances_over_time": [(round(t, 1), n) for t, n in counts[::4]]}
-
-
-async def _stream_ttft(http, prompt, n, first):
-    text = ""
-    async with http.stream("POST", "/v1/completions",
-                           json={"prompt": prompt, "max_tokens": n, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"http_{r.status_code}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError("stream_error")
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                if not first:
-                    first.append(time.monotonic())
-                text += chunk["choices"][0]["text"]
-    return text, None
 
 
 @click.command("autoscale")

@@ -22,6 +22,7 @@ import click
 import grpc
 import httpx
 
+from ferry.bench.sse import StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
@@ -29,23 +30,14 @@ from ferry.pb import meta_store_pb2 as mpb
 from ferry.pb import meta_store_pb2_grpc as mpb_grpc
 from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
-from services.instance.engine.fake import fake_next_token
+from services.instance.engine.fake import fake_generate
 
 FAULT_KINDS = ("instance", "scheduler", "meta_store", "migration_dest", "migration_source")
 
 
-def expected_fake_tokens(prompt: list[int], n: int) -> list[int]:
-    """The fake engine's output for ``prompt`` (greedy, no EOS: it never emits 0)."""
-    ctx, out = list(prompt), []
-    for _ in range(n):
-        t = fake_next_token(ctx)
-        out.append(t)
-        ctx.append(t)
-    return out
-
-
 def expected_fake_text(text: str, n: int) -> str:
-    return bytes(expected_fake_tokens(list(text.encode()), n)).decode()
+    """The fake engine's output for a text prompt (greedy, no EOS: it never emits 0)."""
+    return bytes(fake_generate(list(text.encode()), n)).decode()
 
 
 @dataclass
@@ -69,22 +61,8 @@ class Stats:
 
 
 async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, dict | None]:
-    text, final = "", None
-    async with http.stream("POST", "/v1/completions",
-                           json={"prompt": prompt, "max_tokens": n, "stream": True}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"http_{r.status_code}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream_error:{chunk['error'].get('type', 'error')}")
-            if chunk["choices"]:
-                text += chunk["choices"][0]["text"]
-            if chunk.get("ferry"):
-                final = chunk["ferry"]
-    return text, final
+    c = await stream_completion(http, {"prompt": prompt, "max_tokens": n})
+    return c.text, c.final
 
 
 def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None) -> None:
@@ -140,7 +118,7 @@ class Chaos:
             p = f"probe {self.rng.random():.6f}"
             text, _ = await asyncio.wait_for(_stream(http, p, 4), 5)
             return text == expected_fake_text(p, 4)
-        except (grpc.RpcError, RuntimeError, httpx.HTTPError, asyncio.TimeoutError):
+        except (TimeoutError, grpc.RpcError, StreamError, httpx.HTTPError):
             return False
 
     async def inject(self, kind: str, http: httpx.AsyncClient) -> Fault:
@@ -246,8 +224,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                         text, final = await _stream(http, prompt, n)
                     except Exception as e:  # noqa: BLE001 - every failure is counted by kind
                         stats.lost += 1
-                        stats.errors_by_kind[str(e).split(":")[0] if isinstance(e, RuntimeError)
-                                             else type(e).__name__] += 1
+                        stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
                         continue
                     _account(stats, prompt, n, text, final)
 

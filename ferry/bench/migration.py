@@ -17,6 +17,7 @@ import click
 import grpc
 import httpx
 
+from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.pb import common_pb2 as cpb
 from ferry.pb import instance_pb2 as ipb
@@ -60,23 +61,12 @@ class Background:
 
 
 async def _stream(http, body, on_token=None):
-    times, text, final, rid = [], "", None, None
-    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ch = json.loads(line[6:])
-            if "error" in ch:
-                raise RuntimeError(ch["error"]["message"])
-            rid = ch["id"]
-            if ch["choices"] and ch["choices"][0]["text"]:
-                times.append(time.perf_counter())
-                text += ch["choices"][0]["text"]
-            if ch.get("ferry"):
-                final = ch["ferry"]
-            if on_token is not None:
-                await on_token(len(times), rid)
-    return text, times, final
+    cb = None
+    if on_token is not None:
+        async def cb(c):
+            await on_token(len(c.token_times), c.request_id)
+    c = await stream_completion(http, body, cb)
+    return c.text, c.token_times, c.final
 
 
 async def _holder(cluster, rid):
@@ -225,7 +215,7 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
         vals = [length, r["downtime_ms"], r["stall_ms"], r["stages"], (r["bytes"] or 0) / 2**20, r["total_ms"],
                 str(r["tokens_match"]), s["without_migration"], s["during_migration"], r["blocking_copy_ms"],
                 r["recompute_ms"]]
-        click.echo("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals))
+        click.echo("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v!s:>11s}" for v in vals))
     click.echo(f"flatness (downtime at {lens[-1]} / at {lens[0]}): "
                f"{out['flatness']:.2f}" if out["flatness"] else "flatness: n/a")
     click.echo("(times in ms; step = background decode step on the source, median)")

@@ -35,5 +35,8 @@ def test_scaled_profile_keeps_the_format(tmp_path):
 
 def test_slowed_intervals():
     assert slowed_intervals(1) == ([], [])
+    from services.instance.service import InstanceConfig
+
     inst, sched = slowed_intervals(5)
-    assert inst == ["--report-interval-s", "0.1"] and sched == ["--migrate-interval-s", "0.5"]
+    report = InstanceConfig.__dataclass_fields__["report_interval_s"].default
+    assert inst == ["--report-interval-s", f"{report * 5:g}"] and sched == ["--migrate-interval-s", "0.5"]

@@ -44,6 +44,16 @@ def fake_next_token(context: list[int]) -> int:
     return _mix(list(context[-8:]), len(context), weighted)
 
 
+def fake_generate(prompt: list[int], n: int) -> list[int]:
+    """What a fake engine emits for ``prompt`` (it never emits EOS): the fake
+    model run here, for tests and benchmarks that check outputs exactly."""
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        out.append(fake_next_token(ctx))
+        ctx.append(out[-1])
+    return out
+
+
 def fake_next_token_array(context: np.ndarray) -> int:
     """fake_next_token over an int64 array, vectorised (the sim engine's hot
     path). NOTE: exact: ids < 2**24 and length < 2**20 keep the sum in int64."""
