@@ -157,7 +157,25 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     }
 
 
-async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab):
+HEADER = ["length", "downtime", "stall", "stages", "MiB", "total", "match", "step", "step(mig)",
+          "blocking", "recompute"]
+
+
+def _row(length, r) -> str:
+    s = r["decode_step_ms"]
+    vals = [str(length), r["downtime_ms"], r["stall_ms"], r["stages"], (r["bytes"] or 0) / 2**20, r["total_ms"],
+            str(r["tokens_match"]), s["without_migration"], s["during_migration"], r["blocking_copy_ms"],
+            r["recompute_ms"]]
+    return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals)
+
+
+def _summary(res: dict, config: dict) -> dict:
+    keys = list(res)
+    first, last = res[keys[0]]["downtime_ms"], res[keys[-1]]["downtime_ms"]
+    return {"lengths": res, "flatness": (last / first) if first and last else None, "config": config}
+
+
+async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, on_length):
     bgs = {i.name: Background(i.address, background, 128, vocab) for i in cluster.instances()}
     for b in bgs.values():
         b.start()
@@ -166,9 +184,9 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab):
     try:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=600) as http:
             for length in lengths:
-                click.echo(f"length {length} …", err=True)
                 results[str(length)] = await _measure_length(cluster, http, bgs, length, runs, out_tokens,
                                                              at_token, vocab)
+                on_length(results)
     finally:
         for b in bgs.values():
             await b.stop()
@@ -197,28 +215,26 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
             "--max-model-len", str(max(lens) + out_tokens + 64), *instance_args]
     spec = ClusterSpec(instances=2, engine=engine, model=model, port=free_port(), dispatch="round_robin",
                        instance_args=args, scheduler_args=["--no-migration"], log_level="warning")
+    config = {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
+              "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token}
+
+    def on_length(results: dict) -> None:
+        # Print and save each length as it completes: long lengths take minutes on a CPU.
+        if len(results) == 1:
+            click.echo("".join(f"{h:>11s}" for h in HEADER))
+        length = list(results)[-1]
+        click.echo(_row(length, results[length]))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(_summary(results, config), f, indent=2)
+
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=600)
     try:
-        res = asyncio.run(_run(cluster, lens, runs, background, out_tokens, at_token, vocab))
+        res = asyncio.run(_run(cluster, lens, runs, background, out_tokens, at_token, vocab, on_length))
     finally:
         cluster.stop()
-    first, last = res[str(lens[0])]["downtime_ms"], res[str(lens[-1])]["downtime_ms"]
-    out = {"lengths": res, "flatness": (last / first) if first and last else None,
-           "config": {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
-                      "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token}}
-    hdr = ["length", "downtime", "stall", "stages", "MiB", "total", "match", "step", "step(mig)",
-           "blocking", "recompute"]
-    click.echo("".join(f"{h:>11s}" for h in hdr))
-    for length, r in res.items():
-        s = r["decode_step_ms"]
-        vals = [length, r["downtime_ms"], r["stall_ms"], r["stages"], (r["bytes"] or 0) / 2**20, r["total_ms"],
-                str(r["tokens_match"]), s["without_migration"], s["during_migration"], r["blocking_copy_ms"],
-                r["recompute_ms"]]
-        click.echo("".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v!s:>11s}" for v in vals))
+    out = _summary(res, config)
     click.echo(f"flatness (downtime at {lens[-1]} / at {lens[0]}): "
                f"{out['flatness']:.2f}" if out["flatness"] else "flatness: n/a")
     click.echo("(times in ms; step = background decode step on the source, median)")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
