@@ -98,13 +98,19 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     for _ in range(runs):
         info = {}
 
+        async def migrate_now(rid):
+            info["t0"] = time.perf_counter()
+            info["src"], _, info["res"] = await _migrate(cluster, rid)
+            info["t1"] = time.perf_counter()
+
         async def on_token(n, rid):
-            if n == at_token and "res" not in info:
-                info["t0"] = time.perf_counter()
-                info["src"], _, info["res"] = await _migrate(cluster, rid)
-                info["t1"] = time.perf_counter()
+            # NOTE: order the migration beside the stream, never inline: the
+            # client must keep reading tokens while the migration runs.
+            if n == at_token and "task" not in info:
+                info["task"] = asyncio.create_task(migrate_now(rid))
 
         text, times, final = await _stream(http, body, on_token)
+        await info["task"]
         res = info["res"]
         gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
         near = [(b - a) * 1000 for a, b in zip(times, times[1:]) if info["t0"] - 0.5 <= b <= info["t1"] + 1.0]

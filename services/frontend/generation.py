@@ -13,7 +13,7 @@ import grpc
 
 from ferry.pb import instance_pb2 as ipb
 from libs.common import convert
-from libs.common.errors import FerryError, InvalidArgument, Unavailable, from_grpc
+from libs.common.errors import FerryError, InvalidArgument, Unavailable
 from libs.common.logging import get_logger
 from libs.common.types import Priority, SamplingParams
 from services.frontend import metrics
@@ -119,10 +119,3 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
         gen.num_migrations += 1
         instance_id, address, attach = moved.instance_id, moved.address, True
         gen.instances.append(instance_id)
-
-
-async def collect(router: Router, gen: Generation, max_resumes: int = 3) -> list[int]:
-    try:
-        return [t async for t in run_generation(router, gen, max_resumes)]
-    except grpc.RpcError as e:
-        raise from_grpc(e) from e
