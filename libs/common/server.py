@@ -106,12 +106,13 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
             await r
 
     stop = stop_event or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+    if stop_event is None:  # NOTE: a caller that passes stop_event owns the signals
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
     await stop.wait()
     log.info("stopping", service=service.name)
     for name in ("", *service.service_names):

@@ -62,6 +62,7 @@ async def run_frontend(config: FrontendConfig) -> None:
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True
+        grpc_stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)

@@ -5,6 +5,7 @@ import sys
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferry.cluster import free_port, grpc_healthy
@@ -39,11 +40,14 @@ def test_bad_flag_is_refused_with_a_clear_message():
     assert "llumnix" in r.stderr and "round_robin" in r.stderr
 
 
-def test_frontend_exits_zero_on_sigterm():
+@pytest.mark.parametrize("grpc_api", [False, True])
+def test_frontend_exits_zero_on_sigterm(grpc_api):
     port = free_port()
+    extra = ["--grpc-port", str(free_port())] if grpc_api else []
     proc = subprocess.Popen([sys.executable, "-m", "ferry", "serve", "frontend", "--model", "fake", "--port",
                              str(port), "--scheduler", f"127.0.0.1:{free_port()}",
-                             "--meta-store", f"127.0.0.1:{free_port()}"], stderr=subprocess.PIPE, text=True)
+                             "--meta-store", f"127.0.0.1:{free_port()}", *extra],
+                            stderr=subprocess.PIPE, text=True)
     try:
         import httpx
 
@@ -55,8 +59,10 @@ def test_frontend_exits_zero_on_sigterm():
             except httpx.HTTPError:
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.05)
+        t0 = time.monotonic()
         proc.terminate()
         assert proc.wait(15) == 0
+        assert time.monotonic() - t0 < 5  # HTTP and gRPC both heard SIGTERM
         assert "frontend stopped" in proc.stderr.read()
     finally:
         if proc.poll() is None:
