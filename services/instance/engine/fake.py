@@ -102,6 +102,15 @@ class TokenKvExecutor(Executor):
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
         return self.compute(chunks)
 
+    def paced(self, chunks: list[ScheduledChunk], step_s: float) -> list[int | None]:
+        """compute(), then sleep out the rest of a step that takes ``step_s``."""
+        t0 = time.perf_counter()
+        out = self.compute(chunks)
+        left = step_s - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        return out
+
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return memoryview(np.ascontiguousarray(self.cache[block_ids]).tobytes())
 
@@ -116,12 +125,7 @@ class FakeExecutor(TokenKvExecutor):
         self.delay_s = delay_s
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        t0 = time.perf_counter()
-        out = self.compute(chunks)
-        left = self.delay_s - (time.perf_counter() - t0)
-        if left > 0:
-            time.sleep(left)
-        return out
+        return self.paced(chunks, self.delay_s)
 
 
 class FakeEngine(CoreEngine):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import time
 from dataclasses import dataclass, fields
 
 from services.instance.engine.base import EngineConfig, EngineError
@@ -76,13 +75,8 @@ class SimExecutor(TokenKvExecutor):
         self.last_step_ms = 0.0
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        t0 = time.perf_counter()
         self.last_step_ms = self.profile.step_ms(*chunk_cost(chunks))
-        out = self.compute(chunks)
-        left = self.last_step_ms / 1000.0 - (time.perf_counter() - t0)
-        if left > 0:
-            time.sleep(left)
-        return out
+        return self.paced(chunks, self.last_step_ms / 1000.0)
 
 
 class SimEngine(CoreEngine):
