@@ -130,7 +130,11 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
     """Send every request at its arrival time (relative to now); return the
     records in workload order once all have finished."""
     raise_fd_limit()
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+    # Pooled connections expire before a server's keep-alive timeout (uvicorn's
+    # default is 5 s): a POST sent on a connection the server is closing fails
+    # with a ReadError and is not retried.
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                          keepalive_expiry=2.0)
     timeout = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=None)
     records = [RequestRecord(r.index, r.priority, r.prompt_len, r.output_len, r.arrival_s) for r in workload.requests]
     lo, hi = token_range

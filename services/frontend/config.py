@@ -18,6 +18,8 @@ class FrontendConfig(CommonConfig):
     dispatch_timeout_s: float = opt(1.0, "give up on the scheduler after this long (then bypass)", min=0.01)
     bypass_retry_s: float = opt(1.0, "in bypass, ask the scheduler again after this long", min=0.0)
     max_resumes: int = opt(3, "resume a request on another instance at most this often after crashes", min=0)
+    keep_alive_s: float = opt(75.0, "close idle HTTP keep-alive connections after this long (s); longer than "
+                              "clients' pool expiry, so a reused connection is not closed under a request", min=0.1)
     default_max_model_len: int = opt(2048, "context length when no instance reports one", min=16)
 
     @property

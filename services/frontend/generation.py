@@ -51,7 +51,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
     last_token_at = None
     while True:
         if address is None:
-            instance_id, address = await router.dispatch(
+            instance_id, address, run_priority = await router.dispatch(
                 gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude))
             metrics.PER_INSTANCE.labels(instance_id).inc()
             gen.instances.append(instance_id)
@@ -62,7 +62,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
         else:
             call = stub.Generate(ipb.GenerateRequest(
                 request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
-                sampling=convert.sampling_to_pb(gen.sampling), priority=int(gen.priority),
+                sampling=convert.sampling_to_pb(gen.sampling), priority=int(run_priority),
                 resume_token_ids=gen.delivered))
         moved = None
         try:

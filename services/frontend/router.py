@@ -63,8 +63,10 @@ class Router:
         return min(lens) if lens else default
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
-                       exclude: frozenset[str] = frozenset()) -> tuple[str, str]:
-        """(instance_id, address) for a new request."""
+                       exclude: frozenset[str] = frozenset()) -> tuple[str, str, Priority]:
+        """(instance_id, address, the priority to run it at) for a new
+        request. The scheduler's policy decides the last; in bypass mode the
+        request keeps its own."""
         if time.monotonic() >= self._bypass_until:
             try:
                 reply = await self._sched.Dispatch(
@@ -75,7 +77,7 @@ class Router:
                     log.info("scheduler is back; leaving bypass mode")
                     self.bypass = False
                     metrics.BYPASS.set(0)
-                return reply.instance_id, reply.address
+                return reply.instance_id, reply.address, Priority(reply.run_priority)
             except grpc.RpcError as e:
                 if not is_unavailable(e):
                     raise from_grpc(e) from e
@@ -87,7 +89,7 @@ class Router:
                 self._bypass_until = time.monotonic() + self.bypass_retry_s
         return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude)
 
-    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> tuple[str, str]:
+    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> tuple[str, str, Priority]:
         metrics.BYPASS_DISPATCHES.inc()
         req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude)
         views = self.view.views()
@@ -99,4 +101,4 @@ class Router:
             iid = ids[next(self._rr._rr) % len(ids)]
         rec = self.view.records[iid]
         self.view.add_pending(iid, request_id, blocks_for(num_prompt_tokens, rec.info.block_size))
-        return iid, rec.info.address
+        return iid, rec.info.address, priority

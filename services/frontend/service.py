@@ -48,6 +48,7 @@ async def run_frontend(config: FrontendConfig) -> None:
     app = create_app(config, router, tokenizer)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=config.keep_alive_s,
                                            http="httptools", loop="none"))
     grpc_stop = asyncio.Event()
     tasks = []

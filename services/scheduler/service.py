@@ -61,7 +61,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await abort_with(context, Unavailable("no live instance to dispatch to"))
         rec = view.records[iid]
         view.add_pending(iid, request.request_id, blocks_for(request.num_prompt_tokens, rec.info.block_size))
-        return pb.DispatchReply(instance_id=iid, address=rec.info.address, policy=self.svc.dispatcher.name)
+        run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
+        return pb.DispatchReply(instance_id=iid, address=rec.info.address, policy=self.svc.dispatcher.name,
+                                run_priority=int(run))
 
     async def GetClusterView(self, request, context):
         return pb.ClusterViewReply(

@@ -1,0 +1,31 @@
+"""Only the priority-aware policy (llumnix) runs a high-priority request at
+high priority on the instance; the baselines and llumnix_base treat every
+request alike, as in the paper's comparison, so instance headroom and the
+waiting-queue order cannot favour high priority under them."""
+
+import grpc
+import pytest
+
+from ferry.pb import common_pb2 as cpb
+from ferry.pb import scheduler_pb2 as spb
+from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from tests.conftest import start_fake_cluster
+
+
+@pytest.mark.parametrize("policy, expected", [("llumnix", cpb.PRIORITY_HIGH), ("llumnix_base", cpb.PRIORITY_NORMAL),
+                                              ("infaas++", cpb.PRIORITY_NORMAL),
+                                              ("round_robin", cpb.PRIORITY_NORMAL)])
+async def test_run_priority_follows_the_policy(tmp_path_factory, policy, expected):
+    c = start_fake_cluster(tmp_path_factory, "prio", instances=1, dispatch=policy)
+    try:
+        async with grpc.aio.insecure_channel(c.scheduler) as ch:
+            stub = spb_grpc.SchedulerStub(ch)
+            high = await stub.Dispatch(spb.DispatchRequest(request_id="h", num_prompt_tokens=8,
+                                                           priority=cpb.PRIORITY_HIGH), timeout=10)
+            normal = await stub.Dispatch(spb.DispatchRequest(request_id="n", num_prompt_tokens=8,
+                                                             priority=cpb.PRIORITY_NORMAL), timeout=10)
+        assert high.policy == policy and high.instance_id == "instance-0"
+        assert high.run_priority == expected
+        assert normal.run_priority == cpb.PRIORITY_NORMAL
+    finally:
+        c.stop()
