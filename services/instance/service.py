@@ -45,6 +45,8 @@ class InstanceConfig(CommonConfig):
     device: str = opt("cpu", "torch device (native engine)")
     dtype: str = opt("auto", "weights/KV dtype (native; auto = bf16 where the CPU or GPU has it, else fp32)",
                      choices=("auto", "float32", "bfloat16", "float16"))
+    torch_threads: int = opt(0, "native: torch intra-op threads (0 = torch's default, one per core); set 1 "
+                             "when several instances share a machine's cores", min=0)
     token_delay_ms: float = opt(10.0, "fake engine: time per step (ms)", min=0.0)
     profile: str = opt("llama-7b-a10", "sim engine: latency profile name or JSON path")
     seed: int = opt(0, "engine seed", min=0)
@@ -75,7 +77,7 @@ class InstanceConfig(CommonConfig):
             block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
-            seed=self.seed,
+            seed=self.seed, extra={"num_threads": self.torch_threads} if self.torch_threads else {},
         )
 
 
