@@ -37,21 +37,23 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // max(1, block_size))
 
 
-def llumnix_freeness(v: InstanceView) -> float:
-    """Reported freeness (with priority headroom) less pending dispatches."""
+def llumnix_freeness(v: InstanceView, demand_blocks: int = 0, requests: int = 0) -> float:
+    """Reported freeness (with priority headroom) less pending dispatches and,
+    when dispatching, the new request's own demand (``demand_blocks``,
+    ``requests`` = 1)."""
     s = v.status
-    usage = s.total_blocks - s.freeness * max(1, s.num_running) + v.pending_blocks
-    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests)
+    usage = s.total_blocks - s.freeness * max(1, s.num_running) + v.pending_blocks + demand_blocks
+    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests + requests)
 
 
-def base_freeness(v: InstanceView) -> float:
+def base_freeness(v: InstanceView, demand_blocks: int = 0, requests: int = 0) -> float:
     """Freeness without priority headroom (llumnix_base): used blocks plus the
     head-of-line demand, as Algorithm 1 counts them."""
     s = v.status
     if s.terminating:
         return float("-inf")
-    usage = s.used_blocks + s.head_of_line_demand_blocks + v.pending_blocks
-    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests)
+    usage = s.used_blocks + s.head_of_line_demand_blocks + v.pending_blocks + demand_blocks
+    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests + requests)
 
 
 def memory_load(v: InstanceView) -> float:
@@ -91,16 +93,28 @@ class Dispatcher:
             return None
         if self.name == "round_robin":
             return cands[next(self._rr) % len(cands)].instance_id
-        score: Callable[[InstanceView], float] = DISPATCH_POLICIES[self.name]
+        score: Callable[[InstanceView, int], float] = DISPATCH_POLICIES[self.name]
         # Highest score wins; ties go to the lowest id for determinism.
-        return max(cands, key=lambda v: (score(v), -cands.index(v))).instance_id
+        return max(cands, key=lambda v: (score(v, blocks_for(req.num_prompt_tokens, v.status.block_size)),
+                                         -cands.index(v))).instance_id
 
 
-DISPATCH_POLICIES: dict[str, Callable[[InstanceView], float] | None] = {
+# Dispatch scores (instance, the new request's prompt blocks there). The
+# freeness policies score each instance as it would be with the request
+# placed: its demand joins the usage and it joins the batch, as Algorithm 1
+# would count it once there. Without that, an instance running two long
+# requests (high free blocks per request, yet too few free blocks) outranks
+# one with room, and a long prompt queues behind the pair.
+DISPATCH_POLICIES: dict[str, Callable[[InstanceView, int], float] | None] = {
+    "llumnix": lambda v, blocks: llumnix_freeness(v, blocks, 1),
+    "llumnix_base": lambda v, blocks: base_freeness(v, blocks, 1),
+    "infaas++": lambda v, blocks: -memory_load(v),  # the same demand everywhere: ranking unchanged
+    "round_robin": None,
+}
+# Freeness for the rescheduling loop (instances as they are, nothing added).
+MIGRATION_FREENESS: dict[str, Callable[[InstanceView], float]] = {
     "llumnix": llumnix_freeness,
     "llumnix_base": base_freeness,
-    "infaas++": lambda v: -memory_load(v),
-    "round_robin": None,
 }
 
 

@@ -12,7 +12,7 @@ import grpc
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common.logging import get_logger
-from services.scheduler.policies import DISPATCH_POLICIES, MigrationPair, pair_migrations
+from services.scheduler.policies import MIGRATION_FREENESS, MigrationPair, pair_migrations
 
 log = get_logger(__name__)
 
@@ -23,7 +23,7 @@ class Rescheduler:
         self.config = svc.config
         self._task: asyncio.Task | None = None
         self._busy: dict[str, asyncio.Task] = {}  # instance id -> its migrate-out order
-        self.freeness_of = DISPATCH_POLICIES[
+        self.freeness_of = MIGRATION_FREENESS[
             "llumnix_base" if svc.config.dispatch == "llumnix_base" else "llumnix"]
 
     def start(self) -> None:

@@ -86,3 +86,17 @@ def test_busy_instances_are_not_paired():
 def test_base_freeness_counts_head_of_line_demand():
     v = view("a", total=100, used=40, running=2, hol=30)
     assert base_freeness(v) == (100 - 40 - 30) / 2
+
+
+def test_llumnix_dispatch_counts_the_new_requests_demand():
+    # "pair" runs two long requests: most free blocks per request, but only
+    # 30 free; "busy" runs ten short ones with 60 free. A 40-block prompt
+    # fits only on "busy".
+    views = [view("pair", used=70, running=2), view("busy", used=40, running=10)]
+    assert base_freeness(views[0]) > base_freeness(views[1])  # 15 > 6: as the instances stand
+    req = DispatchRequest("long", 40 * 16, Priority.NORMAL)
+    for policy in ("llumnix", "llumnix_base"):
+        assert Dispatcher(policy).choose(views, req) == "busy", policy
+    # A small request still goes where the freeness per request is highest.
+    small = DispatchRequest("short", 16, Priority.NORMAL)
+    assert Dispatcher("llumnix").choose(views, small) == "pair"
