@@ -37,23 +37,44 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // max(1, block_size))
 
 
-def llumnix_freeness(v: InstanceView, demand_blocks: int = 0, requests: int = 0) -> float:
-    """Reported freeness (with priority headroom) less pending dispatches and,
-    when dispatching, the new request's own demand (``demand_blocks``,
-    ``requests`` = 1)."""
+def llumnix_freeness(v: InstanceView) -> float:
+    """Reported freeness (Algorithm 1: physical usage, priority headroom, the
+    head-of-line demand) less pending dispatches. The rescheduling loop's view."""
     s = v.status
-    usage = s.total_blocks - s.freeness * max(1, s.num_running) + v.pending_blocks + demand_blocks
-    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests + requests)
+    usage = s.total_blocks - s.freeness * max(1, s.num_running) + v.pending_blocks
+    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests)
 
 
-def base_freeness(v: InstanceView, demand_blocks: int = 0, requests: int = 0) -> float:
+def base_freeness(v: InstanceView) -> float:
     """Freeness without priority headroom (llumnix_base): used blocks plus the
     head-of-line demand, as Algorithm 1 counts them."""
     s = v.status
     if s.terminating:
         return float("-inf")
-    usage = s.used_blocks + s.head_of_line_demand_blocks + v.pending_blocks + demand_blocks
-    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests + requests)
+    usage = s.used_blocks + s.head_of_line_demand_blocks + v.pending_blocks
+    return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests)
+
+
+def llumnix_dispatch_freeness(v: InstanceView, demand_blocks: int) -> float:
+    """Freeness for placing a new request of ``demand_blocks``: every queued
+    request counts (its demand in the usage, itself in the batch), not only
+    the head of line, and so does the new request. Migration needs only the
+    head of line (what blocks admission now); dispatch must also see how long
+    a queue the new request would join, or it keeps sending requests to an
+    instance whose queue is blocked behind one small head."""
+    s = v.status
+    usage = (s.total_blocks - s.freeness * max(1, s.num_running) - s.head_of_line_demand_blocks
+             + s.waiting_demand_blocks + v.pending_blocks + demand_blocks)
+    return (s.total_blocks - usage) / (s.num_running + s.num_waiting + v.pending_requests + 1)
+
+
+def base_dispatch_freeness(v: InstanceView, demand_blocks: int) -> float:
+    """llumnix_dispatch_freeness without priority headroom (llumnix_base)."""
+    s = v.status
+    if s.terminating:
+        return float("-inf")
+    usage = s.used_blocks + s.waiting_demand_blocks + v.pending_blocks + demand_blocks
+    return (s.total_blocks - usage) / (s.num_running + s.num_waiting + v.pending_requests + 1)
 
 
 def memory_load(v: InstanceView) -> float:
@@ -101,13 +122,10 @@ class Dispatcher:
 
 # Dispatch scores (instance, the new request's prompt blocks there). The
 # freeness policies score each instance as it would be with the request
-# placed: its demand joins the usage and it joins the batch, as Algorithm 1
-# would count it once there. Without that, an instance running two long
-# requests (high free blocks per request, yet too few free blocks) outranks
-# one with room, and a long prompt queues behind the pair.
+# placed (see llumnix_dispatch_freeness).
 DISPATCH_POLICIES: dict[str, Callable[[InstanceView, int], float] | None] = {
-    "llumnix": lambda v, blocks: llumnix_freeness(v, blocks, 1),
-    "llumnix_base": lambda v, blocks: base_freeness(v, blocks, 1),
+    "llumnix": llumnix_dispatch_freeness,
+    "llumnix_base": base_dispatch_freeness,
     "infaas++": lambda v, blocks: -memory_load(v),  # the same demand everywhere: ranking unchanged
     "round_robin": None,
 }

@@ -100,3 +100,21 @@ def test_llumnix_dispatch_counts_the_new_requests_demand():
     # A small request still goes where the freeness per request is highest.
     small = DispatchRequest("short", 16, Priority.NORMAL)
     assert Dispatcher("llumnix").choose(views, small) == "pair"
+
+
+def test_llumnix_dispatch_sees_the_whole_queue_not_only_its_head():
+    # "queued": 30 free blocks, a 2-block head of line and nine more requests
+    # (80 blocks in all) waiting behind it. "steady": 20 free blocks, nothing
+    # waiting. Algorithm 1 freeness (migration) counts only the head, so
+    # "queued" looks freer per request, even with the new request added;
+    # dispatch counts the queue and picks "steady".
+    q = InstanceStatus("queued", total_blocks=100, free_blocks=30, num_running=1, num_waiting=10,
+                       head_of_line_demand_blocks=2, waiting_demand_blocks=80, used_blocks=70,
+                       freeness=(100 - 70 - 2) / 1)
+    st = InstanceStatus("steady", total_blocks=100, free_blocks=20, num_running=4, num_waiting=0,
+                        used_blocks=80, freeness=(100 - 80) / 4)
+    views = [InstanceView("queued", q), InstanceView("steady", st)]
+    assert base_freeness(views[0]) > base_freeness(views[1])  # 28 > 5
+    assert (100 - 70 - 2 - 2) / 2 > (100 - 80 - 2) / 5  # head of line only, new request added: 13 > 3.6
+    for policy in ("llumnix", "llumnix_base"):
+        assert Dispatcher(policy).choose(views, REQ) == "steady", policy
