@@ -77,14 +77,23 @@ def measure_prefill(engine, lengths: list[int], vocab: int, rng, repeats: int = 
     return points
 
 
-def measure_decode(engine, batch: int, context: int, steps: int, vocab: int, rng) -> list[tuple[int, int, float]]:
+def decode_tokens(batch: int, context: int, steps: int, budget: int) -> int:
+    """Output tokens each request needs to still be running in the timed
+    steps: requests prefilled early decode while later ones prefill (chunked
+    at ``budget`` tokens per step)."""
+    return steps + 2 + -(-batch * context // budget)
+
+
+def measure_decode(engine, batch: int, context: int, steps: int, vocab: int, rng,
+                   budget: int = 2048) -> list[tuple[int, int, float]]:
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
 
     ids = [f"decode-{batch}-{context}-{i}" for i in range(batch)]
+    max_tokens = decode_tokens(batch, context, steps, budget)
     for rid in ids:
         engine.add_request(EngineRequest(rid, _prompt(context, vocab, rng),
-                                         SamplingParams(max_tokens=steps + 2, ignore_eos=True)))
+                                         SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     started: set[str] = set()
     while len(started) < batch:  # prefill everything (not timed): each request's first token
         started.update(o.request_id for o in engine.step())
@@ -139,7 +148,8 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
                                             max_num_seqs=max(256, max(batch_sizes)), seed=seed))
     except EngineError as e:
         raise click.UsageError(f"cannot build the engine: {e} (raise --num-blocks?)") from e
-    need = max(max(prefill_lens), max(batch_sizes) * -(-(max(context_lens) + steps + 2) // block_size) * block_size)
+    b, c = max(batch_sizes), max(context_lens)
+    need = max(max(prefill_lens), b * -(-(c + decode_tokens(b, c, steps, budget)) // block_size) * block_size)
     capacity = engine.num_total_blocks * block_size
     if need > capacity or max(prefill_lens) + 1 > engine.max_model_len:
         raise click.UsageError(f"the measurement needs {need} KV tokens and {max(prefill_lens) + 1} context; "
@@ -152,7 +162,7 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
     dec = []
     for c in context_lens:
         for b in batch_sizes:
-            dec += measure_decode(engine, b, c, steps, vocab, rng)
+            dec += measure_decode(engine, b, c, steps, vocab, rng, budget)
     engine.check_integrity()
     base, per_seq, per_kv = fit_step_model(dec)
     per_tok = fit_slope(pre)

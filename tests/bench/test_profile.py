@@ -66,3 +66,16 @@ def make_sim_engine():
         return n
 
     return run
+
+
+def test_decode_points_time_the_whole_batch(tmp_path):
+    # Prefill is chunked: the first requests decode while the last prefill.
+    # Every timed step must still run the whole batch, at its full context.
+    out = tmp_path / "tiny.json"
+    # 16 x 400 tokens take four 2048-token prefill steps.
+    r = CliRunner().invoke(profile, ["--json", str(out), "--model", "tiny-llama", "--num-blocks", "512",
+                                     "--prefill-lens", "16,32", "--batch-sizes", "16", "--context-lens", "400",
+                                     "--steps", "3"])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    for p in json.loads(out.read_text())["measured"]["decode"]:
+        assert p["batch"] == 16 and p["kv_tokens"] >= 16 * 400, p
