@@ -16,7 +16,6 @@ when and how it was measured.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
 import time
@@ -81,7 +80,9 @@ def decode_tokens(batch: int, context: int, steps: int, budget: int) -> int:
     """Output tokens each request needs to still be running in the timed
     steps: requests prefilled early decode while later ones prefill (chunked
     at ``budget`` tokens per step)."""
-    return steps + 2 + -(-batch * context // budget)
+    from services.instance.engine.core.scheduler import cdiv
+
+    return steps + 2 + cdiv(batch * context, budget)
 
 
 def measure_decode(engine, batch: int, context: int, steps: int, vocab: int, rng,
@@ -136,6 +137,7 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
     """Measure the native engine here and write a sim profile (JSON)."""
     import torch
 
+    from ferry.bench.serving import write_json
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineError
 
@@ -148,8 +150,11 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
                                             max_num_seqs=max(256, max(batch_sizes)), seed=seed))
     except EngineError as e:
         raise click.UsageError(f"cannot build the engine: {e} (raise --num-blocks?)") from e
-    b, c = max(batch_sizes), max(context_lens)
-    need = max(max(prefill_lens), b * -(-(c + decode_tokens(b, c, steps, budget)) // block_size) * block_size)
+    from services.instance.engine.core.scheduler import cdiv
+
+    top_b, top_c = max(batch_sizes), max(context_lens)
+    need = max(max(prefill_lens),
+               top_b * cdiv(top_c + decode_tokens(top_b, top_c, steps, budget), block_size) * block_size)
     capacity = engine.num_total_blocks * block_size
     if need > capacity or max(prefill_lens) + 1 > engine.max_model_len:
         raise click.UsageError(f"the measurement needs {need} KV tokens and {max(prefill_lens) + 1} context; "
@@ -189,9 +194,7 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
                      "decode": [{"batch": b, "kv_tokens": kv, "ms": ms} for b, kv, ms in dec],
                      "decode_fit_mean_relative_error": rel_err},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(prof, f, indent=1)
+    write_json(json_path, prof)
     click.echo(f"{'':10}{'batch':>7}{'kv tokens':>11}{'measured ms':>13}{'fitted ms':>11}")
     for (b, kv, ms), p in zip(dec[steps - 1::steps], pred[steps - 1::steps]):
         click.echo(f"{'decode':10}{b:>7}{kv:>11}{ms:>13.2f}{p:>11.2f}")
