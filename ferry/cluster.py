@@ -27,11 +27,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
+def _die_with_parent() -> None:  # runs in the child, first thing
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+# The child arranges to die with its parent itself, then exits if the parent
+# is already gone, then runs ``python -m ferry <args>``. Not a preexec_fn:
+# Python code between fork and exec ran gRPC's fork handlers in the child of
+# a process with live gRPC threads, which aborted it now and then (SIGABRT,
+# "epoll_wait error: Bad file descriptor"); without one, subprocess can vfork.
+_BOOTSTRAP = (
+    "import os, runpy, sys\n"
+    "from ferry.cluster import _die_with_parent\n"
+    "_die_with_parent()\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
+    "sys.argv = ['ferry', *sys.argv[2:]]\n"
+    "runpy.run_module('ferry', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def ferry_command(args: list[str]) -> list[str]:
+    """argv that runs ``ferry <args>`` as a child that dies with this process."""
+    return [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *args]
 
 
 class StartupError(RuntimeError):
@@ -109,7 +129,7 @@ class LocalCluster:
         return ["--log-format", self.spec.log_format, "--log-level", self.spec.log_level]
 
     def _spawn(self, child: Child) -> Child:
-        cmd = [sys.executable, "-m", "ferry", "serve", child.kind, *child.args, *self._common()]
+        cmd = ferry_command(["serve", child.kind, *child.args, *self._common()])
         out = None
         if self.spec.log_dir:
             os.makedirs(self.spec.log_dir, exist_ok=True)
@@ -117,7 +137,7 @@ class LocalCluster:
             out = open(child.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         child.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, env=env)
+                                      stdin=subprocess.DEVNULL, env=env)
         if out:
             out.close()
         return child

@@ -17,7 +17,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,22 +24,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferry.cluster import free_port
+from ferry.cluster import ferry_command, free_port
 from libs.common.logging import get_logger
 
 log = get_logger(__name__)
-
-
-# Run in the child: die with the scheduler (the helper of ferry/cluster.py),
-# exit if the scheduler is already gone, then run ``python -m ferry <args>``.
-_BOOTSTRAP = (
-    "import os, runpy, sys\n"
-    "from ferry.cluster import _die_with_parent\n"
-    "_die_with_parent()\n"
-    "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
-    "sys.argv = ['ferry', *sys.argv[2:]]\n"
-    "runpy.run_module('ferry', run_name='__main__', alter_sys=True)\n"
-)
 
 
 class LaunchError(RuntimeError):
@@ -93,14 +80,13 @@ class LocalProcessLauncher(Launcher):
         self.stopped = 0
 
     def command(self, instance_id: str, port: int) -> list[str]:
-        """``python -m ferry serve instance …`` behind a two-line bootstrap
-        that sets PR_SET_PDEATHSIG first (ferry/cluster.py's helper). Not a
-        preexec_fn: running Python between fork and exec in the scheduler
-        (gRPC threads, uvloop) crashes the child (SIGSEGV)."""
+        """``ferry serve instance …`` as a child that dies with the scheduler
+        (ferry/cluster.py's ferry_command; not a preexec_fn, which crashed
+        children of a process with live gRPC threads)."""
         # Ours come last: click keeps the last value of a repeated option.
         args = ["serve", "instance", *self.args, "--host", self.host, "--port", str(port),
                 "--instance-id", instance_id, "--meta-store", self.meta_store]
-        return [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *args]
+        return ferry_command(args)
 
     def instances(self) -> list[str]:
         return [i for i, p in self._procs.items() if p.proc.poll() is None]
