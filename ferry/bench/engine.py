@@ -89,8 +89,15 @@ def reference_check(model_dir, device: str, n_tokens: int = 64) -> bool:
     return bool(ok)
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+def int_list(text: str, allow_empty: bool = False) -> list[int]:
+    """Comma-separated positive integers (a click option's value)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from None
+    if (not vals and not allow_empty) or (vals and min(vals) < 1):
+        raise click.BadParameter(f"{text!r}: expected positive integers")
+    return vals
 
 
 @click.command()
@@ -116,7 +123,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     from services.instance.engine.base import EngineConfig
     from services.instance.engine.native.config import SHAPES
 
-    bss, hf_bss = _ints(batch_sizes), _ints(hf_batch_sizes)
+    bss, hf_bss = int_list(batch_sizes), int_list(hf_batch_sizes, allow_empty=True)
     need_blocks = max(bss) * -(-(prompt_len + output_len) // 16) + 8
     t0 = time.perf_counter()
     eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,

@@ -109,16 +109,6 @@ def measure_decode(engine, batch: int, context: int, steps: int, vocab: int, rng
     return points
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from None
-    if not vals or min(vals) < 1:
-        raise click.BadParameter(f"{text!r}: expected positive integers")
-    return vals
-
-
 @click.command("profile")
 @click.option("--json", "json_path", required=True, help="write the sim profile here")
 @click.option("--model", default="smollm2", show_default=True, help="model name, directory or random-weight shape")
@@ -137,11 +127,12 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
     """Measure the native engine here and write a sim profile (JSON)."""
     import torch
 
+    from ferry.bench.engine import int_list
     from ferry.bench.serving import write_json
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineError
 
-    prefill_lens, batch_sizes, context_lens = _ints(prefill_lens), _ints(batch_sizes), _ints(context_lens)
+    prefill_lens, batch_sizes, context_lens = int_list(prefill_lens), int_list(batch_sizes), int_list(context_lens)
     budget = max(2048, max(prefill_lens))
     try:
         engine = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
