@@ -42,7 +42,7 @@ class Background:
                 sampling=cpb.SamplingParams(max_tokens=100_000, ignore_eos=True)))
             try:
                 async for ev in call:
-                    if ev.has_token and i == 0:  # one stream is enough to time steps
+                    if ev.token_ids and i == 0:  # one stream is enough to time steps
                         self.times.append(time.perf_counter())
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 pass
@@ -141,7 +141,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
             request_id=f"recompute-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt + [100] * at_token,
             sampling=cpb.SamplingParams(max_tokens=1, ignore_eos=True)))
         async for ev in call:
-            if ev.has_token:
+            if ev.token_ids:
                 break
         recompute_ms = (time.perf_counter() - t0) * 1000
     ok = [r for r in rows if r["committed"]]

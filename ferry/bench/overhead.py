@@ -33,7 +33,7 @@ async def _direct_ttft(address: str, n: int) -> list[float]:
             t0 = time.perf_counter()
             call = stub.Generate(req)
             async for ev in call:
-                if ev.has_token:
+                if ev.token_ids:
                     out.append(time.perf_counter() - t0)
                     break
             call.cancel()

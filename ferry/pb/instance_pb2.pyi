@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: _common_pb2.Priority
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     frontend_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ...) -> None: ...
+    flush_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
 
 class MovedTo(_message.Message):
     __slots__ = ("instance_id", "address", "next_index")
@@ -34,34 +36,34 @@ class MovedTo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., next_index: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("index", "token_id", "finish_reason", "has_token", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations")
+    __slots__ = ("index", "token_ids", "finish_reason", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations")
     INDEX_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MOVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_LOSS_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
-    token_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
-    has_token: bool
     moved: MovedTo
     num_prompt_tokens: int
     num_preemptions: int
     preemption_loss_ms: float
     num_migrations: int
-    def __init__(self, index: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., has_token: _Optional[bool] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("request_id", "from_index")
+    __slots__ = ("request_id", "from_index", "flush_interval_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     from_index: int
-    def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
+    flush_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

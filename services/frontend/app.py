@@ -90,6 +90,7 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
 
         base = {"id": gen.request_id, "created": prep.created, "model": model_name}
         if not stream:
+            gen.flush_interval_ms = config.nonstream_flush_ms
             text = "".join([t async for t in text_stream(router, tokenizer, prep, config.max_resumes)])
             metrics.REQUESTS.labels(endpoint, "200").inc()
             return JSONResponse({**base, "object": obj, "choices": [choice(text, gen.finish_reason, True)],

@@ -20,6 +20,10 @@ class FrontendConfig(CommonConfig):
     max_resumes: int = opt(3, "resume a request on another instance at most this often after crashes", min=0)
     keep_alive_s: float = opt(75.0, "close idle HTTP keep-alive connections after this long (s); longer than "
                               "clients' pool expiry, so a reused connection is not closed under a request", min=0.1)
+    status_interval_s: float = opt(0.5, "take each instance's status from the meta store at most this often (the "
+                                   "frontend's view serves bypass dispatch and /metrics; 0 = every report)", min=0.0)
+    nonstream_flush_ms: int = opt(500, "non-streaming requests: instances send tokens after the first together at "
+                                  "most this often (fewer messages; 0 = each token at once)", min=0)
     default_max_model_len: int = opt(2048, "context length when no instance reports one", min=16)
 
     @property

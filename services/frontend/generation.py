@@ -38,6 +38,9 @@ class Generation:
     num_resumes: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # Above 0: the instance may hold tokens after the first and send them
+    # together this often (for clients that read only the whole completion).
+    flush_interval_ms: int = 0
 
 
 async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) -> AsyncIterator[int]:
@@ -58,30 +61,35 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
             attach = False
         stub = router.instance(address)
         if attach:
-            call = stub.Attach(ipb.AttachRequest(request_id=gen.request_id, from_index=len(gen.delivered)))
+            call = stub.Attach(ipb.AttachRequest(request_id=gen.request_id, from_index=len(gen.delivered),
+                                                 flush_interval_ms=gen.flush_interval_ms))
         else:
             call = stub.Generate(ipb.GenerateRequest(
                 request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
                 sampling=convert.sampling_to_pb(gen.sampling), priority=int(run_priority),
-                resume_token_ids=gen.delivered))
+                resume_token_ids=gen.delivered, flush_interval_ms=gen.flush_interval_ms))
         moved = None
         try:
             async for ev in call:
-                if ev.has_token:
-                    if ev.index == len(gen.delivered):
+                if ev.token_ids:
+                    skip = len(gen.delivered) - ev.index  # of these, already delivered
+                    if skip < 0:
+                        raise FerryError(f"token stream gap: got index {ev.index}, "
+                                         f"expected {len(gen.delivered)}")
+                    new = ev.token_ids[skip:]
+                    if new:
                         now = time.perf_counter()
                         if gen.first_token_at is None:
                             gen.first_token_at = now
                             metrics.TTFT.observe(now - gen.arrival)
                         elif last_token_at is not None:
-                            metrics.ITL.observe(now - last_token_at)
+                            gap = (now - last_token_at) / len(new)
+                            for _ in new:
+                                metrics.ITL.observe(gap)
                         last_token_at = now
-                        gen.delivered.append(ev.token_id)
-                        yield ev.token_id
-                    elif ev.index > len(gen.delivered):
-                        raise FerryError(f"token stream gap: got index {ev.index}, "
-                                         f"expected {len(gen.delivered)}")
-                    # ev.index < len(delivered): already delivered; drop it.
+                        for token_id in new:
+                            gen.delivered.append(token_id)
+                            yield token_id
                 if ev.finish_reason:
                     gen.finish_reason = ev.finish_reason
                     gen.num_preemptions += ev.num_preemptions

@@ -81,8 +81,10 @@ class InstanceConfig(CommonConfig):
         )
 
 
-def event_to_pb(ev: Event, num_prompt_tokens: int = 0) -> pb.TokenEvent:
-    m = pb.TokenEvent(index=ev.index, has_token=ev.token_id is not None, token_id=ev.token_id or 0,
+def event_to_pb(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> pb.TokenEvent:
+    """One TokenEvent for ``tokens`` (output positions from ``first_index``)
+    and whatever else ``ev``, the last event they came with, says."""
+    m = pb.TokenEvent(index=first_index if tokens else ev.index, token_ids=tokens,
                       finish_reason=ev.finish_reason or "", num_prompt_tokens=num_prompt_tokens)
     if ev.moved_to is not None:
         m.moved.instance_id, m.moved.address = ev.moved_to
@@ -219,23 +221,40 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         except EngineError as e:
             svc.streams.close(rid)
             await abort_with(context, InvalidArgument(str(e)))
-        async for m in self._follow(stream, rid, len(resume), len(request.prompt_token_ids)):
+        async for m in self._follow(stream, rid, len(resume), len(request.prompt_token_ids),
+                                    request.flush_interval_ms):
             yield m
 
     async def Attach(self, request, context):
         stream = self.svc.streams.get(request.request_id)
         if stream is None or stream.attached:
             await abort_with(context, NotFound(f"request {request.request_id!r} is not here to attach to"))
-        async for m in self._follow(stream, request.request_id, request.from_index, 0):
+        async for m in self._follow(stream, request.request_id, request.from_index, 0, request.flush_interval_ms):
             yield m
 
-    async def _follow(self, stream, rid: str, from_index: int, num_prompt_tokens: int):
+    async def _follow(self, stream, rid: str, from_index: int, num_prompt_tokens: int, flush_interval_ms: int):
+        """The stream's events as TokenEvents. With a flush interval, tokens
+        after the first are held and sent together at most that often; a
+        final event (finished, or moved away) always goes at once with what
+        is held."""
         stream.attached = True
         final = False
+        interval_s = max(0, flush_interval_ms) / 1000.0
+        held: list[int] = []
+        held_from = 0
+        last_sent: float | None = None
         try:
             async for ev in stream.events(from_index):
                 final = ev.final
-                yield event_to_pb(ev, num_prompt_tokens)
+                if ev.token_id is not None:
+                    if not held:
+                        held_from = ev.index
+                    held.append(ev.token_id)
+                now = time.monotonic()
+                if final or last_sent is None or now - last_sent >= interval_s:
+                    m = event_to_pb(ev, held, held_from, num_prompt_tokens)
+                    held, last_sent = [], now
+                    yield m
         finally:
             if self.svc.streams.get(rid) is stream:
                 self.svc.streams.close(rid)

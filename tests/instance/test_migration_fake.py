@@ -78,3 +78,81 @@ async def test_many_concurrent_requests_migrating(cluster):
     assert all(ok for ok, _ in results)
     assert sum(c for _, c in results) >= 8  # most migrations committed (limits may refuse some)
     assert_clean(cluster)
+
+
+def running_request_ids(cluster) -> list[str]:
+    import grpc
+
+    from ferry.pb import instance_pb2 as ipb
+    from ferry.pb import instance_pb2_grpc as ipb_grpc
+
+    ids = []
+    for inst in cluster.instances():
+        if inst.alive():
+            with grpc.insecure_channel(inst.address) as ch:
+                st = ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
+            ids += [r.request_id for r in st.requests]
+    return ids
+
+
+@pytest.mark.parametrize("flush_ms", [0, 150])
+async def test_flush_interval_sends_the_same_tokens_in_fewer_events(cluster, flush_ms):
+    """A flush interval holds tokens after the first and sends them together;
+    without one, every token is its own event."""
+    import grpc
+
+    from ferry.pb import common_pb2 as cpb
+    from ferry.pb import instance_pb2 as ipb
+    from ferry.pb import instance_pb2_grpc as ipb_grpc
+    from tests.helpers import expected_fake_tokens
+
+    prompt, n = list(b"flush interval"), 60  # 60 steps of 8 ms: about 0.5 s
+    inst = cluster.instances()[0]
+    async with grpc.aio.insecure_channel(inst.address) as ch:
+        call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
+            request_id=f"flush-{flush_ms}", prompt_token_ids=prompt, flush_interval_ms=flush_ms,
+            sampling=cpb.SamplingParams(max_tokens=n, ignore_eos=True)))
+        events = [ev async for ev in call]
+    tokens = [t for ev in events for t in ev.token_ids]
+    assert tokens == expected_fake_tokens(prompt, n)
+    starts = [ev.index for ev in events if ev.token_ids]
+    sizes = [len(ev.token_ids) for ev in events if ev.token_ids]
+    assert starts == [sum(sizes[:i]) for i in range(len(sizes))]  # contiguous, in order
+    assert events[-1].finish_reason == "length"
+    assert sizes[0] == 1  # the first token is never held
+    if flush_ms == 0:
+        assert sizes == [1] * n
+    else:
+        assert len(sizes) <= 1 + 0.5 / 0.15 + 2, sizes
+    assert_clean(cluster)
+
+
+async def test_non_streaming_request_migrates_with_held_tokens(cluster):
+    """Non-streaming requests run with the frontend's flush interval (tokens
+    held on the instance between sends): migrating one twice still gives the
+    exact text, each token once."""
+    import asyncio
+
+    prompt, n = "held tokens " * 4, 200  # 200 steps of 8 ms
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+        post = asyncio.create_task(http.post("/v1/completions", json={
+            "prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": False}))
+        rid = None
+        for _ in range(200):
+            ids = await asyncio.to_thread(running_request_ids, cluster)
+            if ids:
+                rid = ids[0]
+                break
+            await asyncio.sleep(0.01)
+        assert rid is not None
+        moved = []
+        for _ in range(2):
+            await asyncio.sleep(0.35)
+            moved.append(await migrate(cluster, rid))
+        r = await post
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == expected_fake_text(prompt, n)
+    assert body["usage"]["completion_tokens"] == n
+    assert body["ferry"]["migrations"] == sum(m.committed for m in moved if m) >= 1
+    assert_clean(cluster)
