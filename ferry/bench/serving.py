@@ -5,10 +5,13 @@ view while it runs, print a summary table, write JSON and plots.
 Sim time scale: ``--sim-slowdown K`` runs sim instances on a copy of the
 profile with every millisecond figure multiplied by K and the arrivals slowed
 by K, stretches the control loops (status reports, rescheduling interval) by
-K, then divides every measured duration by K. The modelled system is the same;
-the cluster's Python overhead (frontend, gRPC, client, which do not scale)
-shrinks by K relative to the modelled GPU time, so 16 instances fit on a small
-machine. Not scaled: migration transfer time (K times faster in model time).
+K, then divides every measured duration by K. The modelled system is the same.
+K > 1: the cluster's Python overhead (frontend, gRPC, client, which do not
+scale) shrinks by K relative to the modelled GPU time, so 16 instances fit on
+a small machine. K < 1 compresses time: a run takes K of its model time, at
+1/K times the CPU per wall second; check that the machine keeps up (compare
+with K = 1 on the same workload). Not scaled: migration transfer time (K
+times faster in model time), the frontend's batching of non-streamed tokens.
 Results say which K they used.
 """
 
@@ -276,8 +279,9 @@ def serving_options(f):
         click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True),
         click.option("--engine", type=click.Choice(["sim", "fake", "native"]), default="sim", show_default=True),
         click.option("--profile", default="llama-7b-a10", show_default=True, help="sim profile name or JSON path"),
-        click.option("--sim-slowdown", type=click.FloatRange(min=1), default=1.0, show_default=True,
-                     help="sim: run K times slower in wall time, report model time (see module doc)"),
+        click.option("--sim-slowdown", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                     help="sim: run K times slower in wall time (below 1: faster, to compress a long run), "
+                          "report model time (see module doc)"),
         click.option("--token-delay-ms", type=float, default=None, help="fake engine step time"),
         click.option("--instance-arg", "instance_args", multiple=True,
                      help="extra `ferry serve instance` argument (repeatable), e.g. --instance-arg=--max-model-len=8192"),

@@ -49,8 +49,10 @@ class ListReply(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[_common_pb2.InstanceRecord, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("min_update_interval_s",)
+    MIN_UPDATE_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    min_update_interval_s: float
+    def __init__(self, min_update_interval_s: _Optional[float] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("type", "record")

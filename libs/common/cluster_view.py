@@ -27,8 +27,12 @@ CARRY_OVER_S = 3.0
 
 
 class ClusterView:
-    def __init__(self, meta_store_address: str, carry_over_s: float = CARRY_OVER_S):
+    def __init__(self, meta_store_address: str, carry_over_s: float = CARRY_OVER_S,
+                 min_update_interval_s: float = 0.0):
+        """``min_update_interval_s`` above 0: the meta store sends each
+        instance's status at most this often (for a view that may lag)."""
         self.meta_store_address = meta_store_address
+        self.min_update_interval_s = min_update_interval_s
         self.carry_over_s = carry_over_s
         self._carried: dict[str, float] = {}  # instance -> drop after (monotonic)
         self.records: dict[str, InstanceRecord] = {}
@@ -56,7 +60,7 @@ class ClusterView:
                 async with grpc.aio.insecure_channel(self.meta_store_address, options=GRPC_OPTIONS) as ch:
                     stub = mpb_grpc.MetaStoreStub(ch)
                     fresh: dict[str, InstanceRecord] = {}
-                    async for ev in stub.Watch(mpb.WatchRequest()):
+                    async for ev in stub.Watch(mpb.WatchRequest(min_update_interval_s=self.min_update_interval_s)):
                         backoff = 0.05
                         if ev.type == mpb.WatchEvent.SYNCED:
                             # NOTE: keep the last view (DESIGN §7): instances the

@@ -24,11 +24,11 @@ log = get_logger(__name__)
 
 class Router:
     def __init__(self, scheduler: str, meta_store: str, dispatch_timeout_s: float = 1.0,
-                 bypass_retry_s: float = 1.0):
+                 bypass_retry_s: float = 1.0, status_interval_s: float = 0.0):
         self.scheduler_address = scheduler
         self.dispatch_timeout_s = dispatch_timeout_s
         self.bypass_retry_s = bypass_retry_s
-        self.view = ClusterView(meta_store)
+        self.view = ClusterView(meta_store, min_update_interval_s=status_interval_s)
         self._local = Dispatcher("llumnix")
         self._rr = Dispatcher("round_robin")
         self._channels: dict[str, grpc.aio.Channel] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from libs.common.types import InstanceInfo, InstanceRecord, InstanceStatus
@@ -24,6 +24,9 @@ class ChangeType(enum.Enum):
 class Change:
     type: ChangeType
     record: InstanceRecord | None
+    # One change goes to every watcher: its wire form is built once, by the
+    # first watcher that sends it (see MetaStoreServicer.Watch).
+    wire: list = field(default_factory=list, compare=False, repr=False)
 
 
 class Registry:
@@ -90,9 +93,10 @@ class Registry:
         self._watchers.discard(q)
 
     def _notify(self, type_: ChangeType, rec: InstanceRecord) -> None:
+        change = Change(type_, rec)
         for q in list(self._watchers):
             try:
-                q.put_nowait(Change(type_, rec))
+                q.put_nowait(change)
             except asyncio.QueueFull:
                 self._watchers.discard(q)
                 while not q.empty():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 
@@ -13,7 +14,7 @@ from libs.common import convert
 from libs.common.config import CommonConfig, opt
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from services.meta_store.registry import ChangeType, Registry
+from services.meta_store.registry import Change, ChangeType, Registry
 
 log = get_logger(__name__)
 
@@ -54,17 +55,46 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
 
     async def Watch(self, request, context):
         q = self.registry.subscribe()
+        interval = max(0.0, request.min_update_interval_s)
+        held: dict[str, Change] = {}  # instance -> latest status update not sent yet
+        last_sent: dict[str, float] = {}  # instance -> when its last update went
         try:
             while True:
-                change = await q.get()
+                if held:
+                    due = min(last_sent[i] for i in held) + interval
+                    try:
+                        change = await asyncio.wait_for(q.get(), max(0.0, due - time.monotonic()))
+                    except TimeoutError:
+                        now = time.monotonic()
+                        for iid in [i for i in held if now - last_sent[i] >= interval]:
+                            last_sent[iid] = now
+                            yield _wire(held.pop(iid))
+                        continue
+                else:
+                    change = await q.get()
                 if change is None:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watcher fell behind; watch again")
-                ev = pb.WatchEvent(type=_TYPES[change.type])
-                if change.record is not None:
-                    ev.record.CopyFrom(convert.record_to_pb(change.record))
-                yield ev
+                if interval > 0 and change.record is not None:
+                    iid = change.record.info.instance_id
+                    if change.type == ChangeType.UPDATED:
+                        now = time.monotonic()
+                        if now - last_sent.get(iid, -interval) < interval:
+                            held[iid] = change  # replaces an older one
+                            continue
+                        last_sent[iid] = now
+                    held.pop(iid, None)  # this change is newer than what is held
+                yield _wire(change)
         finally:
             self.registry.unsubscribe(q)
+
+
+def _wire(change: Change) -> pb.WatchEvent:
+    if not change.wire:
+        ev = pb.WatchEvent(type=_TYPES[change.type])
+        if change.record is not None:
+            ev.record.CopyFrom(convert.record_to_pb(change.record))
+        change.wire.append(ev)
+    return change.wire[0]
 
 
 class MetaStoreService(Service):

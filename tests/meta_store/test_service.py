@@ -56,3 +56,34 @@ async def test_reporting_instance_stays_alive(store):
         await asyncio.sleep(0.15)
     ids = [r.info.instance_id for r in (await store.List(pb.ListRequest())).instances]
     assert ids == ["b"]
+
+
+async def test_thinned_watch_sends_latest_status_per_interval(store):
+    """With min_update_interval_s, a burst of reports reaches the watcher as
+    the first one and then the latest one when the interval is up; a full-rate
+    watcher beside it still sees every report; a removal is not held back."""
+    await store.Register(pb.RegisterRequest(info=_info("c")))
+    thin = store.Watch(pb.WatchRequest(min_update_interval_s=0.3)).__aiter__()
+    full = store.Watch(pb.WatchRequest()).__aiter__()
+    for it in (thin, full):
+        assert (await it.__anext__()).type == pb.WatchEvent.ADDED
+        assert (await it.__anext__()).type == pb.WatchEvent.SYNCED
+    for seq in range(1, 11):
+        await store.ReportStatus(cpb.InstanceStatus(instance_id="c", seq=seq, freeness=float(seq)))
+    got_full = [(await full.__anext__()).record.status.seq for _ in range(10)]
+    assert got_full == list(range(1, 11))
+    first = await thin.__anext__()
+    assert first.type == pb.WatchEvent.UPDATED and first.record.status.seq == 1
+    t0 = asyncio.get_running_loop().time()
+    latest = await asyncio.wait_for(thin.__anext__(), 2)
+    waited = asyncio.get_running_loop().time() - t0
+    assert latest.type == pb.WatchEvent.UPDATED and latest.record.status.seq == 10
+    assert waited > 0.15  # held until the interval was up, not sent at once
+    # A report then a removal inside one interval: the removal goes at once,
+    # and the held report is dropped, not sent after it.
+    await store.ReportStatus(cpb.InstanceStatus(instance_id="c", seq=11))
+    await store.Deregister(pb.DeregisterRequest(instance_id="c"))
+    ev = await asyncio.wait_for(thin.__anext__(), 1)
+    assert ev.type == pb.WatchEvent.REMOVED
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(thin.__anext__(), 0.5)
