@@ -54,7 +54,9 @@ class Registry:
 
     def report(self, status: InstanceStatus) -> bool:
         """Store a status; False if the instance is not registered (it must
-        register again). Out-of-order reports (lower seq) are ignored."""
+        register again). Out-of-order reports (lower seq) are ignored. Only
+        ``instance_id`` and ``seq`` are read: the gRPC service stores the
+        wire message as it came."""
         rec = self._records.get(status.instance_id)
         if rec is None:
             return False
