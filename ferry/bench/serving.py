@@ -9,8 +9,9 @@ K, then divides every measured duration by K. The modelled system is the same.
 K > 1: the cluster's Python overhead (frontend, gRPC, client, which do not
 scale) shrinks by K relative to the modelled GPU time, so 16 instances fit on
 a small machine. K < 1 compresses time: a run takes K of its model time, at
-1/K times the CPU per wall second; check that the machine keeps up (compare
-with K = 1 on the same workload). Not scaled: migration transfer time (K
+1/K times the CPU per wall second, and the control loops keep their wall
+intervals (1/K times longer in model time); check that the machine keeps up
+(the send lag, and K = 1 on the same workload). Not scaled: migration transfer time (K
 times faster in model time), the frontend's batching of non-streamed tokens.
 Results say which K they used.
 """
@@ -98,8 +99,11 @@ def slowed_intervals(factor: float) -> tuple[list[str], list[str]]:
     the sim slowdown, so the scheduler's view is as stale in model time as it
     would be unscaled (and the status traffic, the largest CPU cost of a big
     sim cluster, shrinks by the same factor). Heartbeats stay: they guard the
-    meta store's TTL, which is wall time."""
-    if factor == 1:
+    meta store's TTL, which is wall time. Compression (factor below 1) keeps
+    the wall-time defaults: status reports and rescheduling then run 1/factor
+    times less often in model time, which is what lets a compressed run fit
+    the machine (say so with the results)."""
+    if factor <= 1:
         return [], []
     from services.instance.service import InstanceConfig
     from services.scheduler.service import SchedulerConfig
