@@ -83,12 +83,17 @@ async def test_request_preempted_during_a_stage(tmp_path_factory):
     try:
         async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
             other = asyncio.create_task(stream_completion(http, {"prompt": "y" * 100, "max_tokens": 150}))
-            await asyncio.sleep(0.05)
-            side = asyncio.create_task(stream_completion(http, {"prompt": "z", "max_tokens": 5}))  # instance-1
-            await asyncio.sleep(0.05)
+            # Round robin must put `other` on instance-0, `side` on instance-1
+            # and the migrating request on instance-0: wait for each dispatch
+            # (fixed sleeps lost the order on a loaded machine).
+            src = c.child("instance-0").address
+            for _ in range(200):
+                if (await asyncio.to_thread(check_integrity, src)).num_requests:
+                    break
+                await asyncio.sleep(0.01)
+            await stream_completion(http, {"prompt": "z", "max_tokens": 5})  # instance-1
             reply, final = await run_one(c, n=150, at=3)
             assert (await other)[0] == expected_fake_text("y" * 100, 150)
-            await side
         assert reply.aborted == 1 and "preempted" in reply.results[0].reason, reply
         assert final["preemptions"] >= 1 and final["migrations"] == 0
         assert_clean(c)
