@@ -88,9 +88,12 @@ def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
 
 
 def record_to_pb(r: InstanceRecord) -> pb.InstanceRecord:
+    """The status may already be in wire form (the meta store keeps reports
+    as received)."""
     m = pb.InstanceRecord(info=info_to_pb(r.info), last_seen=r.last_seen)
-    if r.status is not None:
-        m.status.CopyFrom(status_to_pb(r.status))
+    st = r.status
+    if st is not None:
+        m.status.CopyFrom(st if isinstance(st, pb.InstanceStatus) else status_to_pb(st))
     return m
 
 

@@ -8,14 +8,12 @@ import time
 
 import grpc
 
-from ferry.pb import common_pb2 as cpb
 from ferry.pb import meta_store_pb2 as pb
 from ferry.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.config import CommonConfig, opt
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from libs.common.types import InstanceRecord
 from services.meta_store.registry import Change, ChangeType, Registry
 
 log = get_logger(__name__)
@@ -55,7 +53,7 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
         return pb.ReportReply(known=self.registry.report(request))
 
     async def List(self, request, context):
-        return pb.ListReply(instances=[_record_pb(r) for r in self.registry.list()])
+        return pb.ListReply(instances=[convert.record_to_pb(r) for r in self.registry.list()])
 
     async def Watch(self, request, context):
         q = self.registry.subscribe()
@@ -92,19 +90,11 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
             self.registry.unsubscribe(q)
 
 
-def _record_pb(rec: InstanceRecord) -> cpb.InstanceRecord:
-    m = cpb.InstanceRecord(info=convert.info_to_pb(rec.info), last_seen=rec.last_seen)
-    st = rec.status
-    if st is not None:
-        m.status.CopyFrom(st if isinstance(st, cpb.InstanceStatus) else convert.status_to_pb(st))
-    return m
-
-
 def _wire(change: Change) -> pb.WatchEvent:
     if not change.wire:
         ev = pb.WatchEvent(type=_TYPES[change.type])
         if change.record is not None:
-            ev.record.CopyFrom(_record_pb(change.record))
+            ev.record.CopyFrom(convert.record_to_pb(change.record))
         change.wire.append(ev)
     return change.wire[0]
 
