@@ -36,16 +36,23 @@ def wait_idle_and_check(address: str, timeout_s: float = 10.0) -> ipb.CheckInteg
         time.sleep(0.05)
 
 
+def instance_status(address: str):
+    with grpc.insecure_channel(address) as ch:
+        return ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
+
+
 def find_instance_of(cluster, request_id: str):
     """The instance child that currently holds ``request_id`` (or None)."""
     for inst in cluster.instances():
-        if not inst.alive():
-            continue
-        with grpc.insecure_channel(inst.address) as ch:
-            st = ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
-        if any(r.request_id == request_id for r in st.requests):
+        if inst.alive() and any(r.request_id == request_id for r in instance_status(inst.address).requests):
             return inst
     return None
+
+
+def running_request_ids(cluster) -> list[str]:
+    """Every request the cluster's live instances hold."""
+    return [r.request_id for inst in cluster.instances() if inst.alive()
+            for r in instance_status(inst.address).requests]
 
 
 async def migrate(cluster, request_id: str, dest=None) -> ipb.MigrateOutReply | None:

@@ -9,7 +9,13 @@ import httpx
 import pytest
 
 from tests.conftest import start_fake_cluster
-from tests.helpers import expected_fake_text, migrate, stream_completion, wait_idle_and_check
+from tests.helpers import (
+    expected_fake_text,
+    migrate,
+    running_request_ids,
+    stream_completion,
+    wait_idle_and_check,
+)
 
 ARGS = ["--token-delay-ms", "8", "--num-blocks", "512", "--migration-last-stage-max-blocks", "1"]
 
@@ -78,21 +84,6 @@ async def test_many_concurrent_requests_migrating(cluster):
     assert all(ok for ok, _ in results)
     assert sum(c for _, c in results) >= 8  # most migrations committed (limits may refuse some)
     assert_clean(cluster)
-
-
-def running_request_ids(cluster) -> list[str]:
-    import grpc
-
-    from ferry.pb import instance_pb2 as ipb
-    from ferry.pb import instance_pb2_grpc as ipb_grpc
-
-    ids = []
-    for inst in cluster.instances():
-        if inst.alive():
-            with grpc.insecure_channel(inst.address) as ch:
-                st = ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
-            ids += [r.request_id for r in st.requests]
-    return ids
 
 
 @pytest.mark.parametrize("flush_ms", [0, 150])
