@@ -1,5 +1,6 @@
 """Registers the instance with the meta store and reports its status after
-every change of load (rate-limited), with a heartbeat below the TTL. Survives
+every change of load (rate-limited), with a heartbeat below the TTL, as
+messages on one long-lived StreamStatus call. Survives
 meta store restarts: retries, and registers again when told it is unknown."""
 
 from __future__ import annotations
@@ -66,19 +67,11 @@ class StatusReporter:
                         log.info("registered", meta_store=self.meta_store)
                     self.registered = True
                     backoff = 0.05
-                    while True:
-                        t0 = time.monotonic()
-                        reply = await stub.ReportStatus(convert.status_to_pb(self.snapshot()), timeout=2.0)
-                        self.reports += 1
-                        if not reply.known:
-                            log.info("meta store forgot us; registering again")
-                            break
-                        try:
-                            await asyncio.wait_for(self._dirty.wait(), self.heartbeat_s)
-                        except asyncio.TimeoutError:
-                            pass
-                        self._dirty.clear()
-                        await asyncio.sleep(max(0.0, self.min_interval_s - (time.monotonic() - t0)))
+                    if await self._report(stub):
+                        log.info("meta store forgot us; registering again")
+                    else:
+                        log.info("meta store ended the status stream; reconnecting")
+                        await asyncio.sleep(backoff)
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as e:
@@ -87,3 +80,28 @@ class StatusReporter:
                 self.registered = False
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
+
+    async def _report(self, stub: mpb_grpc.MetaStoreStub) -> bool:
+        """Report over one long-lived call after every poke (at most every
+        ``min_interval_s``) and at least every ``heartbeat_s``. Returns True
+        when the store says it does not know us, False when it ended the call
+        without a word; raises grpc.RpcError when the connection fails."""
+        call = stub.StreamStatus()
+        answer = asyncio.ensure_future(call.read())  # the store speaks only to end the call
+        try:
+            while not answer.done():
+                t0 = time.monotonic()
+                await call.write(convert.status_to_pb(self.snapshot()))
+                self.reports += 1
+                poked = asyncio.ensure_future(self._dirty.wait())
+                await asyncio.wait((poked, answer), timeout=self.heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                poked.cancel()
+                self._dirty.clear()
+                if not answer.done():
+                    await asyncio.sleep(max(0.0, self.min_interval_s - (time.monotonic() - t0)))
+            reply = answer.result()  # raises the call's error if it failed
+            return reply is not grpc.aio.EOF and not reply.known
+        finally:
+            answer.cancel()
+            call.cancel()

@@ -52,6 +52,12 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
         # it on to watchers as received (no decode and re-encode per report).
         return pb.ReportReply(known=self.registry.report(request))
 
+    async def StreamStatus(self, request_iterator, context):
+        async for status in request_iterator:
+            if not self.registry.report(status):
+                yield pb.ReportReply(known=False)
+                return
+
     async def List(self, request, context):
         return pb.ListReply(instances=[convert.record_to_pb(r) for r in self.registry.list()])
 

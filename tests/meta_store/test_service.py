@@ -9,20 +9,26 @@ from ferry.pb import common_pb2 as cpb
 from ferry.pb import meta_store_pb2 as pb
 from ferry.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common.server import serve
+from libs.common.types import InstanceInfo, InstanceStatus
+from services.instance.reporter import StatusReporter
 from services.meta_store.service import MetaStoreConfig, MetaStoreService
 
 
 @pytest.fixture
-async def store():
+async def store_address():
     stop = asyncio.Event()
     ready = asyncio.get_running_loop().create_future()
     svc = MetaStoreService(MetaStoreConfig(port=0, ttl_s=0.4))
     task = asyncio.create_task(serve(svc, "127.0.0.1", 0, stop_event=stop, ready=ready.set_result))
-    address = await asyncio.wait_for(ready, 10)
-    async with grpc.aio.insecure_channel(address) as ch:
-        yield pb_grpc.MetaStoreStub(ch)
+    yield await asyncio.wait_for(ready, 10)
     stop.set()
     await task
+
+
+@pytest.fixture
+async def store(store_address):
+    async with grpc.aio.insecure_channel(store_address) as ch:
+        yield pb_grpc.MetaStoreStub(ch)
 
 
 def _info(i):
@@ -87,3 +93,56 @@ async def test_thinned_watch_sends_latest_status_per_interval(store):
     assert ev.type == pb.WatchEvent.REMOVED
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(thin.__anext__(), 0.5)
+
+
+async def test_status_stream_reports_and_ends_when_the_instance_is_unknown(store):
+    await store.Register(pb.RegisterRequest(info=_info("s")))
+    watch = store.Watch(pb.WatchRequest())
+    it = watch.__aiter__()
+    assert (await it.__anext__()).type == pb.WatchEvent.ADDED
+    assert (await it.__anext__()).type == pb.WatchEvent.SYNCED
+    call = store.StreamStatus()
+    for seq in (1, 2, 3):
+        await call.write(cpb.InstanceStatus(instance_id="s", seq=seq, freeness=float(seq)))
+    seen = [(await it.__anext__()).record.status.freeness for _ in range(3)]
+    assert seen == [1.0, 2.0, 3.0]
+    await store.Deregister(pb.DeregisterRequest(instance_id="s"))
+    assert (await it.__anext__()).type == pb.WatchEvent.REMOVED
+    await call.write(cpb.InstanceStatus(instance_id="s", seq=4))
+    reply = await asyncio.wait_for(call.read(), 3)
+    assert reply != grpc.aio.EOF and not reply.known  # register again
+    assert await asyncio.wait_for(call.read(), 3) == grpc.aio.EOF  # and the call is over
+    assert len((await store.List(pb.ListRequest())).instances) == 0
+    watch.cancel()
+
+
+async def test_reporter_registers_again_after_the_store_forgets_it(store_address, store):
+    seq = 0
+
+    def snapshot():
+        nonlocal seq
+        seq += 1
+        return InstanceStatus(instance_id="r", seq=seq, free_blocks=seq)
+
+    info = InstanceInfo("r", "127.0.0.1:1", "fake", "m", 16, 64, 128)
+    reporter = StatusReporter(store_address, info, snapshot, min_interval_s=0.01, heartbeat_s=0.05)
+    reporter.start()
+
+    async def listed_after(n_reports):
+        for _ in range(200):
+            recs = (await store.List(pb.ListRequest())).instances
+            if recs and recs[0].status.seq > n_reports:
+                return recs[0]
+            await asyncio.sleep(0.02)
+        raise AssertionError("the reporter's status never arrived")
+
+    try:
+        rec = await listed_after(2)  # heartbeats flow over the stream
+        assert rec.info.instance_id == "r" and rec.status.free_blocks == rec.status.seq
+        await store.Deregister(pb.DeregisterRequest(instance_id="r"))
+        before = reporter.reports
+        rec = await listed_after(before + 2)  # it registered again and kept reporting
+        assert rec.info.instance_id == "r" and reporter.registered
+    finally:
+        await reporter.stop(deregister=True)
+    assert len((await store.List(pb.ListRequest())).instances) == 0
