@@ -109,6 +109,7 @@ class InstanceService(Service):
         self.terminating = False
         self.seq = 0
         self.load: EngineLoad = self.engine.load()
+        self._load_key = _material(self.load)
         self.migrating_in = 0
         self.migrating_out = 0
         self.runner: EngineRunner | None = None
@@ -168,8 +169,11 @@ class InstanceService(Service):
                 self._end_stream(rid, "abort")
             return
         self.load = load
-        if self.reporter:
-            self.reporter.poke()
+        key = _material(load)
+        if key != self._load_key:  # not every step: most only add a token
+            self._load_key = key
+            if self.reporter:
+                self.reporter.poke()
 
     def _end_stream(self, request_id: str, reason: str) -> None:
         stream = self.streams.get(request_id)
@@ -316,4 +320,15 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         return self.svc.migration
 
 
+def _material(load: EngineLoad) -> tuple:
+    """What a status report carries, but for token counts: the inputs of
+    dispatch and migration (blocks, queue, states, priorities). A step that
+    changes only token counts does not call for a report; the heartbeat
+    carries the counts."""
+    return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
+            load.num_preemptions, load.reserved_blocks,
+            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests))
+
+
 __all__ = ["InstanceService", "InstanceConfig", "ENGINES"]
+
