@@ -1,7 +1,8 @@
-"""Registers the instance with the meta store and reports its status after
-every change of load (rate-limited), with a heartbeat below the TTL, as
-messages on one long-lived StreamStatus call. Survives
-meta store restarts: retries, and registers again when told it is unknown."""
+"""Registers the instance with the meta store and reports its status when
+poked (a step changed blocks, queue or request states; rate-limited), with a
+heartbeat below the TTL, as messages on one long-lived StreamStatus call.
+Survives meta store restarts: retries, and registers again when told it is
+unknown."""
 
 from __future__ import annotations
 

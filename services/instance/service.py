@@ -331,4 +331,3 @@ def _material(load: EngineLoad) -> tuple:
 
 
 __all__ = ["InstanceService", "InstanceConfig", "ENGINES"]
-
