@@ -10,6 +10,7 @@ chunks (finish_reason, usage, errors) are parsed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import resource
 import time
@@ -126,9 +127,14 @@ async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body
 
 async def replay(url: str, workload: Workload, token_range: tuple[int, int], model: str | None = None,
                  on_done: Callable[[RequestRecord], None] | None = None,
-                 max_connections: int = 8192, stream: bool = True) -> list[RequestRecord]:
+                 max_connections: int = 8192, stream: bool = True, shards: int = 32) -> list[RequestRecord]:
     """Send every request at its arrival time (relative to now); return the
-    records in workload order once all have finished."""
+    records in workload order once all have finished.
+
+    Requests are spread over ``shards`` clients, each with its own pool: an
+    httpx pool scans all its connections on every request and response, so
+    one pool holding a thousand in-flight requests spent a third of a core on
+    that scan alone, on the machine the cluster runs on."""
     raise_fd_limit()
     # Pooled connections expire before a server's keep-alive timeout (uvicorn's
     # default is 5 s): a POST sent on a connection the server is closing fails
@@ -139,20 +145,22 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
     records = [RequestRecord(r.index, r.priority, r.prompt_len, r.output_len, r.arrival_s) for r in workload.requests]
     lo, hi = token_range
 
-    async def run(req: Request, rec: RequestRecord, body: dict) -> None:
+    async def run(client: httpx.AsyncClient, rec: RequestRecord, body: dict) -> None:
         await send_one(client, url, rec, body)
         if on_done:
             on_done(rec)
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=timeout))
+                   for _ in range(max(1, shards))]
         start = time.perf_counter()
         tasks = []
-        for req, rec in zip(workload.requests, records):
+        for i, (req, rec) in enumerate(zip(workload.requests, records)):
             body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model, stream)  # before the wait
             rec.scheduled_at = start + req.arrival_s
             delay = rec.scheduled_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(run(req, rec, body)))
+            tasks.append(asyncio.create_task(run(clients[i % len(clients)], rec, body)))
         await asyncio.gather(*tasks)
     return records
