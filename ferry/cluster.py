@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shlex
 import signal
 import socket
@@ -21,7 +22,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 PR_SET_PDEATHSIG = 1
 
 
+# Ports for children come from below Linux's default ephemeral range
+# (32768-60999): a port the OS hands out for bind(0) is one it also hands out
+# as the source port of outgoing connections, and the cluster's own children
+# open many of those between the pick and the child's bind (seen once in CI:
+# the frontend's port taken, "address already in use").
+_PORT_RANGE = (20000, 32000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, preferably outside the ephemeral range."""
+    for _ in range(50):
+        port = random.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

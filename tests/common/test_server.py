@@ -67,3 +67,15 @@ def test_frontend_exits_zero_on_sigterm(grpc_api):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    import socket
+
+    from ferry.cluster import _PORT_RANGE
+
+    for _ in range(20):
+        port = free_port()
+        assert _PORT_RANGE[0] <= port < _PORT_RANGE[1]  # not a port outgoing connections get
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
