@@ -279,7 +279,7 @@ def serving_options(f):
         click.option("--high-priority-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True),
         click.option("--max-model-len", type=click.IntRange(2), default=None,
                      help="clip lengths to this context (default: the frontend's)"),
-        click.option("--traces-dir", default=None, help="default: $FERRY_TRACES_DIR or <repo>/../shared/traces"),
+        click.option("--traces-dir", default=None, help="default: $FERRY_TRACES_DIR or the repository's data/traces"),
         click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True),
         click.option("--engine", type=click.Choice(["sim", "fake", "native"]), default="sim", show_default=True),
         click.option("--profile", default="llama-7b-a10", show_default=True, help="sim profile name or JSON path"),

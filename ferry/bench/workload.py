@@ -95,13 +95,17 @@ class Workload:
                 "clip": None if self.clip is None else {**self.clip.__dict__, "fraction": self.clip.fraction}}
 
 
+# The repository's own traces (data/traces, each with its license).
+DEFAULT_TRACES_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "traces"
+
+
 def traces_dir(explicit: str | None = None) -> pathlib.Path:
-    """--traces-dir, else $FERRY_TRACES_DIR, else <repo>/../shared/traces."""
+    """--traces-dir, else $FERRY_TRACES_DIR, else the repository's data/traces."""
     if explicit:
         return pathlib.Path(explicit)
     if os.environ.get("FERRY_TRACES_DIR"):
         return pathlib.Path(os.environ["FERRY_TRACES_DIR"])
-    return pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return DEFAULT_TRACES_DIR
 
 
 def _csv_path(spec_path: str, folder: pathlib.Path) -> pathlib.Path:

@@ -3,6 +3,8 @@ distributions matching the paper's Table 1, clipping reported."""
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -95,6 +97,17 @@ def test_traces_dir_from_env(monkeypatch, tmp_path):
         wl.build("poisson:1", "sharegpt", 5)
     monkeypatch.delenv("FERRY_TRACES_DIR")
     assert (wl.traces_dir() / wl.SHAREGPT_STATS).is_file()
+
+
+def test_default_traces_live_in_the_repository_with_their_licenses(monkeypatch):
+    monkeypatch.delenv("FERRY_TRACES_DIR", raising=False)
+    repo = pathlib.Path(wl.__file__).resolve().parents[2]
+    folder = wl.traces_dir()
+    assert folder == repo / "data" / "traces"
+    files = {p.name for p in folder.iterdir()}
+    assert {wl.AZURE_CONV, wl.SHAREGPT_STATS, "README.md"} <= files
+    assert any(f.startswith("LICENSE.AzurePublicDataset") for f in files)
+    assert any(f.startswith("LICENSE.sarathi-serve") for f in files)
 
 
 def test_clipping_is_reported_and_fits():
