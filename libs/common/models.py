@@ -10,6 +10,7 @@ it is dequantized and converted ONCE into the cache directory
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -60,7 +61,9 @@ def ensure_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> pathlib.Pat
     if name in KNOWN_MODELS:
         target = cache_dir() / name
         if not _complete(target):
-            _convert_smollm2(target)
+            with _conversion_lock(target):  # several processes may start on an empty cache at once
+                if not _complete(target):
+                    _convert_smollm2(target)
         return target
     path = pathlib.Path(name).expanduser()
     if path.is_dir() and is_model_dir(path):
@@ -82,6 +85,21 @@ def model_max_len(model_dir: str | os.PathLike) -> int:
 
 def _complete(target: pathlib.Path) -> bool:
     return (target / ".complete").exists()
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: pathlib.Path):
+    """An exclusive lock per cached model, across processes: the first one
+    converts, the others wait and then find the model complete."""
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _convert_smollm2(target: pathlib.Path) -> None:
