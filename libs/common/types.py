@@ -46,6 +46,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # this request failed alone (TokenOutput.error says why); the engine goes on
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,13 @@ class TokenOutput:
 
     request_id: str
     index: int  # position in the output, 0-based
-    token_id: int
+    token_id: int | None  # None on a final output that carries no token (an error)
     finish_reason: FinishReason | None = None
     # Counters of the request (num_preemptions, preemption_loss_ms, …), set
     # by engines on the final output.
     stats: dict | None = None
+    # With FinishReason.ERROR: (libs.common.errors.Code value, message).
+    error: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class InstanceInfo:
     total_blocks: int
     max_model_len: int
     started_at_ms: int = 0
+    vocab_size: int = 0  # token ids 0 .. vocab_size-1; 0 = not reported
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,7 @@ class InstanceStatus:
     requests: tuple[RequestLoad, ...] = ()
     used_blocks: int = 0
     waiting_demand_blocks: int = 0
+    engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
 
 
 @dataclass(frozen=True)

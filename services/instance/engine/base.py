@@ -76,6 +76,24 @@ class EngineError(Exception):
     """A request the engine cannot take (bad parameters, too long)."""
 
 
+class RequestFailed(EngineError):
+    """Raised inside a step by an executor that can name the requests it
+    cannot go on with (NaN logits, a token id the model rejects). The engine
+    fails those requests alone, with ``code`` (a libs.common.errors.Code
+    value) and the message, and runs the step again for the others."""
+
+    def __init__(self, message: str, request_ids: list[str], code: str = "internal"):
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+        self.code = code
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot step for anyone (every request of a step fails on
+    its own, step after step): the instance must stop and let its requests
+    resume elsewhere."""
+
+
 class IntegrityError(AssertionError):
     """The block pool's bookkeeping is inconsistent."""
 
@@ -101,6 +119,11 @@ class Engine(abc.ABC):
     def kv_layout(self) -> KvLayout: ...
 
     @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Token ids this engine accepts are 0 .. vocab_size-1."""
+
+    @property
     def model_name(self) -> str:
         return self.name
 
@@ -116,7 +139,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def step(self) -> list[TokenOutput]:
         """Run one step; returns the tokens it produced (finished requests carry
-        a finish_reason and are gone from the engine afterwards)."""
+        a finish_reason and are gone from the engine afterwards). A request
+        that fails on its own ends with FinishReason.ERROR and the others go
+        on; raises EngineBroken (or anything else) only when the engine
+        cannot go on for anyone."""
 
     @abc.abstractmethod
     def has_work(self) -> bool:

@@ -67,6 +67,7 @@ class TokenKvExecutor(Executor):
     layout, so gather/scatter are one take/put."""
 
     eos_token_ids = frozenset({EOS_TOKEN_ID})
+    vocab_size = 1 << 24  # ids a float32 KV stores exactly
 
     def __init__(self, num_blocks: int, block_size: int):
         self._layout = KvLayout("float32", block_size, 1, 1, 1)

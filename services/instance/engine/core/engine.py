@@ -5,20 +5,35 @@ from __future__ import annotations
 
 import time
 
+from libs.common import failpoints
+from libs.common.tokens import out_of_vocab_message
 from libs.common.types import FinishReason, RequestLoad, RequestState, TokenOutput
 from services.instance.engine.base import (
     Engine,
+    EngineBroken,
     EngineConfig,
     EngineError,
     EngineLoad,
     EngineRequest,
     IntegrityError,
     KvLayout,
+    RequestFailed,
 )
 from services.instance.engine.core.block_pool import BlockPool
 from services.instance.engine.core.executor import Executor
 from services.instance.engine.core.request import Request, RequestStatus
-from services.instance.engine.core.scheduler import Scheduler, cdiv
+from services.instance.engine.core.scheduler import ScheduledChunk, Scheduler, cdiv
+
+# Steps in a row in which every scheduled request failed on its own: past
+# this, the engine (not a request) is what is broken.
+MAX_FAILED_STEPS = 3
+
+
+def check_token_ids(ids, vocab_size: int, what: str) -> None:
+    """Raise EngineError naming the first id outside 0 .. vocab_size-1."""
+    message = out_of_vocab_message(what, ids, vocab_size)
+    if message:
+        raise EngineError(message)
 
 
 class CoreEngine(Engine):
@@ -37,6 +52,7 @@ class CoreEngine(Engine):
                                    config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}  # every live request, any status
         self._seq = 0
+        self._failed_steps = 0  # steps in a row where every request failed
 
     # --- static facts -------------------------------------------------------
     block_size = property(lambda self: self._block_size)
@@ -45,6 +61,7 @@ class CoreEngine(Engine):
     kv_layout: KvLayout = property(lambda self: self.executor.kv_layout)
     num_free_blocks = property(lambda self: self.pool.num_free)
     model_name = property(lambda self: self._model_name)
+    vocab_size = property(lambda self: self.executor.vocab_size)
 
     # --- serving ----------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -63,6 +80,9 @@ class CoreEngine(Engine):
             raise EngineError(f"prompt of {n_ctx} tokens needs more KV blocks than this engine has")
         if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0 or sp.max_tokens <= 0:
             raise EngineError(f"bad sampling parameters: {sp}")
+        check_token_ids(request.prompt_token_ids, self.vocab_size, "the prompt")
+        check_token_ids(request.resume_token_ids, self.vocab_size, "resume_token_ids")
+        check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
         self._seq += 1
         req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)
@@ -84,10 +104,9 @@ class CoreEngine(Engine):
         sched = self.scheduler.schedule()
         if not sched.chunks:
             return []
-        tokens = self.executor.execute(sched.chunks)
+        chunks, tokens, outputs = self._execute(sched.chunks)
         now = time.time()
-        outputs: list[TokenOutput] = []
-        for chunk, tok in zip(sched.chunks, tokens):
+        for chunk, tok in zip(chunks, tokens):
             req = chunk.request
             samples = chunk.samples
             req.num_computed_tokens = chunk.end
@@ -100,11 +119,85 @@ class CoreEngine(Engine):
             reason = self._stop_reason(req, int(tok))
             stats = None
             if reason is not None:  # counters travel with the final token to the client
-                stats = {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
-                         "num_migrations": req.num_migrations}
+                stats = self._final_stats(req)
             outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, int(tok), reason, stats))
             if reason is not None:
                 self._finish(req, reason)
+        return outputs
+
+    @staticmethod
+    def _final_stats(req: Request) -> dict:
+        return {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
+                "num_migrations": req.num_migrations}
+
+    # --- one request's failure fails that request only ----------------------------------
+    def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        poison = failpoints.value("engine.poison_token")
+        if poison is not None and any(int(poison) in c.request.tokens(c.start, c.end) for c in chunks):
+            # An exception that names no request, as a kernel's would.
+            raise RuntimeError(f"failpoint: engine.poison_token={poison}")
+        return self.executor.execute(chunks)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list, list[TokenOutput]]:
+        """Run the step's chunks. A failure fails only the requests it
+        belongs to: those the executor names (RequestFailed), else those that
+        fail when each chunk runs alone. Returns (the chunks that ran, their
+        tokens, the final outputs of the failed requests). Raises EngineBroken
+        when the engine fails for everyone."""
+        try:
+            tokens = self._run(chunks)
+        except RequestFailed as e:
+            failed = {rid: (e.code, str(e)) for rid in e.request_ids}
+            rest = [c for c in chunks if c.request.request_id not in failed]
+            if not failed or len(rest) == len(chunks):
+                raise EngineBroken(f"the executor failed naming no request of this step: {e}") from e
+            errors = self._fail(failed, all_failed=not rest)
+            if not rest:
+                return [], [], errors
+            ran, tokens, more = self._execute(rest)  # NOTE: no RNG moved, so the rerun is exact
+            return ran, tokens, errors + more
+        except EngineBroken:
+            raise
+        except Exception as e:  # noqa: BLE001 - whose fault it is decides what happens
+            if len(chunks) > 1:
+                return self._isolate(chunks, e)
+            rid = chunks[0].request.request_id
+            return [], [], self._fail({rid: ("internal", f"engine error: {e!r}")}, all_failed=True)
+        self._failed_steps = 0
+        return chunks, tokens, []
+
+    def _isolate(self, chunks: list[ScheduledChunk], error: Exception):
+        """A batch failed naming nobody: run each chunk alone; the ones that
+        still fail are the culprits. If every one fails, the engine is broken."""
+        ran, tokens, failed = [], [], {}
+        for c in chunks:
+            try:
+                tokens += self._run([c])
+                ran.append(c)
+            except Exception as e:  # noqa: BLE001
+                failed[c.request.request_id] = (getattr(e, "code", "internal"), f"engine error: {e!r}")
+        if not ran:
+            raise EngineBroken(f"every request of a {len(chunks)}-request step fails alone: {error!r}") from error
+        self._failed_steps = 0
+        return ran, tokens, self._fail(failed)
+
+    def _fail(self, failed: dict[str, tuple[str, str]], all_failed: bool = False) -> list[TokenOutput]:
+        """End the failed requests with FinishReason.ERROR and free their
+        blocks. ``all_failed``: nobody ran this step (counts towards
+        EngineBroken)."""
+        if all_failed:
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request: "
+                                   f"{next(iter(failed.values()))[1]}")
+        outputs = []
+        for rid, (code, message) in failed.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._finish(req, FinishReason.ERROR)
+            outputs.append(TokenOutput(rid, len(req.output_token_ids), None, FinishReason.ERROR,
+                                       self._final_stats(req), error=(code, message)))
         return outputs
 
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
@@ -242,6 +335,7 @@ class CoreEngine(Engine):
         n_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
         if not 0 <= state.num_computed_tokens < n_tokens:
             raise EngineError(f"num_computed_tokens {state.num_computed_tokens} out of range")
+        check_token_ids(state.prompt_token_ids + state.output_token_ids, self.vocab_size, "the migrated request")
         need = cdiv(state.num_computed_tokens, self._block_size)
         if len(block_ids) != need:
             raise EngineError(f"{len(block_ids)} blocks for {state.num_computed_tokens} computed tokens "

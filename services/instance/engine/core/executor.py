@@ -12,6 +12,7 @@ from services.instance.engine.core.scheduler import ScheduledChunk
 
 class Executor(abc.ABC):
     eos_token_ids: frozenset[int] = frozenset()
+    vocab_size: int = 0  # token ids 0 .. vocab_size-1
 
     @property
     @abc.abstractmethod
@@ -21,7 +22,10 @@ class Executor(abc.ABC):
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
         """Compute KV for every chunk (writing it into the chunk's blocks) and
         return, aligned with ``chunks``, the next token of every chunk that
-        ``samples`` (None for the others)."""
+        ``samples`` (None for the others). Raise base.RequestFailed naming
+        the requests when the failure is theirs; it must be raised before any
+        request's sampler state (RNG) moved, so that the step can run again
+        for the others with the same result."""
 
     @abc.abstractmethod
     def gather_kv(self, block_ids: list[int]) -> memoryview:

@@ -29,6 +29,7 @@ class ModelRunner(Executor):
         self.model = model
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = cfg.vocab_size
         self._layout = KvLayout(_DTYPE_NAMES[dtype], block_size, cfg.num_hidden_layers,
                                 cfg.num_key_value_heads, cfg.head_dim)
         # The fused transfer layout; see attention.py for why it is also fine for attention.
