@@ -3,11 +3,14 @@ and the compose file start)."""
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from libs.common.config import click_options, from_options
 from libs.common.logging import setup_logging
-from libs.common.server import run, serve as serve_grpc
+from libs.common.server import run
+from libs.common.server import serve as serve_grpc
 from services.frontend.config import FrontendConfig
 from services.instance.service import InstanceConfig
 from services.meta_store.service import MetaStoreConfig
@@ -27,7 +30,7 @@ def meta_store(**options) -> None:
 
     cfg = from_options(MetaStoreConfig, options)
     setup_logging(cfg.log_level, cfg.log_format, "meta-store")
-    run(serve_grpc(MetaStoreService(cfg), cfg.host, cfg.port))
+    sys.exit(run(serve_grpc(MetaStoreService(cfg), cfg.host, cfg.port)))
 
 
 @serve.command("scheduler")
@@ -38,7 +41,7 @@ def scheduler(**options) -> None:
 
     cfg = from_options(SchedulerConfig, options)
     setup_logging(cfg.log_level, cfg.log_format, "scheduler")
-    run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port))
+    sys.exit(run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port)))
 
 
 @serve.command("instance")
@@ -49,7 +52,7 @@ def instance(**options) -> None:
 
     cfg = from_options(InstanceConfig, options)
     setup_logging(cfg.log_level, cfg.log_format, "instance")
-    run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port))
+    sys.exit(run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port)))
 
 
 @serve.command("frontend")
@@ -60,4 +63,4 @@ def frontend(**options) -> None:
 
     cfg = from_options(FrontendConfig, options)
     setup_logging(cfg.log_level, cfg.log_format, "frontend")
-    run(run_frontend(cfg))
+    sys.exit(run(run_frontend(cfg)))

@@ -61,7 +61,7 @@ class RequestLoad(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., state: _Optional[_Union[RequestLoad.State, str]] = ..., physical_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., virtual_usage: _Optional[float] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks")
+    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks", "engine_steps")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class InstanceStatus(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WAITING_DEMAND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     timestamp: float
@@ -100,10 +101,11 @@ class InstanceStatus(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestLoad]
     used_blocks: int
     waiting_demand_blocks: int
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ...) -> None: ...
+    engine_steps: int
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "address", "engine", "model", "block_size", "total_blocks", "max_model_len", "started_at_ms")
+    __slots__ = ("instance_id", "address", "engine", "model", "block_size", "total_blocks", "max_model_len", "started_at_ms", "vocab_size")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class InstanceInfo(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     engine: str
@@ -120,7 +123,8 @@ class InstanceInfo(_message.Message):
     total_blocks: int
     max_model_len: int
     started_at_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., started_at_ms: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., started_at_ms: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class InstanceRecord(_message.Message):
     __slots__ = ("info", "status", "last_seen")

@@ -40,7 +40,7 @@ def info_to_pb(i: InstanceInfo) -> pb.InstanceInfo:
     return pb.InstanceInfo(
         instance_id=i.instance_id, address=i.address, engine=i.engine, model=i.model,
         block_size=i.block_size, total_blocks=i.total_blocks, max_model_len=i.max_model_len,
-        started_at_ms=i.started_at_ms,
+        started_at_ms=i.started_at_ms, vocab_size=i.vocab_size,
     )
 
 
@@ -48,7 +48,7 @@ def info_from_pb(m: pb.InstanceInfo) -> InstanceInfo:
     return InstanceInfo(
         instance_id=m.instance_id, address=m.address, engine=m.engine, model=m.model,
         block_size=m.block_size, total_blocks=m.total_blocks, max_model_len=m.max_model_len,
-        started_at_ms=m.started_at_ms,
+        started_at_ms=m.started_at_ms, vocab_size=m.vocab_size,
     )
 
 
@@ -70,7 +70,7 @@ _STATUS_SCALARS = (
     "instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running",
     "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
-    "waiting_demand_blocks",
+    "waiting_demand_blocks", "engine_steps",
 )
 
 

@@ -32,6 +32,8 @@ class Service:
 
     name: str = "service"
     service_names: tuple[str, ...] = ()
+    exit_code: int = 0  # what serve() returns (the process's exit status)
+    _request_stop: Callable[[], None] | None = None  # set by serve()
 
     def register(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -41,6 +43,13 @@ class Service:
 
     async def stop(self) -> None:  # before the server stops
         pass
+
+    def shutdown(self, exit_code: int) -> None:
+        """Stop from inside, for a fatal error: serve() reports NOT_SERVING,
+        runs stop() and returns ``exit_code``."""
+        self.exit_code = exit_code
+        if self._request_stop is not None:
+            self._request_stop()
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -85,8 +94,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
                 ready: Callable[[str], Awaitable[None] | None] | None = None,
-                stop_event: asyncio.Event | None = None) -> None:
-    """Run ``service`` until SIGTERM/SIGINT (or ``stop_event``), then stop gracefully."""
+                stop_event: asyncio.Event | None = None) -> int:
+    """Run ``service`` until SIGTERM/SIGINT (or ``stop_event``, or the
+    service's own shutdown()), then stop gracefully. Returns the exit code."""
+    stop = stop_event or asyncio.Event()
+    service._request_stop = stop.set
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorInterceptor()])
     service.register(server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -105,7 +117,6 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
         if asyncio.iscoroutine(r):
             await r
 
-    stop = stop_event or asyncio.Event()
     if stop_event is None:  # NOTE: a caller that passes stop_event owns the signals
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -121,7 +132,8 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
         await service.stop()
     finally:
         await server.stop(grace_s)
-    log.info("stopped", service=service.name)
+    log.info("stopped", service=service.name, exit_code=service.exit_code)
+    return service.exit_code
 
 
 async def _set(servicer, name: str, status) -> None:
@@ -130,8 +142,8 @@ async def _set(servicer, name: str, status) -> None:
         await r
 
 
-def run(main: Awaitable[None]) -> None:
-    """Run a service's main coroutine on uvloop."""
+def run(main: Awaitable[int | None]) -> int:
+    """Run a service's main coroutine on uvloop; its exit code (0 for None)."""
     import uvloop
 
-    uvloop.run(main)
+    return uvloop.run(main) or 0

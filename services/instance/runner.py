@@ -1,6 +1,10 @@
 """Runs an engine in its own thread and bridges it to the agent's asyncio
 loop without blocking either: commands go in through a thread-safe queue and
-run between steps; outputs come back once per step via call_soon_threadsafe."""
+run between steps; outputs come back once per step via call_soon_threadsafe.
+
+If the thread dies (the engine raised out of a step), the step callback gets
+``load=None`` once, and every command queued or sent afterwards fails at
+once with EngineBroken: nobody awaits a dead engine forever."""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ import threading
 import traceback
 from typing import Any, Callable
 
+from libs.common import failpoints
 from libs.common.logging import get_logger
 from libs.common.types import TokenOutput
-from services.instance.engine.base import Engine, EngineLoad
+from services.instance.engine.base import Engine, EngineBroken, EngineLoad
 
 log = get_logger(__name__)
 
@@ -32,6 +37,7 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.error: BaseException | None = None
+        self.dead = False
 
     def start(self) -> None:
         self._thread.start()
@@ -42,16 +48,28 @@ class EngineRunner:
         self._thread.join(timeout)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn(*args) on the engine thread between steps; await its result."""
+        """Run fn(*args) on the engine thread between steps; await its result.
+        Raises EngineBroken if the engine thread is dead."""
         fut = self.loop.create_future()
         self._cmds.put((fn, args, fut))
         self._wake.set()
+        if self.dead:  # NOTE: after the put: the thread may have died between a check and the put
+            self._fail_pending()
         return await fut
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (errors are logged)."""
         self._cmds.put((fn, args, None))
         self._wake.set()
+
+    def _fail_pending(self) -> None:
+        err = EngineBroken(f"the engine thread died: {self.error!r}")
+        while True:
+            try:
+                _, _, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            self._resolve(fut, exc=err)
 
     def _resolve(self, fut: asyncio.Future | None, result: Any = None, exc: BaseException | None = None):
         if fut is None:
@@ -83,10 +101,13 @@ class EngineRunner:
                 self._resolve(fut, exc=e)
 
     def _run(self) -> None:
+        die_after = failpoints.value("engine.die_after_steps")
         try:
             while not self._stop.is_set():
                 changed = self._drain()
                 if self.engine.has_work():
+                    if die_after is not None and self.steps >= int(die_after):
+                        raise EngineBroken(f"failpoint: engine.die_after_steps={die_after}")
                     outputs = self.engine.step()
                     self.steps += 1
                     self._publish(outputs)
@@ -97,8 +118,13 @@ class EngineRunner:
                 self._wake.clear()
         except BaseException as e:  # noqa: BLE001
             self.error = e
+            self.dead = True
             log.error("engine thread died", error=repr(e), traceback=traceback.format_exc())
-            self.loop.call_soon_threadsafe(self.on_step, [], None)
+            self._fail_pending()
+            try:
+                self.loop.call_soon_threadsafe(self.on_step, [], None)
+            except RuntimeError:  # loop closed during shutdown
+                pass
 
     def _publish(self, outputs: list[TokenOutput]) -> None:
         load = self.engine.load()

@@ -14,18 +14,30 @@ from ferry.pb import instance_pb2 as pb
 from ferry.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert, failpoints
 from libs.common.config import CommonConfig, opt
-from libs.common.errors import FailedPrecondition, InvalidArgument, NotFound, abort_with
+from libs.common.errors import (
+    Code,
+    FailedPrecondition,
+    FerryError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    abort_with,
+)
 from libs.common.load import summarize
 from libs.common.logging import get_logger
 from libs.common.server import Service
 from libs.common.types import InstanceInfo, InstanceStatus, Priority, TokenOutput
 from services.instance.engine import ENGINES, create_engine
-from services.instance.engine.base import EngineConfig, EngineError, EngineLoad, EngineRequest
-from services.instance.runner import EngineRunner
+from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineLoad, EngineRequest
 from services.instance.reporter import StatusReporter
+from services.instance.runner import EngineRunner
 from services.instance.streams import Event, StreamTable
 
 log = get_logger(__name__)
+
+# Exit status of an instance whose engine died (the launcher, ferry up and
+# compose see a crash; its requests resume elsewhere by recompute).
+EXIT_ENGINE_DIED = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +101,8 @@ def event_to_pb(ev: Event, tokens: list[int], first_index: int, num_prompt_token
     if ev.moved_to is not None:
         m.moved.instance_id, m.moved.address = ev.moved_to
         m.moved.next_index = ev.index
+    if ev.error is not None:
+        m.error_code, m.error_message = ev.error
     if ev.stats:
         m.num_preemptions = int(ev.stats.get("num_preemptions", 0))
         m.preemption_loss_ms = float(ev.stats.get("preemption_loss_ms", 0.0))
@@ -102,11 +116,14 @@ class InstanceService(Service):
 
     def __init__(self, config: InstanceConfig):
         self.config = config
+        if config.failpoints:  # first: the engine and its thread read theirs when they start
+            failpoints.configure(config.failpoints)
         self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(config.engine_config())
         self.streams = StreamTable()
         self.headroom = {Priority.HIGH: config.headroom_high}
         self.terminating = False
+        self.dead = False  # the engine thread died: this instance is stopping
         self.seq = 0
         self.load: EngineLoad = self.engine.load()
         self._load_key = _material(self.load)
@@ -126,13 +143,11 @@ class InstanceService(Service):
         address = f"{host}:{bound_address.rsplit(':', 1)[1]}"
         e = self.engine
         self.info = InstanceInfo(self.instance_id, address, e.name, e.model_name, e.block_size,
-                                 e.num_total_blocks, e.max_model_len, int(time.time() * 1000))
+                                 e.num_total_blocks, e.max_model_len, int(time.time() * 1000), e.vocab_size)
         self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step)
         self.runner.start()
         from services.instance.migration import MigrationManager
 
-        if self.config.failpoints:
-            failpoints.configure(self.config.failpoints)
         self.migration = MigrationManager(self, self.config.migration_config())
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
@@ -159,14 +174,16 @@ class InstanceService(Service):
             if stream is None:
                 continue
             reason = out.finish_reason.value if out.finish_reason else None
-            stream.push(Event(out.index, out.token_id, reason, stats=out.stats))
+            if out.error is not None:
+                log.warning("request failed; the engine goes on", request_id=out.request_id, code=out.error[0],
+                            error=out.error[1])
+            stream.push(Event(out.index, out.token_id, reason, stats=out.stats, error=out.error))
             if reason and stream.attached:
                 # NOTE: a migrated-in request that finishes before its client
                 # re-attached keeps its stream until Attach drains it.
                 self.streams.close(out.request_id)
-        if load is None:  # the engine thread died: end every stream
-            for rid in self.streams.ids():
-                self._end_stream(rid, "abort")
+        if load is None:
+            self._engine_died()
             return
         self.load = load
         key = _material(load)
@@ -174,6 +191,24 @@ class InstanceService(Service):
             self._load_key = key
             if self.reporter:
                 self.reporter.poke()
+
+    def _engine_died(self) -> None:
+        """NOTE: a dead engine is a dead instance. Every stream ends with
+        UNAVAILABLE, so the frontend resumes its request elsewhere by
+        recompute; then the instance stops: health NOT_SERVING, deregistered
+        from the meta store (dispatch no longer sees it), exit status
+        EXIT_ENGINE_DIED for the launcher or compose to act on."""
+        if self.dead:
+            return
+        self.dead = True
+        error = self.runner.error if self.runner else None
+        log.error("engine died; stopping this instance so that its requests resume elsewhere", error=repr(error))
+        message = f"the engine of instance {self.instance_id} died: {error!r}"
+        for rid in self.streams.ids():
+            stream = self.streams.get(rid)
+            stream.push(Event(stream.next_index, error=(Code.UNAVAILABLE.value, message)))
+            self.streams.close(rid)
+        self.shutdown(EXIT_ENGINE_DIED)
 
     def _end_stream(self, request_id: str, reason: str) -> None:
         stream = self.streams.get(request_id)
@@ -199,6 +234,7 @@ class InstanceService(Service):
             migrating_out=self.migrating_out, requests=summary.requests,
             used_blocks=load.total_blocks - load.free_blocks - load.reserved_blocks,
             waiting_demand_blocks=load.waiting_demand_blocks,
+            engine_steps=self.runner.steps if self.runner else 0,
         )
 
 
@@ -208,6 +244,8 @@ class InstanceServicer(pb_grpc.InstanceServicer):
 
     async def Generate(self, request, context):
         svc = self.svc
+        if svc.dead:
+            await abort_with(context, Unavailable(f"the engine of instance {svc.instance_id} is not running"))
         rid = request.request_id or uuid.uuid4().hex
         if rid in svc.streams:
             await abort_with(context, InvalidArgument(f"request id {rid!r} is already running here"))
@@ -221,7 +259,11 @@ class InstanceServicer(pb_grpc.InstanceServicer):
                              time.time(), resume)
         stream = svc.streams.open(rid, next_index=len(resume))
         try:
-            await svc.runner.call(svc.engine.add_request, ereq)
+            if not failpoints.enabled("instance.lose_requests"):  # tests: a request that never runs
+                await svc.runner.call(svc.engine.add_request, ereq)
+        except EngineBroken as e:
+            svc.streams.close(rid)
+            await abort_with(context, Unavailable(str(e)))
         except EngineError as e:
             svc.streams.close(rid)
             await abort_with(context, InvalidArgument(str(e)))
@@ -250,6 +292,10 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         try:
             async for ev in stream.events(from_index):
                 final = ev.final
+                if ev.error is not None and ev.finish_reason is None:
+                    if held:  # what the client has not seen yet goes first
+                        yield event_to_pb(Event(held_from), held, held_from)
+                    raise FerryError(ev.error[1], code=Code(ev.error[0]))
                 if ev.token_id is not None:
                     if not held:
                         held_from = ev.index

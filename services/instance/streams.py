@@ -15,10 +15,15 @@ class Event:
     finish_reason: str | None = None
     moved_to: tuple[str, str] | None = None  # (instance_id, address) when migrated away
     stats: dict | None = None  # counters, with the final event
+    # (libs.common.errors.Code value, message). With finish_reason "error":
+    # the request failed alone and its client is told so. Without a finish
+    # reason: the instance cannot go on (its engine died) and the stream's
+    # call ends with that status, so the frontend resumes the request elsewhere.
+    error: tuple[str, str] | None = None
 
     @property
     def final(self) -> bool:
-        return self.finish_reason is not None or self.moved_to is not None
+        return self.finish_reason is not None or self.moved_to is not None or self.error is not None
 
 
 class RequestStream:
@@ -44,7 +49,7 @@ class RequestStream:
             if ev.token_id is None or ev.index >= from_index:
                 yield ev
             elif ev.final:  # a final event on a token already delivered
-                yield Event(ev.index, None, ev.finish_reason, ev.moved_to, ev.stats)
+                yield Event(ev.index, None, ev.finish_reason, ev.moved_to, ev.stats, ev.error)
             if ev.final:
                 return
 
