@@ -71,6 +71,9 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
     def max_len() -> int:
         return router.max_model_len(config.default_max_model_len)
 
+    def vocab() -> int:
+        return router.vocab_size(tokenizer.vocab_size)
+
     async def respond(prep: Prepared, stream: bool, include_usage: bool, endpoint: str):
         gen = prep.gen
         obj = "chat.completion" if prep.kind == "chat" else "text_completion"
@@ -122,13 +125,13 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request):
-        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"))
+        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await respond(prep, body.stream, include_usage, "/v1/completions")
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"))
+        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await respond(prep, body.stream, include_usage, "/v1/chat/completions")
 

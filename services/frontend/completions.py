@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from libs.common.errors import InvalidArgument
+from libs.common.tokens import out_of_vocab_message
 from libs.common.types import Priority, SamplingParams
 from services.frontend import metrics
 from services.frontend.generation import Generation, run_generation
@@ -34,8 +35,17 @@ def parse_priority(body_value: str | None, header_value: str | None) -> Priority
         raise InvalidArgument(str(e), param="priority") from e
 
 
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    """A 400 naming the first id outside the model's vocabulary: such an id
+    must never reach an engine."""
+    message = out_of_vocab_message(param, ids, vocab_size)
+    if message:
+        raise InvalidArgument(message, param=param)
+
+
 def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
-            priority_header: str | None = None) -> Prepared:
+            priority_header: str | None = None, vocab_size: int | None = None) -> Prepared:
+    """``vocab_size``: the served model's (default: the tokenizer's)."""
     if body.n != 1:
         raise InvalidArgument("n > 1 is not supported; send one request per completion", param="n")
     if body.logprobs:
@@ -51,6 +61,7 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenize
         p = body.prompt
         if isinstance(p, list) and isinstance(p[0], int):
             prompt_ids = list(p)
+            check_token_ids(prompt_ids, vocab_size or tokenizer.vocab_size)
         else:
             prompt_ids = tokenizer.encode(p[0] if isinstance(p, list) else p)
         max_tokens = body.max_tokens

@@ -18,6 +18,9 @@ class FrontendConfig(CommonConfig):
     dispatch_timeout_s: float = opt(1.0, "give up on the scheduler after this long (then bypass)", min=0.01)
     bypass_retry_s: float = opt(1.0, "in bypass, ask the scheduler again after this long", min=0.0)
     max_resumes: int = opt(3, "resume a request on another instance at most this often after crashes", min=0)
+    stall_timeout_s: float = opt(60.0, "a request whose instance stream brings nothing for this long is checked with "
+                                 "the instance, and resumed elsewhere if the instance lost it or its engine makes no "
+                                 "step (0 = never)", min=0.0)
     keep_alive_s: float = opt(75.0, "close idle HTTP keep-alive connections after this long (s); longer than "
                               "clients' pool expiry, so a reused connection is not closed under a request", min=0.1)
     status_interval_s: float = opt(0.5, "take each instance's status from the meta store at most this often (the "

@@ -5,6 +5,7 @@ order by index: the frontend keeps every token it delivered."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -13,7 +14,7 @@ import grpc
 
 from ferry.pb import instance_pb2 as ipb
 from libs.common import convert
-from libs.common.errors import FerryError, InvalidArgument, Unavailable
+from libs.common.errors import Code, FerryError, InvalidArgument, Unavailable
 from libs.common.logging import get_logger
 from libs.common.types import Priority, SamplingParams
 from services.frontend import metrics
@@ -52,6 +53,20 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
     instance_id = None
     attach = False
     last_token_at = None
+
+    def resume_elsewhere(why: str, error: BaseException | None = None) -> None:
+        """The instance failed the stream (crashed, ended it early, stalled):
+        resume the request on another one by recompute, or give up."""
+        nonlocal address
+        if gen.num_resumes >= max_resumes:
+            raise Unavailable(f"{why}; the request was resumed {max_resumes} times already") from error
+        gen.num_resumes += 1
+        metrics.RESUMES.inc()
+        log.warning("instance failed the request; resuming elsewhere", request_id=gen.request_id,
+                    instance_id=instance_id, delivered=len(gen.delivered), reason=why)
+        exclude.add(instance_id)
+        address = None
+
     while True:
         if address is None:
             instance_id, address, run_priority = await router.dispatch(
@@ -68,9 +83,11 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
                 request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
                 sampling=convert.sampling_to_pb(gen.sampling), priority=int(run_priority),
                 resume_token_ids=gen.delivered, flush_interval_ms=gen.flush_interval_ms))
+        watched = router.watchdog.watch(gen.request_id, instance_id, address, call)
         moved = None
         try:
             async for ev in call:
+                watched.touch()
                 if ev.token_ids:
                     skip = len(gen.delivered) - ev.index  # of these, already delivered
                     if skip < 0:
@@ -90,6 +107,8 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
                         for token_id in new:
                             gen.delivered.append(token_id)
                             yield token_id
+                if ev.finish_reason == "error":
+                    raise _request_error(ev, instance_id)
                 if ev.finish_reason:
                     gen.finish_reason = ev.finish_reason
                     gen.num_preemptions += ev.num_preemptions
@@ -103,27 +122,33 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
             code = e.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(e.details() or "rejected by the instance") from e
-            if gen.num_resumes >= max_resumes:
-                raise Unavailable(f"instance failed and {max_resumes} resumes are used up") from e
-            gen.num_resumes += 1
-            metrics.RESUMES.inc()
-            log.warning("instance failed mid-stream; resuming elsewhere", request_id=gen.request_id,
-                        instance_id=instance_id, delivered=len(gen.delivered), error=code.name)
-            exclude.add(instance_id)
-            address = None
+            resume_elsewhere(f"instance {instance_id} failed: {code.name}", e)
+            continue
+        except asyncio.CancelledError:
+            if watched.stalled is None or asyncio.current_task().cancelling():
+                raise  # the client went away (or the server stops)
+            resume_elsewhere(f"no progress for {router.watchdog.stall_s:g}s: {watched.stalled}")
             continue
         finally:
+            router.watchdog.unwatch(watched)
             call.cancel()
         if moved is None:
             # The stream ended without a final event: the instance went away.
-            if gen.num_resumes >= max_resumes:
-                raise Unavailable("instance stream ended early and resumes are used up")
-            gen.num_resumes += 1
-            metrics.RESUMES.inc()
-            exclude.add(instance_id)
-            address = None
+            resume_elsewhere(f"instance {instance_id} ended the stream early")
             continue
         metrics.MIGRATIONS_FOLLOWED.inc()
         gen.num_migrations += 1
         instance_id, address, attach = moved.instance_id, moved.address, True
         gen.instances.append(instance_id)
+
+
+def _request_error(ev, instance_id: str) -> FerryError:
+    """The error of a request its instance failed on its own (the engine went
+    on for the others): not resumed elsewhere, it would fail there too."""
+    try:
+        code = Code(ev.error_code)
+    except ValueError:
+        code = Code.INTERNAL
+    metrics.REQUEST_ERRORS.labels(code.value).inc()
+    return FerryError(f"the request failed on instance {instance_id}: {ev.error_message or 'engine error'}",
+                      code=code)

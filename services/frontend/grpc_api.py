@@ -10,7 +10,7 @@ from ferry.pb import frontend_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.errors import InvalidArgument
 from libs.common.types import Priority
-from services.frontend.completions import Prepared, text_stream
+from services.frontend.completions import Prepared, check_token_ids, text_stream
 from services.frontend.generation import Generation
 
 
@@ -21,11 +21,16 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         self.max_len = max_len
         self.max_resumes = max_resumes
 
+    def vocab_size(self) -> int:
+        return self.router.vocab_size(self.tokenizer.vocab_size)
+
     async def Generate(self, request, context):
         ids = list(request.prompt_token_ids) or (self.tokenizer.encode(request.prompt) if request.prompt else [])
         if not ids:
             raise InvalidArgument("prompt or prompt_token_ids is required", param="prompt")
+        check_token_ids(ids, self.vocab_size(), "prompt_token_ids")
         sampling = convert.sampling_from_pb(request.sampling)
+        check_token_ids(list(sampling.stop_token_ids), self.vocab_size(), "sampling.stop_token_ids")
         if sampling.max_tokens < 1:
             raise InvalidArgument("sampling.max_tokens must be >= 1", param="max_tokens")
         limit = self.max_len()

@@ -18,6 +18,10 @@ BYPASS = Gauge("ferry_dispatch_bypass", "1 while the scheduler is unreachable an
 BYPASS_DISPATCHES = Counter("ferry_bypass_dispatches_total", "Requests dispatched by the frontend itself")
 MIGRATIONS_FOLLOWED = Counter("ferry_migrations_followed_total", "Streams re-attached after a migration")
 RESUMES = Counter("ferry_resumes_total", "Requests resumed on another instance after a failure")
+STALLED = Counter("ferry_stalled_requests_total",
+                  "Instance streams that made no progress past the stall limit (cancelled; the request resumed "
+                  "elsewhere or failed)")
+REQUEST_ERRORS = Counter("ferry_request_errors_total", "Requests an instance failed on their own, by code", ["code"])
 INSTANCE_FREENESS = Gauge("ferry_instance_freeness", "Last reported freeness per instance", ["instance"])
 INSTANCE_RUNNING = Gauge("ferry_instance_running", "Running requests per instance", ["instance"])
 INSTANCE_WAITING = Gauge("ferry_instance_waiting", "Waiting requests per instance", ["instance"])

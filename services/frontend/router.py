@@ -17,6 +17,7 @@ from libs.common.logging import get_logger
 from libs.common.server import GRPC_OPTIONS
 from libs.common.types import Priority
 from services.frontend import metrics
+from services.frontend.watchdog import StallWatchdog
 from services.scheduler.policies import Dispatcher, DispatchRequest, blocks_for
 
 log = get_logger(__name__)
@@ -24,7 +25,7 @@ log = get_logger(__name__)
 
 class Router:
     def __init__(self, scheduler: str, meta_store: str, dispatch_timeout_s: float = 1.0,
-                 bypass_retry_s: float = 1.0, status_interval_s: float = 0.0):
+                 bypass_retry_s: float = 1.0, status_interval_s: float = 0.0, stall_timeout_s: float = 60.0):
         self.scheduler_address = scheduler
         self.dispatch_timeout_s = dispatch_timeout_s
         self.bypass_retry_s = bypass_retry_s
@@ -36,11 +37,14 @@ class Router:
         self._sched = spb_grpc.SchedulerStub(self.channel(scheduler))
         self.bypass = False
         self._bypass_until = 0.0
+        self.watchdog = StallWatchdog(self.instance, stall_timeout_s)
 
     def start(self) -> None:
         self.view.start()
+        self.watchdog.start()
 
     async def close(self) -> None:
+        await self.watchdog.stop()
         await self.view.stop()
         for ch in self._channels.values():
             await ch.close()
@@ -61,6 +65,11 @@ class Router:
     def max_model_len(self, default: int) -> int:
         lens = [r.info.max_model_len for r in self.view.records.values() if r.info.max_model_len > 0]
         return min(lens) if lens else default
+
+    def vocab_size(self, default: int) -> int:
+        """The vocabulary every instance accepts (``default`` when none says)."""
+        sizes = [r.info.vocab_size for r in self.view.records.values() if r.info.vocab_size > 0]
+        return min(sizes) if sizes else default
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
                        exclude: frozenset[str] = frozenset()) -> tuple[str, str, Priority]:

@@ -32,6 +32,14 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:  # token ids the engine would have to check and apply: refused, not ignored
+            raise ValueError("logit_bias is not supported")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -9,6 +9,7 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
+    vocab_size: int  # ids 0 .. vocab_size-1 (what the model accepts may be more: instances say)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -29,6 +30,7 @@ class ByteTokenizer:
     """For fake and sim engines: one token per UTF-8 byte. Token 0 is EOS."""
 
     eos_token_ids = (0,)
+    vocab_size = 256
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8")) or [32]
@@ -61,6 +63,7 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(path)
         eos = self.tok.eos_token_id
         self.eos_token_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        self.vocab_size = len(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False) or [self.tok.eos_token_id or 0]

@@ -88,3 +88,16 @@ async def test_migrated_output_equals_unmigrated(real_cluster, sampling):
     for inst in real_cluster.instances():
         r = await asyncio.to_thread(wait_idle_and_check, inst.address)
         assert r.ok and r.num_requests == 0 and r.free_blocks == r.total_blocks, r
+
+
+def test_an_out_of_vocabulary_id_is_a_400_and_the_cluster_answers_the_next_20(client, real_cluster):
+    """The reproduction of a denial of service: one id past SmolLM2's 49,152
+    once killed an engine thread, and every later request hung."""
+    for bad in ([99999999], [1, 49152], [-1378239111136]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="smollm2", prompt=bad, max_tokens=3)
+        assert str(bad[-1]) in str(e.value) and "vocabulary" in str(e.value)
+    for i in range(20):
+        r = client.completions.create(model="smollm2", prompt=f"Hello there {i}", max_tokens=3, temperature=0)
+        assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
+    assert all(inst.alive() for inst in real_cluster.instances())
