@@ -19,6 +19,8 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from libs.common import rpc
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -113,6 +115,17 @@ class ClusterSpec:
     # Give the scheduler a launcher: the instance command it may start
     # (--launch-args), so that auto-scaling (scheduler_args) can add instances.
     launcher: bool = False
+    # Internal gRPC credentials of every service (libs/common/rpc.py): a
+    # token (``ferry up`` makes one per cluster; children get it through the
+    # environment, not their command line) and optional TLS files.
+    cluster_token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+
+    @property
+    def credentials(self) -> rpc.Credentials:
+        return rpc.Credentials(self.cluster_token, self.tls_cert, self.tls_key, self.tls_ca)
 
 
 class LocalCluster:
@@ -136,6 +149,11 @@ class LocalCluster:
     def scheduler(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
+    @property
+    def credentials(self) -> rpc.Credentials:
+        """What a client of this cluster's internal services presents."""
+        return self.spec.credentials
+
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
@@ -153,7 +171,7 @@ class LocalCluster:
             os.makedirs(self.spec.log_dir, exist_ok=True)
             child.log_path = os.path.join(self.spec.log_dir, f"{child.name}.log")
             out = open(child.log_path, "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.credentials.env()}
         child.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                       stdin=subprocess.DEVNULL, env=env)
         if out:
@@ -235,13 +253,13 @@ class LocalCluster:
                     [i for i in self.instances() if i.alive()])
             except httpx.HTTPError:
                 return False
-        return grpc_healthy(c.address)
+        return grpc_healthy(c.address, credentials=self.credentials)
 
     def add_instance(self, extra: list[str] | None = None, wait_s: float = 60.0) -> Child:
         c = self._spawn(self.instance_child(extra))
         self.children.append(c)
         deadline = time.monotonic() + wait_s
-        while not grpc_healthy(c.address):
+        while not grpc_healthy(c.address, credentials=self.credentials):
             if not c.alive() or time.monotonic() > deadline:
                 raise StartupError(f"{c.name} did not start")
             time.sleep(0.05)
@@ -251,7 +269,7 @@ class LocalCluster:
         c = self.child(name)
         self._spawn(c)
         deadline = time.monotonic() + wait_s
-        while not (self._healthy(c) if c.kind != "frontend" else grpc_healthy(c.address) or self._healthy(c)):
+        while not (self._healthy(c) if c.kind != "frontend" else grpc_healthy(c.address, credentials=self.credentials) or self._healthy(c)):
             if not c.alive() or time.monotonic() > deadline:
                 raise StartupError(f"{name} did not restart")
             time.sleep(0.05)
@@ -286,9 +304,9 @@ class LocalCluster:
         self.stop()
 
 
-def grpc_healthy(address: str, timeout: float = 0.5) -> bool:
+def grpc_healthy(address: str, timeout: float = 0.5, credentials: rpc.Credentials | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with rpc.sync_channel(address, credentials or rpc.Credentials()) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return r.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:

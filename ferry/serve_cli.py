@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from libs.common.config import click_options, from_options
+from libs.common.config import ConfigError, click_options, from_options
 from libs.common.logging import setup_logging
 from libs.common.server import run
 from libs.common.server import serve as serve_grpc
@@ -15,6 +15,20 @@ from services.frontend.config import FrontendConfig
 from services.instance.service import InstanceConfig
 from services.meta_store.service import MetaStoreConfig
 from services.scheduler.service import SchedulerConfig
+
+
+def _setup(config_cls, options: dict, name: str):
+    """The service's config from its options; logging and this process's
+    internal gRPC credentials set up from it."""
+    from libs.common import rpc
+
+    cfg = from_options(config_cls, options)
+    setup_logging(cfg.log_level, cfg.log_format, name)
+    try:
+        rpc.configure(cfg.credentials())
+    except ConfigError as e:
+        raise click.BadParameter(str(e)) from e
+    return cfg
 
 
 @click.group()
@@ -28,8 +42,7 @@ def meta_store(**options) -> None:
     """The cluster meta store (instance registry and live status)."""
     from services.meta_store.service import MetaStoreService
 
-    cfg = from_options(MetaStoreConfig, options)
-    setup_logging(cfg.log_level, cfg.log_format, "meta-store")
+    cfg = _setup(MetaStoreConfig, options, "meta-store")
     sys.exit(run(serve_grpc(MetaStoreService(cfg), cfg.host, cfg.port)))
 
 
@@ -39,8 +52,7 @@ def scheduler(**options) -> None:
     """The global scheduler (dispatch, migration pairing)."""
     from services.scheduler.service import SchedulerService
 
-    cfg = from_options(SchedulerConfig, options)
-    setup_logging(cfg.log_level, cfg.log_format, "scheduler")
+    cfg = _setup(SchedulerConfig, options, "scheduler")
     sys.exit(run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port)))
 
 
@@ -50,8 +62,7 @@ def instance(**options) -> None:
     """An instance agent (llumlet) running one engine."""
     from services.instance.service import InstanceService
 
-    cfg = from_options(InstanceConfig, options)
-    setup_logging(cfg.log_level, cfg.log_format, "instance")
+    cfg = _setup(InstanceConfig, options, "instance")
     sys.exit(run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port)))
 
 
@@ -61,6 +72,5 @@ def frontend(**options) -> None:
     """The OpenAI-compatible HTTP frontend (and its gRPC Generate API)."""
     from services.frontend.service import run_frontend
 
-    cfg = from_options(FrontendConfig, options)
-    setup_logging(cfg.log_level, cfg.log_format, "frontend")
+    cfg = _setup(FrontendConfig, options, "frontend")
     sys.exit(run(run_frontend(cfg)))

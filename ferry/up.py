@@ -9,6 +9,7 @@ import time
 import click
 
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError
+from libs.common import rpc
 
 
 @click.command()
@@ -25,11 +26,13 @@ from ferry.cluster import ClusterSpec, LocalCluster, StartupError
 @click.option("--api-key", default="", help="require this Bearer token")
 @click.option("--instance-arg", "instance_args", multiple=True,
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
+@click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
+              help="internal gRPC calls carry a token made for this cluster; strangers get UNAUTHENTICATED")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, instance_args, log_format,
-       log_level) -> None:
+def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, instance_args, cluster_token,
+       log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if engine == "native":
         from libs.common.models import ensure_model
@@ -39,7 +42,8 @@ def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, insta
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
-                       log_format=log_format, log_level=log_level)
+                       log_format=log_format, log_level=log_level,
+                       cluster_token=rpc.new_token() if cluster_token else "")
     cluster = LocalCluster(spec)
     stopping = False
 

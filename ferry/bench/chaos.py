@@ -30,6 +30,7 @@ from ferry.pb import meta_store_pb2 as mpb
 from ferry.pb import meta_store_pb2_grpc as mpb_grpc
 from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.common import rpc
 from services.instance.engine.fake import fake_generate
 
 FAULT_KINDS = ("instance", "scheduler", "meta_store", "migration_dest", "migration_source")
@@ -82,17 +83,17 @@ def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None) -
 
 
 async def _scheduler_view(address: str, timeout: float = 1.0) -> spb.ClusterViewReply:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with rpc.channel(address) as ch:
         return await spb_grpc.SchedulerStub(ch).GetClusterView(spb.ClusterViewRequest(), timeout=timeout)
 
 
 async def _meta_instances(address: str) -> list:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with rpc.channel(address) as ch:
         return list((await mpb_grpc.MetaStoreStub(ch).List(mpb.ListRequest(), timeout=1.0)).instances)
 
 
 async def _instance_status(address: str) -> ipb.InstanceStatus:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with rpc.channel(address) as ch:
         return await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=1.0)
 
 
@@ -164,7 +165,7 @@ class Chaos:
             rid = self.rng.choice(running)
 
             async def order():
-                async with grpc.aio.insecure_channel(src.address) as ch:
+                async with rpc.channel(src.address) as ch:
                     return await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
                         request_id=rid, dest_instance_id=dst.name, dest_address=dst.address), timeout=30)
             task = asyncio.create_task(order())
@@ -274,7 +275,7 @@ async def _leaks(cluster: LocalCluster, timeout_s: float = 15.0) -> tuple[int, l
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                async with grpc.aio.insecure_channel(address) as ch:
+                async with rpc.channel(address) as ch:
                     r = await ipb_grpc.InstanceStub(ch).CheckIntegrity(ipb.CheckIntegrityRequest(), timeout=5)
             except grpc.RpcError as e:
                 errors.append(f"{name}: unreachable ({e.code().name})")

@@ -22,6 +22,7 @@ from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.pb import common_pb2 as cpb
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common import rpc
 
 
 class Background:
@@ -35,7 +36,7 @@ class Background:
 
     async def _one(self, i: int):
         rng = random.Random(i)
-        async with grpc.aio.insecure_channel(self.address) as ch:
+        async with rpc.channel(self.address) as ch:
             call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
                 request_id=f"bg-{uuid.uuid4().hex[:8]}",
                 prompt_token_ids=[rng.randrange(100, self.vocab) for _ in range(self.prompt_len)],
@@ -72,7 +73,7 @@ async def _stream(http, body, on_token=None):
 async def _holder(cluster, rid):
     for _ in range(200):
         for inst in cluster.instances():
-            async with grpc.aio.insecure_channel(inst.address) as ch:
+            async with rpc.channel(inst.address) as ch:
                 st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest())
             if any(r.request_id == rid and r.state == cpb.RequestLoad.RUNNING for r in st.requests):
                 return inst
@@ -83,7 +84,7 @@ async def _holder(cluster, rid):
 async def _migrate(cluster, rid, blocking=False):
     src = await _holder(cluster, rid)
     dst = next(i for i in cluster.instances() if i is not src)
-    async with grpc.aio.insecure_channel(src.address) as ch:
+    async with rpc.channel(src.address) as ch:
         reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
             request_id=rid, dest_instance_id=dst.name, dest_address=dst.address, blocking=blocking), timeout=300)
     return src, dst, reply.results[0]
@@ -135,7 +136,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     blocking_ms = info["res"].downtime_ms
     # Baseline 2: recompute = prefill prompt + output so far at the destination.
     dst = cluster.instances()[1]
-    async with grpc.aio.insecure_channel(dst.address) as ch:
+    async with rpc.channel(dst.address) as ch:
         t0 = time.perf_counter()
         call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
             request_id=f"recompute-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt + [100] * at_token,

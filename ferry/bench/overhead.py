@@ -11,7 +11,6 @@ import time
 import uuid
 
 import click
-import grpc
 import httpx
 import numpy as np
 
@@ -19,13 +18,14 @@ from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.pb import common_pb2 as cpb
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common import rpc
 
 PROMPT = "measure the overhead of the serving path"
 
 
 async def _direct_ttft(address: str, n: int) -> list[float]:
     out = []
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with rpc.channel(address) as ch:
         stub = ipb_grpc.InstanceStub(ch)
         for _ in range(n):
             req = ipb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(PROMPT.encode()),

@@ -32,6 +32,7 @@ import httpx
 
 from ferry.bench import client, metrics
 from ferry.bench import workload as wl
+from libs.common import rpc
 
 POLICIES = ("round_robin", "infaas++", "llumnix_base", "llumnix")
 LAG_WARN_MS = 100.0  # send lag (wall) above this: the client could not keep up
@@ -148,7 +149,7 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
     from ferry.pb import scheduler_pb2 as pb
     from ferry.pb import scheduler_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with rpc.channel(address) as ch:
         stub = pb_grpc.SchedulerStub(ch)
         while not stop.is_set():
             try:

@@ -10,9 +10,8 @@ import grpc
 
 from ferry.pb import meta_store_pb2 as mpb
 from ferry.pb import meta_store_pb2_grpc as mpb_grpc
-from libs.common import convert
+from libs.common import convert, rpc
 from libs.common.logging import get_logger
-from libs.common.server import GRPC_OPTIONS
 from libs.common.types import InstanceRecord
 from services.scheduler.policies import InstanceView  # a pure dataclass
 
@@ -57,7 +56,7 @@ class ClusterView:
         backoff = 0.05
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.meta_store_address, options=GRPC_OPTIONS) as ch:
+                async with rpc.channel(self.meta_store_address) as ch:
                     stub = mpb_grpc.MetaStoreStub(ch)
                     fresh: dict[str, InstanceRecord] = {}
                     async for ev in stub.Watch(mpb.WatchRequest(min_update_interval_s=self.min_update_interval_s)):

@@ -100,7 +100,26 @@ def from_options(config_cls: type, options: dict[str, Any]) -> Any:
 class CommonConfig(Validated):
     """Options every service has."""
 
-    host: str = opt("127.0.0.1", "address to listen on")
+    host: str = opt("127.0.0.1", "address to listen on (loopback unless told otherwise)")
     port: int = opt(0, "port to listen on (0 = any free port)", min=0, max=65535)
     log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = opt("console", "log format", choices=("console", "json"))
+    # Internal gRPC credentials (libs/common/rpc.py). Prefer the env var or the
+    # file to the flag: a flag's value shows in the process list.
+    cluster_token: str = opt("", "shared token every internal gRPC call must carry (empty = none)")
+    cluster_token_file: str = opt("", "file holding the cluster token (e.g. a compose secret)")
+    tls_cert: str = opt("", "PEM certificate for internal gRPC TLS (this service's, server and client)")
+    tls_key: str = opt("", "PEM private key of --tls-cert")
+    tls_ca: str = opt("", "PEM CA that peers' certificates must chain to; servers then require client "
+                          "certificates (mutual TLS)")
+    tls_server_name: str = opt("", "name the peers' certificates are checked against (default: the address's host)")
+
+    def credentials(self):
+        """This service's internal gRPC credentials (raises ConfigError on a bad file)."""
+        from libs.common import rpc
+
+        try:
+            return rpc.load_credentials(self.cluster_token, self.cluster_token_file, self.tls_cert, self.tls_key,
+                                        self.tls_ca, self.tls_server_name)
+        except (OSError, ValueError) as e:
+            raise ConfigError(str(e)) from e

@@ -1,5 +1,7 @@
 """The one serve() skeleton of every gRPC service: uvloop, the standard gRPC
-health checking service, graceful stop on SIGTERM/SIGINT."""
+health checking service, graceful stop on SIGTERM/SIGINT, and the cluster's
+credentials (libs/common/rpc.py): TLS when configured, and on internal
+services a token check on every call but health checks."""
 
 from __future__ import annotations
 
@@ -10,21 +12,12 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from libs.common import rpc
 from libs.common.errors import FerryError, grpc_status
 from libs.common.logging import get_logger
+from libs.common.rpc import GRPC_OPTIONS
 
 log = get_logger(__name__)
-
-# KV chunks are a few MiB; leave room.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.so_reuseport", 0),
-    # Reconnect to a restarted peer (scheduler, meta store, instance) within a
-    # second, not after gRPC's default exponential backoff of up to 120 s.
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
 
 class Service:
     """What serve() needs from a service: register servicers, then optional
@@ -32,6 +25,9 @@ class Service:
 
     name: str = "service"
     service_names: tuple[str, ...] = ()
+    # Internal services (all but the frontend's public API) take the cluster's
+    # credentials: its TLS certificates and, on every call, its token.
+    internal: bool = True
     exit_code: int = 0  # what serve() returns (the process's exit status)
     _request_stop: Callable[[], None] | None = None  # set by serve()
 
@@ -50,6 +46,23 @@ class Service:
         self.exit_code = exit_code
         if self._request_stop is not None:
             self._request_stop()
+
+
+def _rewrap(handler, wrap_unary, wrap_stream):
+    """``handler`` with its behaviour function wrapped: ``wrap_unary`` for
+    calls that return one response, ``wrap_stream`` for server streams."""
+    kinds = {
+        "unary_unary": (grpc.unary_unary_rpc_method_handler, wrap_unary),
+        "unary_stream": (grpc.unary_stream_rpc_method_handler, wrap_stream),
+        "stream_unary": (grpc.stream_unary_rpc_method_handler, wrap_unary),
+        "stream_stream": (grpc.stream_stream_rpc_method_handler, wrap_stream),
+    }
+    for attr, (make, wrap) in kinds.items():
+        fn = getattr(handler, attr)
+        if fn is not None:
+            return make(wrap(fn), request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -78,18 +91,42 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await context.abort(grpc_status(e), e.message)
             return wrapped
 
-        kinds = {
-            "unary_unary": (grpc.unary_unary_rpc_method_handler, wrap_unary),
-            "unary_stream": (grpc.unary_stream_rpc_method_handler, wrap_stream),
-            "stream_unary": (grpc.stream_unary_rpc_method_handler, wrap_unary),
-            "stream_stream": (grpc.stream_stream_rpc_method_handler, wrap_stream),
-        }
-        for attr, (make, wrap) in kinds.items():
-            fn = getattr(handler, attr)
-            if fn is not None:
-                return make(wrap(fn), request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
-        return handler
+        return _rewrap(handler, wrap_unary, wrap_stream)
+
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call but health checks that lacks the cluster token
+    (UNAUTHENTICATED, before the servicer runs: nothing changes)."""
+
+    def __init__(self, credentials: rpc.Credentials):
+        self.credentials = credentials
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        presented = next((v for k, v in handler_call_details.invocation_metadata or ()
+                          if k == rpc.TOKEN_METADATA), None)
+        if self.credentials.check_token(presented):
+            return handler
+        log.warning("call refused: missing or wrong cluster token", method=handler_call_details.method)
+        message = "missing or wrong cluster token"
+
+        def deny_unary(fn):
+            async def denied(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            return denied
+
+        def deny_stream(fn):
+            async def denied(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+                yield  # an async generator, as the handler kind wants
+            return denied
+
+        return _rewrap(handler, deny_unary, deny_stream)
 
 
 async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
@@ -99,11 +136,16 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
     service's own shutdown()), then stop gracefully. Returns the exit code."""
     stop = stop_event or asyncio.Event()
     service._request_stop = stop.set
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorInterceptor()])
+    creds = rpc.current() if service.internal else rpc.Credentials()
+    interceptors = [ErrorInterceptor()] + ([TokenInterceptor(creds)] if creds.token else [])
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     service.register(server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if creds.tls:
+        bound = server.add_secure_port(f"{host}:{port}", creds.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     address = f"{host}:{bound}"
@@ -111,7 +153,7 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
     await service.start(address)
     for name in ("", *service.service_names):
         await _set(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", service=service.name, address=address)
+    log.info("serving", service=service.name, address=address, tls=creds.tls, token=bool(creds.token))
     if ready is not None:
         r = ready(address)
         if asyncio.iscoroutine(r):

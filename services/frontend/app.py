@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,9 +11,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
-from libs.common.errors import FerryError, InvalidArgument, Unauthenticated, openai_error
+from libs.common.errors import FerryError, InvalidArgument, openai_error
 from libs.common.logging import get_logger
 from services.frontend import metrics
+from services.frontend.auth import check_bearer
 from services.frontend.completions import Prepared, prepare, text_stream, usage
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Router
@@ -59,12 +59,7 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
     async def require_key(request: Request) -> None:
         # A route dependency, not an HTTP middleware: Starlette's
         # BaseHTTPMiddleware costs about a third of the frontend's CPU per request.
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not any(secrets.compare_digest(token, k) for k in keys):
-            raise Unauthenticated("missing or invalid API key (Authorization: Bearer …)")
+        check_bearer(request.headers.get("authorization"), keys)
 
     guarded = [Depends(require_key)]
 

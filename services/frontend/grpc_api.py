@@ -10,21 +10,24 @@ from ferry.pb import frontend_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.errors import InvalidArgument
 from libs.common.types import Priority
+from services.frontend.auth import check_bearer
 from services.frontend.completions import Prepared, check_token_ids, text_stream
 from services.frontend.generation import Generation
 
 
 class FrontendServicer(pb_grpc.FrontendServicer):
-    def __init__(self, router, tokenizer, max_len, max_resumes: int = 3):
+    def __init__(self, router, tokenizer, max_len, max_resumes: int = 3, api_keys: frozenset[str] = frozenset()):
         self.router = router
         self.tokenizer = tokenizer
         self.max_len = max_len
         self.max_resumes = max_resumes
+        self.api_keys = api_keys
 
     def vocab_size(self) -> int:
         return self.router.vocab_size(self.tokenizer.vocab_size)
 
     async def Generate(self, request, context):
+        check_bearer(dict(context.invocation_metadata() or ()).get("authorization"), self.api_keys)
         ids = list(request.prompt_token_ids) or (self.tokenizer.encode(request.prompt) if request.prompt else [])
         if not ids:
             raise InvalidArgument("prompt or prompt_token_ids is required", param="prompt")

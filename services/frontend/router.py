@@ -11,10 +11,10 @@ import grpc
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.common import rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Unavailable, from_grpc, is_unavailable
 from libs.common.logging import get_logger
-from libs.common.server import GRPC_OPTIONS
 from libs.common.types import Priority
 from services.frontend import metrics
 from services.frontend.watchdog import StallWatchdog
@@ -52,7 +52,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            ch = rpc.channel(address)
             self._channels[address] = ch
         return ch
 

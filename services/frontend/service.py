@@ -24,6 +24,7 @@ log = get_logger(__name__)
 class _FrontendGrpc(Service):
     name = "frontend-grpc"
     service_names = ("ferry.v1.Frontend",)
+    internal = False  # the public edge: API keys (if any), not the cluster token
 
     def __init__(self, servicer: FrontendServicer):
         self.servicer = servicer
@@ -55,7 +56,7 @@ async def run_frontend(config: FrontendConfig) -> None:
     tasks = []
     if config.grpc_port >= 0:
         servicer = FrontendServicer(router, tokenizer, lambda: router.max_model_len(config.default_max_model_len),
-                                    config.max_resumes)
+                                    config.max_resumes, config.api_keys())
         tasks.append(asyncio.create_task(serve(_FrontendGrpc(servicer), config.host, config.grpc_port,
                                                stop_event=grpc_stop)))
     loop = asyncio.get_running_loop()

@@ -14,9 +14,8 @@ import grpc
 
 from ferry.pb import meta_store_pb2 as mpb
 from ferry.pb import meta_store_pb2_grpc as mpb_grpc
-from libs.common import convert
+from libs.common import convert, rpc
 from libs.common.logging import get_logger
-from libs.common.server import GRPC_OPTIONS
 from libs.common.types import InstanceInfo, InstanceStatus
 
 log = get_logger(__name__)
@@ -51,7 +50,7 @@ class StatusReporter:
                 pass
         if deregister:
             try:
-                async with grpc.aio.insecure_channel(self.meta_store, options=GRPC_OPTIONS) as ch:
+                async with rpc.channel(self.meta_store) as ch:
                     await mpb_grpc.MetaStoreStub(ch).Deregister(
                         mpb.DeregisterRequest(instance_id=self.info.instance_id), timeout=1.0)
             except grpc.RpcError:
@@ -61,7 +60,7 @@ class StatusReporter:
         backoff = 0.05
         while True:
             try:
-                async with grpc.aio.insecure_channel(self.meta_store, options=GRPC_OPTIONS) as ch:
+                async with rpc.channel(self.meta_store) as ch:
                     stub = mpb_grpc.MetaStoreStub(ch)
                     await stub.Register(mpb.RegisterRequest(info=convert.info_to_pb(self.info)), timeout=2.0)
                     if not self.registered:

@@ -26,9 +26,9 @@ import grpc
 
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common import rpc
 from libs.common.load import is_finite
 from libs.common.logging import get_logger
-from libs.common.server import GRPC_OPTIONS
 
 log = get_logger(__name__)
 
@@ -258,7 +258,7 @@ class Autoscaler:
         if address is None:
             return False
         try:
-            async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+            async with rpc.channel(address) as ch:
                 await ipb_grpc.InstanceStub(ch).SetTerminating(
                     ipb.SetInstanceTerminatingRequest(terminating=value), timeout=5)
             return True
@@ -298,7 +298,7 @@ class Autoscaler:
         if address is None:
             return False
         try:
-            async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+            async with rpc.channel(address) as ch:
                 s = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
             return s.num_running == 0 and s.num_waiting == 0 and s.migrating_out == 0 and s.migrating_in == 0
         except grpc.RpcError:

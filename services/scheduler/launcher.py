@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferry.cluster import ferry_command, free_port
+from libs.common import rpc
 from libs.common.logging import get_logger
 
 log = get_logger(__name__)
@@ -108,7 +109,7 @@ class LocalProcessLauncher(Launcher):
         # (The fork itself is cheap: no preexec_fn, so vfork/posix_spawn.)
         proc = subprocess.Popen(self.command(iid, port), stdout=out,
                                 stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **rpc.current().env()})
         if out:
             out.close()
         p = _Proc(iid, f"{self.host}:{port}", proc, time.monotonic())
@@ -149,7 +150,7 @@ class LocalProcessLauncher(Launcher):
 
 async def _healthy(address: str) -> bool:
     try:
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with rpc.channel(address) as ch:
             r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                            timeout=0.5)
             return r.status == health_pb2.HealthCheckResponse.SERVING

@@ -11,6 +11,7 @@ import grpc
 
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common import rpc
 from libs.common.logging import get_logger
 from services.scheduler.policies import MIGRATION_FREENESS, MigrationPair, pair_migrations
 
@@ -64,7 +65,7 @@ class Rescheduler:
             log.debug("migrate-out order", source=pair.source, destination=pair.destination,
                       source_freeness=round(pair.source_freeness, 2),
                       destination_freeness=round(pair.destination_freeness, 2))
-            async with grpc.aio.insecure_channel(src) as ch:
+            async with rpc.channel(src) as ch:
                 reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
                     dest_instance_id=pair.destination, dest_address=dst,
                     stop_when_freeness_above=self.config.migrate_out_threshold,

@@ -11,13 +11,13 @@ from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from ferry.pb import scheduler_pb2 as pb
 from ferry.pb import scheduler_pb2_grpc as pb_grpc
-from libs.common import convert
+from libs.common import convert, rpc
+from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import FailedPrecondition, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
-from libs.common.server import GRPC_OPTIONS, Service
+from libs.common.server import Service
 from libs.common.types import Priority
-from libs.common.cluster_view import ClusterView
 from services.scheduler.policies import DISPATCH_POLICIES, Dispatcher, DispatchRequest, blocks_for
 
 log = get_logger(__name__)
@@ -81,7 +81,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if address is None:
             await abort_with(context, NotFound(f"unknown instance {request.instance_id!r}"))
         try:
-            async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as ch:
+            async with rpc.channel(address) as ch:
                 await ipb_grpc.InstanceStub(ch).SetTerminating(
                     ipb.SetInstanceTerminatingRequest(terminating=request.terminating), timeout=5)
         except grpc.RpcError as e:

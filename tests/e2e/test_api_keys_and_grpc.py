@@ -41,16 +41,21 @@ def test_missing_or_wrong_key_is_401(keyed_cluster):
 
 
 def test_grpc_generate_streams_the_same_tokens(keyed_cluster):
+    key = [("authorization", "Bearer s3cret")]
     with grpc.insecure_channel(f"127.0.0.1:{keyed_cluster.grpc_port}") as ch:
         stub = fpb_grpc.FrontendStub(ch)
         req = fpb.TextGenerateRequest(prompt="grpc hello", sampling=cpb.SamplingParams(max_tokens=10))
-        msgs = list(stub.Generate(req, timeout=30))
+        for metadata in (None, [("authorization", "Bearer nope")]):  # the API keys hold here too
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, timeout=30, metadata=metadata))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        msgs = list(stub.Generate(req, timeout=30, metadata=key))
         assert "".join(m.text for m in msgs) == expected_fake_text("grpc hello", 10)
         assert msgs[-1].finish_reason == "length" and msgs[-1].completion_tokens == 10
         ids = [t for m in msgs for t in m.token_ids]
         assert bytes(ids).decode() == expected_fake_text("grpc hello", 10)
         bad = fpb.TextGenerateRequest(prompt="x", sampling=cpb.SamplingParams(max_tokens=5000))
         with pytest.raises(grpc.RpcError) as e:
-            list(stub.Generate(bad, timeout=10))
+            list(stub.Generate(bad, timeout=10, metadata=key))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "maximum context length" in e.value.details()

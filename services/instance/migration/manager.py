@@ -11,10 +11,9 @@ import grpc
 
 from ferry.pb import instance_pb2 as pb
 from ferry.pb import instance_pb2_grpc as pb_grpc
-from libs.common import convert, failpoints
+from libs.common import convert, failpoints, rpc
 from libs.common.errors import ResourceExhausted, Unavailable
 from libs.common.logging import get_logger
-from libs.common.server import GRPC_OPTIONS
 from services.instance.engine.base import KvLayout
 from services.instance.migration import metrics
 from services.instance.migration.destination import Destination
@@ -45,7 +44,7 @@ class MigrationManager:
     def _stub(self, address: str) -> pb_grpc.InstanceStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            ch = self._channels[address] = rpc.channel(address)
         return pb_grpc.InstanceStub(ch)
 
     async def _expire_forever(self) -> None:
