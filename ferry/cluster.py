@@ -247,10 +247,14 @@ class LocalCluster:
 
     def _healthy(self, c: Child) -> bool:
         if c.kind == "frontend":
+            # Ready (/health 200) with every live instance serving; with no
+            # instance (yet), alive (/live) is all a frontend can be.
+            want = len([i for i in self.instances() if i.alive()])
             try:
+                if not want:
+                    return httpx.get(f"{self.url}/live", timeout=1.0).status_code == 200
                 r = httpx.get(f"{self.url}/health", timeout=1.0)
-                return r.status_code == 200 and r.json().get("instances", 0) >= len(
-                    [i for i in self.instances() if i.alive()])
+                return r.status_code == 200 and r.json().get("serving", 0) >= want
             except httpx.HTTPError:
                 return False
         return grpc_healthy(c.address, credentials=self.credentials)

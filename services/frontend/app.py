@@ -23,6 +23,8 @@ from services.frontend.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
+RETRY_AFTER_S = 1  # what a 503 (no instance can take the request now) tells clients
+
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
@@ -45,7 +47,8 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
         status, body = openai_error(err)
         if endpoint:
             metrics.REQUESTS.labels(endpoint, str(status)).inc()
-        return JSONResponse(body, status_code=status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -99,21 +102,38 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
         def chunk(choices: list, **more) -> str:
             return json.dumps({**base, "object": chunk_obj, "choices": choices, **more})
 
+        # NOTE: the response starts only once the request is placed and its
+        # first token is out: a request that cannot be placed or is refused
+        # gets its own HTTP status (a raised FerryError, answered by the
+        # handler above), never a 200 followed by an error event; and the
+        # first SSE chunk carries the first token (with the role, for chat).
+        texts = text_stream(router, tokenizer, prep, config.max_resumes)
+        try:
+            first = await anext(texts)
+        except StopAsyncIteration:
+            first = ""
+
+        def first_choice(text: str) -> dict:
+            if prep.kind == "chat":
+                return {"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None,
+                        "logprobs": None}
+            return choice(text, None, False)
+
         async def events():
             try:
-                if prep.kind == "chat":
-                    yield {"data": chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None, "logprobs": None}])}
-                async for text in text_stream(router, tokenizer, prep, config.max_resumes):
+                yield {"data": chunk([first_choice(first)])}
+                async for text in texts:
                     yield {"data": chunk([choice(text, None, False)])}
                 yield {"data": chunk([choice("", gen.finish_reason, False)], ferry=extras())}
                 if include_usage:
                     yield {"data": chunk([], usage=usage(gen))}
                 metrics.REQUESTS.labels(endpoint, "200").inc()
-            except FerryError as e:
+            except FerryError as e:  # after the response started: an error event is all that is left
                 status, body = openai_error(e)
                 metrics.REQUESTS.labels(endpoint, str(status)).inc()
                 yield {"data": json.dumps(body)}
+            finally:
+                await texts.aclose()
             yield {"data": "[DONE]"}
 
         return EventSourceResponse(events(), ping=15)
@@ -137,9 +157,18 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
 
     @app.get("/health")
     async def health():
+        """Readiness: 200 once a request can be placed (an instance has
+        reported its status and is not being drained), 503 before."""
         n = len(router.view.records)
-        body = {"status": "ok" if n else "no_instances", "instances": n, "bypass": router.bypass}
-        return JSONResponse(body, status_code=200 if n else 503)
+        ready = router.serving_instances()
+        body = {"status": "ok" if ready else "not_ready", "instances": n, "serving": ready, "bypass": router.bypass}
+        return JSONResponse(body, status_code=200 if ready else 503,
+                            headers=None if ready else {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/live")
+    async def live():
+        """Liveness: the frontend process answers (whatever the cluster's state)."""
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus():

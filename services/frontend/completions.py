@@ -93,18 +93,22 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenize
 async def text_stream(router: Router, tokenizer: Tokenizer, prep: Prepared,
                       max_resumes: int = 3) -> AsyncIterator[str]:
     """Text deltas of the completion; sets prep.gen.finish_reason at the end.
-    Stops early (finish_reason "stop") on a stop string, which cancels the
-    instance call and so aborts the request there."""
+    The first token always yields, even when it makes no text yet (an
+    incomplete character, a held-back stop prefix): a stream starts with its
+    first token. Stops early (finish_reason "stop") on a stop string, which
+    cancels the instance call and so aborts the request there."""
     gen = prep.gen
     detok = tokenizer.detokenizer(gen.prompt_ids)
     stops = StopMatcher(prep.stops)
     metrics.IN_FLIGHT.inc()
     try:
+        first = True
         async for token_id in run_generation(router, gen, max_resumes):
             metrics.TOKENS.inc()
             text = stops.feed(detok.add(token_id))
-            if text:
+            if text or first:
                 yield text
+            first = False
             if stops.stopped:
                 gen.finish_reason = "stop"
                 return

@@ -66,6 +66,10 @@ class Router:
         lens = [r.info.max_model_len for r in self.view.records.values() if r.info.max_model_len > 0]
         return min(lens) if lens else default
 
+    def serving_instances(self) -> int:
+        """Instances a request can be placed on now: registered, reported, not draining."""
+        return sum(1 for r in self.view.records.values() if r.status is not None and not r.status.terminating)
+
     def vocab_size(self, default: int) -> int:
         """The vocabulary every instance accepts (``default`` when none says)."""
         sizes = [r.info.vocab_size for r in self.view.records.values() if r.info.vocab_size > 0]
