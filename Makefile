@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: up test install protos check-protos lint clean
+.PHONY: up test fuzz install protos check-protos lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,11 @@ up: $(STAMP)
 
 test: $(STAMP) check-protos
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# A long fuzzing run of the HTTP and gRPC edges (the suite runs a few hundred cases).
+FUZZ_EXAMPLES ?= 5000
+fuzz: $(STAMP)
+	FERRY_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s tests/e2e/test_fuzz_http.py tests/e2e/test_fuzz_grpc.py
 
 protos: $(STAMP)
 	$(PY) -m ferry.protogen

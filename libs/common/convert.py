@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ferry.pb import common_pb2 as pb
 from ferry.pb import instance_pb2 as ipb
+from libs.common.errors import InvalidArgument
 from libs.common.types import (
     InstanceInfo,
     InstanceRecord,
@@ -20,6 +21,15 @@ _STATES = {"waiting": pb.RequestLoad.WAITING, "running": pb.RequestLoad.RUNNING,
 _STATE_NAMES = {v: k for k, v in _STATES.items()}
 
 
+def priority_from_pb(value: int) -> Priority:
+    """A wire priority; an unknown value is the caller's mistake (INVALID_ARGUMENT)."""
+    try:
+        return Priority(value)
+    except ValueError:
+        known = ", ".join(f"{int(p)} ({p.name.lower()})" for p in Priority)
+        raise InvalidArgument(f"unknown priority {value}; known: {known}", param="priority") from None
+
+
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, has_seed=s.seed is not None,
@@ -30,7 +40,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
-        temperature=m.temperature, top_p=m.top_p if m.top_p > 0 else 1.0, top_k=m.top_k,
+        temperature=m.temperature, top_p=m.top_p if m.top_p != 0 else 1.0, top_k=m.top_k,  # 0: unset
         seed=m.seed if m.has_seed else None, max_tokens=m.max_tokens,
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
     )

@@ -13,6 +13,7 @@ class Code(enum.Enum):
     NOT_FOUND = "not_found"
     UNAUTHENTICATED = "unauthenticated"
     RESOURCE_EXHAUSTED = "resource_exhausted"
+    TOO_LARGE = "request_too_large"
     FAILED_PRECONDITION = "failed_precondition"
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
@@ -47,6 +48,12 @@ class ResourceExhausted(FerryError):
     code = Code.RESOURCE_EXHAUSTED
 
 
+class TooLarge(FerryError):
+    """The request itself is bigger than the server accepts."""
+
+    code = Code.TOO_LARGE
+
+
 class FailedPrecondition(FerryError):
     code = Code.FAILED_PRECONDITION
 
@@ -64,6 +71,7 @@ _GRPC = {
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Code.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -71,6 +79,7 @@ _GRPC = {
     Code.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 _FROM_GRPC = {v: k for k, v in _GRPC.items()}
+_FROM_GRPC[grpc.StatusCode.RESOURCE_EXHAUSTED] = Code.RESOURCE_EXHAUSTED
 _FROM_GRPC[grpc.StatusCode.CANCELLED] = Code.ABORTED
 
 # HTTP status and OpenAI error "type" for each code.
@@ -79,6 +88,7 @@ _HTTP = {
     Code.NOT_FOUND: (404, "not_found_error"),
     Code.UNAUTHENTICATED: (401, "authentication_error"),
     Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.TOO_LARGE: (413, "invalid_request_error"),
     Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
     Code.UNAVAILABLE: (503, "service_unavailable_error"),
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),

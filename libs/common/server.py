@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from libs.common import rpc
-from libs.common.errors import FerryError, grpc_status
+from libs.common.errors import FerryError, InvalidArgument, grpc_status
 from libs.common.logging import get_logger
 from libs.common.rpc import GRPC_OPTIONS
 
@@ -28,6 +28,9 @@ class Service:
     # Internal services (all but the frontend's public API) take the cluster's
     # credentials: its TLS certificates and, on every call, its token.
     internal: bool = True
+    # Largest request message accepted (bigger ones: RESOURCE_EXHAUSTED);
+    # None = GRPC_OPTIONS' (sized for KV chunks).
+    max_message_bytes: int | None = None
     exit_code: int = 0  # what serve() returns (the process's exit status)
     _request_stop: Callable[[], None] | None = None  # set by serve()
 
@@ -48,7 +51,33 @@ class Service:
             self._request_stop()
 
 
-def _rewrap(handler, wrap_unary, wrap_stream):
+class _Undecodable:
+    """What a request that is not a valid message decodes to (bad wire
+    bytes, a string field that is not UTF-8): the call then ends with
+    INVALID_ARGUMENT rather than gRPC's own INTERNAL."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _safe(deserializer):
+    if deserializer is None:
+        return None
+
+    def decode(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as e:  # noqa: BLE001 - any decoding failure is the caller's bad bytes
+            return _Undecodable(e)
+    return decode
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument(f"the request is not a valid message: {request.error}")
+
+
+def _rewrap(handler, wrap_unary, wrap_stream, request_deserializer=None):
     """``handler`` with its behaviour function wrapped: ``wrap_unary`` for
     calls that return one response, ``wrap_stream`` for server streams."""
     kinds = {
@@ -60,7 +89,7 @@ def _rewrap(handler, wrap_unary, wrap_stream):
     for attr, (make, wrap) in kinds.items():
         fn = getattr(handler, attr)
         if fn is not None:
-            return make(wrap(fn), request_deserializer=handler.request_deserializer,
+            return make(wrap(fn), request_deserializer=request_deserializer or handler.request_deserializer,
                         response_serializer=handler.response_serializer)
     return handler
 
@@ -77,6 +106,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_unary(fn):
             async def wrapped(request, context):
                 try:
+                    _check_decoded(request)
                     return await fn(request, context)
                 except FerryError as e:
                     await context.abort(grpc_status(e), e.message)
@@ -85,13 +115,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         def wrap_stream(fn):
             async def wrapped(request, context):
                 try:
+                    _check_decoded(request)
                     async for item in fn(request, context):
                         yield item
                 except FerryError as e:
                     await context.abort(grpc_status(e), e.message)
             return wrapped
 
-        return _rewrap(handler, wrap_unary, wrap_stream)
+        # NOTE: only single-message requests decode safely here; a client
+        # stream's bad message still ends its call with gRPC's own status.
+        unary_request = handler.unary_unary or handler.unary_stream
+        return _rewrap(handler, wrap_unary, wrap_stream,
+                       _safe(handler.request_deserializer) if unary_request else None)
 
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -138,7 +173,10 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
     service._request_stop = stop.set
     creds = rpc.current() if service.internal else rpc.Credentials()
     interceptors = [ErrorInterceptor()] + ([TokenInterceptor(creds)] if creds.token else [])
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    options = GRPC_OPTIONS if service.max_message_bytes is None else [
+        *((k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"),
+        ("grpc.max_receive_message_length", service.max_message_bytes)]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     service.register(server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

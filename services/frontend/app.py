@@ -10,11 +10,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.errors import FerryError, InvalidArgument, openai_error
 from libs.common.logging import get_logger
 from services.frontend import metrics
 from services.frontend.auth import check_bearer
+from services.frontend.body_limit import BodyLimit
 from services.frontend.completions import Prepared, prepare, text_stream, usage
 from services.frontend.config import FrontendConfig
 from services.frontend.router import Router
@@ -40,6 +42,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> FastAPI:
     app = FastAPI(title="Ferry", version="0.1.0")
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     keys = config.api_keys()
     model_name = config.model_name
 
@@ -58,6 +61,14 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
     @app.exception_handler(FerryError)
     async def _ferry(request: Request, exc: FerryError):
         return error_response(exc, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        """Unknown paths and methods answer in OpenAI error JSON too."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": str(exc.detail), "type": kind, "param": None,
+                          "code": str(exc.detail).lower().replace(" ", "_")}}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def require_key(request: Request) -> None:
         # A route dependency, not an HTTP middleware: Starlette's

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from libs.common.errors import InvalidArgument
-from libs.common.tokens import out_of_vocab_message
+from libs.common.validation import out_of_vocab_message
 from libs.common.types import Priority, SamplingParams
 from services.frontend import metrics
 from services.frontend.generation import Generation, run_generation

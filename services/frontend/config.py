@@ -28,6 +28,8 @@ class FrontendConfig(CommonConfig):
     nonstream_flush_ms: int = opt(500, "non-streaming requests: instances send tokens after the first together at "
                                   "most this often (fewer messages; 0 = each token at once)", min=0)
     default_max_model_len: int = opt(2048, "context length when no instance reports one", min=16)
+    max_body_bytes: int = opt(8 << 20, "largest request accepted: HTTP body (bigger: 413) and gRPC message "
+                              "(bigger: RESOURCE_EXHAUSTED)", min=1024)
 
     @property
     def model_name(self) -> str:

@@ -9,7 +9,7 @@ from ferry.pb import frontend_pb2 as pb
 from ferry.pb import frontend_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.errors import InvalidArgument
-from libs.common.types import Priority
+from libs.common.validation import sampling_problem, stops_problem
 from services.frontend.auth import check_bearer
 from services.frontend.completions import Prepared, check_token_ids, text_stream
 from services.frontend.generation import Generation
@@ -34,16 +34,21 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         check_token_ids(ids, self.vocab_size(), "prompt_token_ids")
         sampling = convert.sampling_from_pb(request.sampling)
         check_token_ids(list(sampling.stop_token_ids), self.vocab_size(), "sampling.stop_token_ids")
-        if sampling.max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be >= 1", param="max_tokens")
+        problem = sampling_problem(sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens,
+                                   sampling.min_tokens)
+        if problem:
+            raise InvalidArgument(f"sampling: {problem}", param="sampling")
+        priority = convert.priority_from_pb(request.priority)
+        problem = stops_problem(list(request.stop))
+        if problem:
+            raise InvalidArgument(problem, param="stop")
         limit = self.max_len()
         if len(ids) + sampling.max_tokens > limit:
             raise InvalidArgument(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(ids) + sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{sampling.max_tokens} for the completion).", param="max_tokens")
-        gen = Generation(request.request_id or f"grpc-{uuid.uuid4().hex}", ids, sampling,
-                         Priority(request.priority))
+        gen = Generation(request.request_id or f"grpc-{uuid.uuid4().hex}", ids, sampling, priority)
         prep = Prepared(gen, list(request.stop), int(time.time()), "completion")
         sent = 0
         async for text in text_stream(self.router, self.tokenizer, prep, self.max_resumes):

@@ -7,6 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from libs.common.validation import stops_problem
+
+INT32_MAX = 2**31 - 1  # what crosses to the instances travels as protobuf int32
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -16,10 +20,10 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
@@ -28,7 +32,7 @@ class _Common(BaseModel):
     logprobs: int | bool | None = None
     priority: Literal["high", "normal"] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -44,8 +48,9 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences")
+        problem = stops_problem([v] if isinstance(v, str) else v or [])
+        if problem:
+            raise ValueError(problem)
         return v
 
     def stop_list(self) -> list[str]:
@@ -57,7 +62,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     echo: bool = False
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
 
     @field_validator("prompt")
     @classmethod
@@ -87,4 +92,4 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -26,8 +26,9 @@ class _FrontendGrpc(Service):
     service_names = ("ferry.v1.Frontend",)
     internal = False  # the public edge: API keys (if any), not the cluster token
 
-    def __init__(self, servicer: FrontendServicer):
+    def __init__(self, servicer: FrontendServicer, max_message_bytes: int):
         self.servicer = servicer
+        self.max_message_bytes = max_message_bytes
 
     def register(self, server) -> None:
         frontend_pb2_grpc.add_FrontendServicer_to_server(self.servicer, server)
@@ -57,7 +58,8 @@ async def run_frontend(config: FrontendConfig) -> None:
     if config.grpc_port >= 0:
         servicer = FrontendServicer(router, tokenizer, lambda: router.max_model_len(config.default_max_model_len),
                                     config.max_resumes, config.api_keys())
-        tasks.append(asyncio.create_task(serve(_FrontendGrpc(servicer), config.host, config.grpc_port,
+        tasks.append(asyncio.create_task(serve(_FrontendGrpc(servicer, config.max_body_bytes), config.host,
+                                               config.grpc_port,
                                                stop_event=grpc_stop)))
     loop = asyncio.get_running_loop()
 

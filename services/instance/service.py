@@ -255,7 +255,7 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if sampling.max_tokens < 1:
             await abort_with(context, InvalidArgument("max_tokens must be >= 1"))
         resume = tuple(request.resume_token_ids)
-        ereq = EngineRequest(rid, tuple(request.prompt_token_ids), sampling, Priority(request.priority),
+        ereq = EngineRequest(rid, tuple(request.prompt_token_ids), sampling, convert.priority_from_pb(request.priority),
                              time.time(), resume)
         stream = svc.streams.open(rid, next_index=len(resume))
         try:

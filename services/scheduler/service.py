@@ -58,7 +58,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         view = self.svc.view
         if not view.synced.is_set():
             await abort_with(context, Unavailable("scheduler has no cluster view yet"))
-        req = DispatchRequest(request.request_id, request.num_prompt_tokens, Priority(request.priority),
+        req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids))
         iid = self.svc.dispatcher.choose(view.views(), req)
         if iid is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from libs.common import failpoints
-from libs.common.tokens import out_of_vocab_message
+from libs.common.validation import out_of_vocab_message, sampling_problem
 from libs.common.types import FinishReason, RequestLoad, RequestState, TokenOutput
 from services.instance.engine.base import (
     Engine,
@@ -78,8 +78,9 @@ class CoreEngine(Engine):
             raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {self._max_model_len}")
         if cdiv(n_ctx + 1, self._block_size) > self.pool.num_blocks - self.pool.watermark_blocks:
             raise EngineError(f"prompt of {n_ctx} tokens needs more KV blocks than this engine has")
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0 or sp.max_tokens <= 0:
-            raise EngineError(f"bad sampling parameters: {sp}")
+        problem = sampling_problem(sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.min_tokens)
+        if problem:
+            raise EngineError(problem)
         check_token_ids(request.prompt_token_ids, self.vocab_size, "the prompt")
         check_token_ids(request.resume_token_ids, self.vocab_size, "resume_token_ids")
         check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
