@@ -395,6 +395,25 @@ def test_profiles_and_dependencies():
             )
 
 
+def test_inner_services_are_closed():
+    """Only the frontend publishes a port or sits on a network with a way
+    out; every long-running service reads the cluster token from the secret."""
+    doc = compose()
+    assert doc["networks"]["internal"]["internal"] is True
+    assert "cluster_token" in doc["secrets"]
+    for name, svc in doc["services"].items():
+        nets = set(svc.get("networks") or [])
+        if name == "model-init":  # one-shot, talks to no service
+            assert nets == {"edge"} and "ports" not in svc
+            continue
+        assert "cluster_token" in (svc.get("secrets") or []), name
+        assert svc["environment"]["FERRY_CLUSTER_TOKEN_FILE"] == "/run/secrets/cluster_token", name
+        if name == "frontend":
+            assert nets == {"internal", "edge"} and svc["ports"]
+        else:
+            assert nets == {"internal"} and "ports" not in svc, name
+
+
 def test_broken_command_is_caught(monkeypatch):
     """The parser check can fail: a misspelt option, a bad choice, a bad env value."""
     svc = copy.deepcopy(compose()["services"]["scheduler"])
