@@ -17,6 +17,10 @@ Method: the runner orders a step's tokens as [decodes..., prefill chunks...].
 - prefill chunks: padded to the longest chunk, torch SDPA with a boolean mask
   (causal inside the chunk, everything before it, length padding).
 The metadata (row indices, masks) is built once per step and shared by all layers.
+
+On CPU the decodes read their context from a dense per-request copy instead
+of gathering it (decode_cache.py: the gather was ~40% of a batch-32 step);
+``AttentionMeta.dense`` is set then, and the gather path stays the fallback.
 """
 
 from __future__ import annotations
@@ -41,12 +45,31 @@ class GroupMeta:
 
 
 @dataclass
+class DenseMeta:
+    """The decodes' slots in DecodeCache.buf ([layers, 2, slots, kvh, cap, D])."""
+
+    buf: torch.Tensor
+    rows: torch.Tensor  # [B*kvh] row of each decode's new K per head at layer 0 in the [-1, D] view
+    mask: torch.Tensor  # [B, 1, 1, Lk] bool
+    batch: int
+    kv_len: int  # Lk: the slots' capacity (attention reads it all, masked)
+
+
+@dataclass
 class AttentionMeta:
     slot_base: torch.Tensor  # [T] row of each new token's K at layer 0 in the token-row view
     decode: GroupMeta | None
     prefill: GroupMeta | None
     num_layers: int
     block_size: int
+    dense: DenseMeta | None = None  # decodes read from DecodeCache (then ``decode`` is None)
+
+
+def build_dense(buf: torch.Tensor, rows: torch.Tensor, starts: list[int]) -> DenseMeta:
+    """starts: each slot's context length before its new token, slot order."""
+    kv_len = buf.shape[4]
+    mask = torch.arange(kv_len).unsqueeze(0) <= torch.tensor(starts).unsqueeze(1)
+    return DenseMeta(buf, rows, mask.view(len(starts), 1, 1, kv_len).to(buf.device), len(starts), kv_len)
 
 
 def build_group(q_lens: list[int], ctx_starts: list[int], block_tables: list[list[int]], block_size: int,
@@ -79,6 +102,21 @@ def _gather(cache_rows: torch.Tensor, g: GroupMeta, layer: int, kvh: int, d: int
     k = cache_rows.index_select(0, k_idx).view(g.batch, -1, kvh, d)
     v = cache_rows.index_select(0, k_idx + 1).view(g.batch, -1, kvh, d)
     return k, v
+
+
+def _decode_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dm: DenseMeta, layer: int, scale: float):
+    """Append the decodes' new K/V to their slots, then SDPA over the slots
+    in place (contiguous [B, KVH, cap, D] views, masked past each length).
+    q: [B, H, D], k/v: [B, KVH, D] -> [B, H*D]."""
+    _, _, slots, kvh, cap, d = dm.buf.shape
+    b, h = dm.batch, q.shape[1]
+    rows = dm.buf.view(-1, d)
+    k_rows = dm.rows + layer * 2 * slots * kvh * cap
+    rows.index_copy_(0, k_rows, k.reshape(b * kvh, d).to(dm.buf.dtype))
+    rows.index_copy_(0, k_rows + slots * kvh * cap, v.reshape(b * kvh, d).to(dm.buf.dtype))
+    o = F.scaled_dot_product_attention(q.view(b, h, 1, d), dm.buf[layer, 0, :b], dm.buf[layer, 1, :b],
+                                       attn_mask=dm.mask, scale=scale, enable_gqa=kvh != h)
+    return o.view(b, h * d)
 
 
 def _decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -115,6 +153,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     token_rows.index_copy_(0, k_rows + bs, v.reshape(T, kvh * D).to(kv_cache.dtype))
     block_rows = kv_cache.view(n_blocks * meta.num_layers * 2, bs * kvh * D)
     outs = []
+    dm = meta.dense
+    if dm is not None:
+        outs.append(_decode_dense(q[: dm.batch], k[: dm.batch], v[: dm.batch], dm, layer, scale))
     g = meta.decode
     if g is not None:
         kg, vg = _gather(block_rows, g, layer, kvh, D)  # [B, Lk, KVH, D]

@@ -67,6 +67,7 @@ def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool)
     if share and key in _SHARED:
         return _SHARED[key]
     model = random_model(mcfg, device, dtype, seed=seed) if path is None else load_model(path, mcfg, device, dtype)
+    model.pack_weights()
     if share:
         _SHARED[key] = model
     return model
@@ -89,7 +90,9 @@ class NativeEngine(CoreEngine):
                         * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size())
         num_blocks = config.num_blocks or max(1, int(self._kv_bytes(config, device) // layout_bytes))
         eos = frozenset(mcfg.eos_token_ids)
-        runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, eos, seed=config.seed)
+        dc_gb = config.extra.get("decode_cache_gb")
+        runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, eos, seed=config.seed,
+                             decode_cache_bytes=None if dc_gb is None else int(float(dc_gb) * 2**30))
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)

@@ -14,6 +14,7 @@ from torch import nn
 
 from services.instance.engine.native.attention import AttentionMeta, paged_attention
 from services.instance.engine.native.config import ModelConfig
+from services.instance.engine.native.linear import Linear, pack_weight, packed_linear, packing_supported
 
 
 class RMSNorm(nn.Module):
@@ -58,8 +59,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMeta):
@@ -77,8 +78,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter)
+        self.down_proj = Linear(self.inter, config.hidden_size)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -108,10 +109,24 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_weights(self) -> bool:
+        """Prepack every projection and the LM head for oneDNN where that is
+        supported (see linear.py); returns whether it was. Idempotent."""
+        w = self.embed_tokens.weight
+        if not packing_supported(w.device, w.dtype):
+            return False
+        if self.lm_head_packed is None:
+            for m in self.modules():
+                if isinstance(m, Linear):
+                    m.pack()
+            self.lm_head_packed = pack_weight(self.lm_head_weight)
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMeta, logits_index: torch.Tensor) -> torch.Tensor:
@@ -122,4 +137,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, kv_cache, meta)
         x = self.norm(x.index_select(0, logits_index))
+        if self.lm_head_packed is not None:
+            return packed_linear(x, self.lm_head_packed).float()
         return F.linear(x, self.lm_head_weight).float()

@@ -48,13 +48,16 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
             banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
             if banned:
                 logits[i, list(banned)] = float("-inf")
+    # One pass gives the greedy tokens and the finiteness check: max's indices
+    # = argmax's (first of ties; 3x faster on CPU), max propagates NaN like amax.
+    best = logits.max(dim=-1)
     # NOTE: before any draw, so that no request's generator moves in a step
     # that fails (the engine runs it again without the failed rows).
-    bad = (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+    bad = (~torch.isfinite(best.values)).nonzero().flatten().tolist()
     if bad:
         raise RequestFailed("the model produced non-finite logits (NaN or infinity) for this request",
                             [reqs[i].request_id for i in bad], code="internal")
-    out = logits.argmax(dim=-1).cpu()
+    out = best.indices.cpu()
     rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
     if rows:
         sub = logits[rows]
