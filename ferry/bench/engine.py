@@ -1,8 +1,15 @@
 """``ferry bench engine``: tokens per second of the native engine against
-transformers ``generate`` on the same weights, in the same run.
+transformers ``generate`` and vLLM's offline ``LLM.generate`` on the same
+weights, in the same run, one after the other.
 
 Prompts of --prompt-len random tokens, --output-len output tokens (ignore_eos),
-batch sizes --batch-sizes for native and --hf-batch-sizes for transformers.
+batch sizes --batch-sizes for native and vLLM (the same prompts) and
+--hf-batch-sizes for transformers. vLLM runs in a subprocess under
+--vllm-python (default: this interpreter when it imports vllm; neither: no
+vLLM column) with its own defaults (its CPU backend binds its threads
+itself); native and vLLM take turns, --repeats rounds per batch size, and
+the ratio is the median of the rounds' ratios (a shared machine's load
+changes by the minute; each round's two runs are seconds apart).
 Also: instance ready time (engine construction + warmup from the cached model)
 and ``matches_reference``: greedy tokens of the native engine equal
 transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
@@ -11,11 +18,11 @@ transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import click
 
-VLLM_CPU_TOK_S = {1: 8.7, 8: 68.0, 32: 182.0}  # the issue's reference numbers (vLLM CPU build, bf16)
 REFERENCE_TEXTS = [
     "Paris is",
     "def fibonacci(n):",
@@ -108,16 +115,29 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--hf-batch-sizes", default="1,8", show_default=True)
 @click.option("--prompt-len", default=128, show_default=True)
 @click.option("--output-len", default=128, show_default=True)
-@click.option("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+@click.option("--threads", type=int, default=None,
+              help="torch threads for native and transformers (default: torch's); vLLM binds its own")
 @click.option("--no-reference", is_flag=True, help="skip transformers (throughput and correctness)")
+@click.option("--repeats", default=1, show_default=True,
+              help="rounds per batch size, native and vLLM taking turns; medians shown")
+@click.option("--vllm-python", envvar="FERRY_VLLM_PYTHON", default=None,
+              help="interpreter with vllm installed [env FERRY_VLLM_PYTHON; default: this one if it imports vllm]")
+@click.option("--no-vllm", is_flag=True, help="do not run vLLM")
+@click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, threads, no_reference,
-           json_path):
-    """Native engine throughput vs transformers generate (same weights, same run)."""
+           repeats, vllm_python, no_vllm, vllm_log, json_path):
+    """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
     import torch
+
+    from ferry.bench.vllm_run import VllmUnavailable, find_vllm_python
 
     if threads:
         torch.set_num_threads(threads)
+    try:
+        vllm = None if no_vllm or device != "cpu" else find_vllm_python(vllm_python)
+    except VllmUnavailable as e:
+        raise click.ClickException(str(e)) from None
 
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
@@ -138,11 +158,15 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         load = None
     result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(), "loadavg": load,
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
-              "native_tok_s": {}, "transformers_tok_s": {}, "matches_reference": None,
-              "vllm_cpu_reference_tok_s": VLLM_CPU_TOK_S}
+              "repeats": repeats, "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
+              "vllm": None, "matches_reference": None}
+    vl = _start_vllm(vllm, model, dt, prompt_len + output_len + 16, vllm_log) if vllm else None
+    result["vllm"] = vl if isinstance(vl, dict) else None
     for bs in bss:
-        result["native_tok_s"][str(bs)] = round(native_tok_s(eng, _prompts(bs, prompt_len, vocab, bs), output_len), 2)
-        click.echo(f"native bs={bs}: {result['native_tok_s'][str(bs)]} tok/s", err=True)
+        _measure(eng, vl if not isinstance(vl, dict) else None, bs, _prompts(bs, prompt_len, vocab, bs), output_len,
+                 repeats, result)
+    if vl is not None and not isinstance(vl, dict):
+        vl.close()
     eng.check_integrity()
     del eng
     if not no_reference and model not in SHAPES:
@@ -168,14 +192,65 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
             json.dump(result, f, indent=2)
 
 
+def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log_path: str | None):
+    """A running VllmOffline, or the result's ``vllm`` entry saying why not."""
+    from ferry.bench.vllm_run import VllmOffline, VllmUnavailable
+    from libs.common.models import ensure_model
+
+    python, version = vllm
+    click.echo(f"starting vLLM {version} under {python} ...", err=True)
+    try:
+        return VllmOffline(python, str(ensure_model(model)), dtype, max_len, log_path)
+    except VllmUnavailable as e:
+        click.echo(f"vLLM failed: {e}", err=True)
+        return {"python": python, "version": version, "error": str(e)}
+
+
+def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeats: int, result: dict) -> None:
+    """``repeats`` rounds of native and vLLM (if running) on the same prompts,
+    taking turns (who goes first alternates), so each round's ratio is
+    measured under the same machine load."""
+    key = str(bs)
+    native, other = [], []
+    for rep in range(repeats):
+        turns = [("native", lambda: native_tok_s(eng, prompts, output_len))]
+        if vl is not None:
+            turns.append(("vllm", lambda: vl.generate(prompts, output_len)))
+        for name, run in turns[:: -1 if rep % 2 else 1]:
+            (native if name == "native" else other).append(run())
+        click.echo(f"bs={bs} round {rep + 1}: native {native[-1]:.2f}"
+                   + (f"  vllm {other[-1]:.2f} tok/s" if vl is not None else " tok/s"), err=True)
+    result["native_runs"][key] = [round(x, 2) for x in native]
+    result["native_tok_s"][key] = round(statistics.median(native), 2)
+    if vl is None:
+        return
+    v = result["vllm"] = result["vllm"] or {
+        "python": vl.proc.args[0], "version": vl.version, "error": None, "tok_s": {}, "runs": {},
+        "native_over_vllm": {}, "native_over_vllm_rounds": {},
+        "settings": "vLLM defaults: its CPU backend binds its own threads; LLM.generate, greedy, ignore_eos"}
+    v["runs"][key] = [round(x, 2) for x in other]
+    v["tok_s"][key] = round(statistics.median(other), 2)
+    rounds = [n / o for n, o in zip(native, other)]
+    v["native_over_vllm_rounds"][key] = [round(x, 3) for x in rounds]
+    v["native_over_vllm"][key] = round(statistics.median(rounds), 3)
+
+
 def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
     click.echo(f"model {r['model']}  device {r['device']}  dtype {r['dtype']}  threads {r['threads']}  "
-               f"prompt {r['prompt_len']}  output {r['output_len']}")
-    click.echo(f"{'batch':>5}  {'native tok/s':>12}  {'transformers tok/s':>18}  {'vLLM CPU tok/s':>14}")
+               f"prompt {r['prompt_len']}  output {r['output_len']}  repeats {r['repeats']} (medians)")
+    vllm = r["vllm"]["tok_s"] if r["vllm"] and not r["vllm"].get("error") else None
+    head = f"{'batch':>5}  {'native tok/s':>12}  {'transformers tok/s':>18}"
+    click.echo(head + (f"  {'vLLM tok/s':>10}  {'native/vLLM':>11}" if vllm else ""))
     for bs in sorted(set(bss) | set(hf_bss)):
         n = r["native_tok_s"].get(str(bs), "-")
         h = r["transformers_tok_s"].get(str(bs), "-")
-        v = VLLM_CPU_TOK_S.get(bs, "-")
-        click.echo(f"{bs:>5}  {n:>12}  {h:>18}  {v:>14}")
+        row = f"{bs:>5}  {n:>12}  {h:>18}"
+        if vllm:
+            row += f"  {vllm.get(str(bs), '-'):>10}  {r['vllm']['native_over_vllm'].get(str(bs), '-'):>11}"
+        click.echo(row)
+    if r["vllm"] is None:
+        click.echo("vLLM: not run (no interpreter with vllm; --vllm-python PATH)")
+    elif r["vllm"].get("error"):
+        click.echo("vLLM: failed (see the JSON's vllm.error)")
     click.echo(f"ready in {r['ready_s']} s (construction + warmup, cached model); "
                f"matches_reference: {r['matches_reference']}")
