@@ -8,7 +8,7 @@ import time
 
 import click
 
-from ferry.cluster import ClusterSpec, LocalCluster, StartupError
+from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
 from libs.common import rpc
 
 
@@ -44,6 +44,10 @@ def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, insta
                        frontend_args=["--api-key", api_key] if api_key else [],
                        log_format=log_format, log_level=log_level,
                        cluster_token=rpc.new_token() if cluster_token else "")
+    threads = spec.instance_threads()
+    if threads:
+        click.echo(f"ferry up: {usable_cores()} cores, {instances} native instances: {threads} torch thread(s) "
+                   f"each (--instance-arg=--torch-threads=N overrides)", err=True)
     cluster = LocalCluster(spec)
     stopping = False
 

@@ -116,7 +116,8 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--prompt-len", default=128, show_default=True)
 @click.option("--output-len", default=128, show_default=True)
 @click.option("--threads", type=int, default=None,
-              help="torch threads for native and transformers (default: torch's); vLLM binds its own")
+              help="torch threads for native and transformers (default: cores - 1, at least 1, as vLLM's CPU "
+                   "backend picks for itself; on a shared 2-core box 2 threads stepped 5-15x slower)")
 @click.option("--no-reference", is_flag=True, help="skip transformers (throughput and correctness)")
 @click.option("--repeats", default=1, show_default=True,
               help="rounds per batch size, native and vLLM taking turns; medians shown")
@@ -131,9 +132,9 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     import torch
 
     from ferry.bench.vllm_run import VllmUnavailable, find_vllm_python
+    from ferry.cluster import usable_cores
 
-    if threads:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or max(1, usable_cores() - 1))
     try:
         vllm = None if no_vllm or device != "cpu" else find_vllm_python(vllm_python)
     except VllmUnavailable as e:
