@@ -39,6 +39,14 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, min(vocab, 32000), (batch, length), generator=g).tolist()
 
 
+def native_run(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """tok/s and CPU seconds (this process) of one batch, as vllm_offline reports them."""
+    c0 = time.process_time()
+    tok_s = native_tok_s(engine, prompts, output_len)
+    cpu = time.process_time() - c0
+    return {"tok_s": tok_s, "tokens": len(prompts) * output_len, "cpu_s": cpu}
+
+
 def native_tok_s(engine, prompts: list[list[int]], output_len: int) -> float:
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
@@ -210,30 +218,42 @@ def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log
 def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeats: int, result: dict) -> None:
     """``repeats`` rounds of native and vLLM (if running) on the same prompts,
     taking turns (who goes first alternates), so each round's ratio is
-    measured under the same machine load."""
+    measured under the same machine load. Beside wall-clock tok/s, CPU
+    milliseconds per output token (all of each side's processes): on a
+    loaded machine the share of the cores each side gets swings, its CPU
+    cost per token much less."""
     key = str(bs)
-    native, other = [], []
+    runs: dict[str, list[dict]] = {"native": [], "vllm": []}
     for rep in range(repeats):
-        turns = [("native", lambda: native_tok_s(eng, prompts, output_len))]
+        turns = [("native", lambda: native_run(eng, prompts, output_len))]
         if vl is not None:
             turns.append(("vllm", lambda: vl.generate(prompts, output_len)))
         for name, run in turns[:: -1 if rep % 2 else 1]:
-            (native if name == "native" else other).append(run())
-        click.echo(f"bs={bs} round {rep + 1}: native {native[-1]:.2f}"
-                   + (f"  vllm {other[-1]:.2f} tok/s" if vl is not None else " tok/s"), err=True)
+            runs[name].append(run())
+        click.echo(f"bs={bs} round {rep + 1}: " + "  ".join(
+            f"{n} {r[-1]['tok_s']:.2f} tok/s" for n, r in runs.items() if r), err=True)
+    native = [r["tok_s"] for r in runs["native"]]
     result["native_runs"][key] = [round(x, 2) for x in native]
     result["native_tok_s"][key] = round(statistics.median(native), 2)
+    result.setdefault("native_cpu_ms_per_token", {})[key] = _cpu_ms(runs["native"])
     if vl is None:
         return
     v = result["vllm"] = result["vllm"] or {
         "python": vl.proc.args[0], "version": vl.version, "error": None, "tok_s": {}, "runs": {},
-        "native_over_vllm": {}, "native_over_vllm_rounds": {},
+        "cpu_ms_per_token": {}, "native_over_vllm": {}, "native_over_vllm_rounds": {},
         "settings": "vLLM defaults: its CPU backend binds its own threads; LLM.generate, greedy, ignore_eos"}
+    other = [r["tok_s"] for r in runs["vllm"]]
     v["runs"][key] = [round(x, 2) for x in other]
     v["tok_s"][key] = round(statistics.median(other), 2)
+    v["cpu_ms_per_token"][key] = _cpu_ms(runs["vllm"])
     rounds = [n / o for n, o in zip(native, other)]
     v["native_over_vllm_rounds"][key] = [round(x, 3) for x in rounds]
     v["native_over_vllm"][key] = round(statistics.median(rounds), 3)
+
+
+def _cpu_ms(runs: list[dict]) -> float | None:
+    vals = [1000 * r["cpu_s"] / r["tokens"] for r in runs if r.get("cpu_s") is not None and r["tokens"]]
+    return round(statistics.median(vals), 2) if vals else None
 
 
 def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
@@ -241,13 +261,16 @@ def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
                f"prompt {r['prompt_len']}  output {r['output_len']}  repeats {r['repeats']} (medians)")
     vllm = r["vllm"]["tok_s"] if r["vllm"] and not r["vllm"].get("error") else None
     head = f"{'batch':>5}  {'native tok/s':>12}  {'transformers tok/s':>18}"
-    click.echo(head + (f"  {'vLLM tok/s':>10}  {'native/vLLM':>11}" if vllm else ""))
+    click.echo(head + (f"  {'vLLM tok/s':>10}  {'native/vLLM':>11}  {'CPU ms/token native':>19}  {'vLLM':>6}"
+                       if vllm else ""))
     for bs in sorted(set(bss) | set(hf_bss)):
         n = r["native_tok_s"].get(str(bs), "-")
         h = r["transformers_tok_s"].get(str(bs), "-")
         row = f"{bs:>5}  {n:>12}  {h:>18}"
         if vllm:
-            row += f"  {vllm.get(str(bs), '-'):>10}  {r['vllm']['native_over_vllm'].get(str(bs), '-'):>11}"
+            row += (f"  {vllm.get(str(bs), '-'):>10}  {r['vllm']['native_over_vllm'].get(str(bs), '-'):>11}"
+                    f"  {r.get('native_cpu_ms_per_token', {}).get(str(bs), '-')!s:>19}"
+                    f"  {r['vllm']['cpu_ms_per_token'].get(str(bs), '-')!s:>6}")
         click.echo(row)
     if r["vllm"] is None:
         click.echo("vLLM: not run (no interpreter with vllm; --vllm-python PATH)")

@@ -14,7 +14,9 @@ Protocol, one JSON object per line. First line on stdin::
 
 answered by ``{"ready": true, "vllm_version": str}``; then each line
 ``{"prompts": [[token ids], ...], "output_len": int}`` is answered by
-``{"tok_s": float, "tokens": int, "seconds": float}`` (one timed greedy
+``{"tok_s": float, "tokens": int, "seconds": float, "cpu_s": float|null}``
+(``cpu_s``: CPU time of this process and its descendants, vLLM's engine
+core and worker, during the call; Linux /proc) of one timed greedy
 ``generate`` of the batch, prefill included, after an untimed 4-token
 warm-up of the same batch), until stdin closes. vLLM's own logging goes to
 stderr.
@@ -23,6 +25,8 @@ stderr.
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import sys
 import time
 
@@ -30,6 +34,25 @@ import time
 def _reply(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
+
+
+def _tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by pid and its descendants."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        total, todo = 0.0, [pid]
+        while todo:
+            p = todo.pop()
+            try:
+                fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / tick
+                for t in pathlib.Path(f"/proc/{p}/task").iterdir():
+                    todo += [int(c) for c in (t / "children").read_text().split()]
+            except OSError:
+                continue  # exited meanwhile
+        return total
+    except (OSError, ValueError):
+        return None
 
 
 def main() -> None:
@@ -51,11 +74,12 @@ def main() -> None:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
         greedy = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
-        t0 = time.perf_counter()
+        c0, t0 = _tree_cpu_s(os.getpid()), time.perf_counter()
         res = llm.generate(prompts, greedy, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, c1 = time.perf_counter() - t0, _tree_cpu_s(os.getpid())
         tokens = sum(len(r.outputs[0].token_ids) for r in res)
-        _reply({"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed})
+        _reply({"tok_s": tokens / elapsed, "tokens": tokens, "seconds": elapsed,
+                "cpu_s": None if c0 is None or c1 is None else c1 - c0})
 
 
 if __name__ == "__main__":  # vLLM's workers are spawned and re-import this module

@@ -70,8 +70,9 @@ class VllmOffline:
             if line.startswith("{"):
                 return json.loads(line)
 
-    def generate(self, prompts: list[list[int]], output_len: int) -> float:
-        return float(self._call({"prompts": prompts, "output_len": output_len})["tok_s"])
+    def generate(self, prompts: list[list[int]], output_len: int) -> dict:
+        """{"tok_s", "tokens", "seconds", "cpu_s"} of one timed batch."""
+        return self._call({"prompts": prompts, "output_len": output_len})
 
     def close(self) -> None:
         if self.proc.poll() is None:
