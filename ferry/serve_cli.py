@@ -56,12 +56,23 @@ def scheduler(**options) -> None:
     sys.exit(run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port)))
 
 
-@serve.command("instance")
+@serve.command("instance", context_settings={"ignore_unknown_options": True})
 @click_options(InstanceConfig)
-def instance(**options) -> None:
-    """An instance agent (llumlet) running one engine."""
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
+def instance(engine_args, **options) -> None:
+    """An instance agent (llumlet) running one engine. With --engine vllm,
+    arguments Ferry does not know are vLLM's engine arguments, e.g.
+    `ferry serve instance --engine vllm --model DIR --enforce-eager`."""
+    import shlex
+
     from services.instance.service import InstanceService
 
+    if engine_args:
+        if options.get("engine") != "vllm":
+            raise click.UsageError(f"unexpected arguments {' '.join(engine_args)} (engine arguments are "
+                                   "for --engine vllm only)")
+        options["vllm_args"] = " ".join(filter(None, [options.get("vllm_args") or "",
+                                                      shlex.join(a for a in engine_args if a != "--")]))
     cfg = _setup(InstanceConfig, options, "instance")
     sys.exit(run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port)))
 

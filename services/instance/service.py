@@ -46,11 +46,12 @@ class InstanceConfig(CommonConfig):
     instance_id: str = opt("", "instance id (default: random)")
     advertise_host: str = opt("", "host other services use to reach this one (default: --host)")
     meta_store: str = opt("127.0.0.1:7000", "meta store address host:port")
-    engine: str = opt("fake", "engine", choices=("fake", "sim", "native"))
-    model: str = opt("smollm2", "model name or local Hugging Face directory (native engine)")
+    engine: str = opt("fake", "engine", choices=tuple(ENGINES))
+    model: str = opt("smollm2", "model name or Hugging Face directory (native, vllm; vllm also takes hub names)")
     num_blocks: int | None = opt(None, "KV cache blocks (default: from --kv-cache-gb or the engine)", min=1)
     kv_cache_gb: float | None = opt(None, "KV cache memory budget in GiB", min=0.001)
-    block_size: int = opt(16, "tokens per KV block", min=1)
+    block_size: int | None = opt(None, "tokens per KV block (default: 16; vllm: 16 on GPU, 32 on CPU, "
+                                 "where vLLM's CPU attention needs a multiple of 32)", min=1)
     max_num_seqs: int = opt(256, "most requests in a running batch", min=1)
     max_num_batched_tokens: int = opt(2048, "token budget per step (chunked prefill)", min=1)
     max_model_len: int | None = opt(None, "context length (default: the model's)", min=16)
@@ -74,6 +75,8 @@ class InstanceConfig(CommonConfig):
     max_migrate_in: int = opt(2, "migration: concurrent migrations into this instance", min=1)
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
+    vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
+                         "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
 
     def migration_config(self):
         from services.instance.migration.source import MigrationConfig
@@ -86,11 +89,25 @@ class InstanceConfig(CommonConfig):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             engine=self.engine, model=self.model, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
-            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            block_size=self.block_size or default_block_size(self.engine), max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
-            seed=self.seed, extra={"num_threads": self.torch_threads} if self.torch_threads else {},
+            seed=self.seed, extra=self._engine_extra(),
         )
+
+    def _engine_extra(self) -> dict:
+        extra: dict = {"num_threads": self.torch_threads} if self.torch_threads else {}
+        if self.vllm_args:
+            extra["vllm_args"] = self.vllm_args
+        return extra
+
+
+def default_block_size(engine: str) -> int:
+    if engine == "vllm":
+        from services.instance.engine.vllm.args import default_block_size as vllm_default
+
+        return vllm_default()
+    return 16
 
 
 def event_to_pb(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> pb.TokenEvent:

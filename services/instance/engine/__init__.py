@@ -11,6 +11,7 @@ ENGINES = {
     "fake": "services.instance.engine.fake:FakeEngine",
     "native": "services.instance.engine.native.engine:NativeEngine",
     "sim": "services.instance.engine.sim:SimEngine",
+    "vllm": "services.instance.engine.vllm.engine:VllmEngine",  # optional extra: .[vllm]
 }
 
 

@@ -1,0 +1,116 @@
+"""Ferry's engine config and requests in vLLM's terms: the EngineArgs an
+instance starts vLLM with, and the SamplingParams of one incarnation of a
+request (a request re-added after a suspend or a migration is a new vLLM
+request whose prompt is everything it has so far)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import uuid
+
+from libs.common.types import Priority, SamplingParams
+from services.instance.engine.base import EngineConfig, EngineError
+
+CONNECTOR_CLASS = "FerryMigrationConnector"
+CONNECTOR_MODULE = "services.instance.engine.vllm.connector"
+DEFAULT_CPU_KV_GB = 1.0  # as the native engine on CPU
+
+
+def resolve_model(name: str) -> str:
+    """A Ferry model name (e.g. smollm2) becomes its converted HF directory;
+    anything else (a local directory, a hub name) goes to vLLM as given."""
+    from libs.common.models import KNOWN_MODELS, ensure_model
+
+    if name in KNOWN_MODELS:
+        return str(ensure_model(name))
+    return name
+
+
+def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple[object, bool]:
+    """(vllm EngineArgs, migration wired). Ferry's flags become vLLM's
+    defaults; ``extra_args`` (vLLM's own CLI flags) override them. Ferry's
+    KV connector is added unless the user brought a kv-transfer-config of
+    their own, which leaves the instance without live migration."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = ["--model", model, "--block-size", str(config.block_size),
+            "--max-num-seqs", str(config.max_num_seqs),
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed)]
+    if config.dtype != "auto":
+        argv += ["--dtype", config.dtype]
+    if config.max_model_len:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    if config.num_blocks:
+        # +1: vLLM keeps block 0 as its null block, never handed out.
+        argv += ["--num-gpu-blocks-override", str(config.num_blocks + 1)]
+    on_cpu = config.device == "cpu" or _cpu_platform()
+    kv_gb = config.kv_cache_gb or (DEFAULT_CPU_KV_GB if on_cpu else None)
+    if kv_gb:
+        argv += ["--kv-cache-memory-bytes", str(int(kv_gb * (1 << 30)))]
+    user = shlex.split(extra_args)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="ferry serve instance --engine vllm"))
+    try:
+        ns = parser.parse_args(argv + user)
+    except SystemExit as e:
+        raise EngineError(f"bad vLLM engine arguments {extra_args!r}") from e
+    args = EngineArgs.from_cli_args(ns)
+    # Ferry's priorities go to vLLM's priority scheduler; steps must be
+    # synchronous so that a request's counters are final between two steps.
+    if "--scheduling-policy" not in user:
+        args.scheduling_policy = "priority"
+    args.async_scheduling = False
+    args.disable_log_stats = True
+    migratable = args.kv_transfer_config is None
+    if migratable:
+        args.kv_transfer_config = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
+            engine_id=f"ferry-{uuid.uuid4().hex[:12]}")
+        args.disable_hybrid_kv_cache_manager = True  # the connector moves one KV cache group
+    return args, migratable
+
+
+def default_block_size() -> int:
+    """16 (vLLM's own default) except on CPU, whose attention kernel takes
+    multiples of 32 only (CPU_ATTN get_supported_kernel_block_sizes)."""
+    return 32 if _cpu_platform() else 16
+
+
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def sampling_params(sp: SamplingParams, num_output: int, load_key: str | None = None):
+    """vLLM SamplingParams for the rest of a request that already has
+    ``num_output`` tokens: budgets shrink by what was produced. A seeded
+    request gets a seed derived from (seed, num_output) on re-adding: vLLM
+    keeps its generator inside the model runner, out of any API's reach, so
+    the stream cannot go on where it was; a derived seed keeps the rest
+    reproducible instead of replaying the first tokens' randomness."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import SamplingParams as VSamplingParams
+
+    seed = sp.seed
+    if seed is not None and num_output:
+        seed = (seed * 1_000_003 + num_output) % (2**63)
+    extra = {"kv_transfer_params": {"ferry_load": load_key}} if load_key else None
+    return VSamplingParams(
+        n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=max(0, sp.top_k), seed=seed,
+        max_tokens=sp.max_tokens - num_output, min_tokens=max(0, sp.min_tokens - num_output),
+        stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, detokenize=False,
+        output_kind=RequestOutputKind.DELTA, extra_args=extra)
+
+
+def vllm_priority(p: Priority) -> int:
+    """vLLM serves lower values first; Ferry's higher priorities first."""
+    return -int(p)
+
+
+def in_process() -> None:
+    """vLLM's engine core in this process and thread (the agent's engine
+    thread): the connector objects are then reachable, and a step is a call."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

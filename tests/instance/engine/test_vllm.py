@@ -1,0 +1,74 @@
+"""The vLLM engine on one real vLLM (SmolLM2 on CPU): serving, status, and
+every migration hook, each ending with no leaked block. The scenarios run in
+a process of their own (vllm_scenarios.py); this checks what they found."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.instance.engine.vllm import available
+
+pytestmark = [pytest.mark.model, pytest.mark.slow,
+              pytest.mark.skipif(available() is not None, reason=str(available()))]
+
+
+@pytest.fixture(scope="module")
+def facts():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "tests.instance.engine.vllm_scenarios"], check=False,
+                       capture_output=True,
+                       text=True, timeout=600, env=env)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("FACTS ")]
+    assert lines, f"scenarios failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return json.loads(lines[-1][len("FACTS "):])
+
+
+def test_migration_is_wired(facts):
+    assert facts["migratable"], facts["why"]
+    lay = facts["layout"]
+    assert (lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["block_size"]) == (30, 3, 64, 32)
+    assert lay["dtype"] == "bfloat16"
+
+
+def test_greedy_reference(facts):
+    assert len(facts["ref"]) == 40
+
+
+def test_suspend_holds_blocks_and_resume_continues_exactly(facts):
+    assert facts["suspend"] and facts["phase_suspended"] == "suspended"
+    # The last sampled token has no KV yet: it is computed after the resume.
+    assert facts["suspended_computed"] == facts["suspended_tokens"] - 1
+    assert facts["suspended_blocks"] == -(-facts["suspended_computed"] // 32)
+    assert facts["resumed"] == facts["ref"]
+
+
+def test_self_migration_continues_exactly(facts):
+    assert facts["reserved_in_load"] > 0
+    assert facts["migrated"] == facts["ref"]
+
+
+def test_no_block_leaks_after_every_path(facts):
+    total = facts["total"]
+    for key in ("after_ref", "after_resume", "after_migrate", "after_dest_aborts", "after_dropped",
+                "after_aborted", "after_lite", "end"):
+        assert facts[key] == {"free": total, "total": total}, key
+    assert facts["abort_installed"] is True
+    assert facts["reserve_too_many"] is None
+
+
+def test_lite_serving(facts):
+    ref = facts["ref"]
+    stop = ref[5]
+    assert facts["stopped"] == ref[: ref.index(stop) + 1]
+    assert facts["seeded_equal"]
+    assert facts["abort_running"] is True and facts["abort_unknown"] is False
+    assert facts["too_long"] == "EngineError"
+
+
+def test_priority_reaches_vllm_and_status(facts):
+    assert facts["vllm_priorities"] == {"lo": 0, "hi": -1}
+    assert facts["waiting_before"] == ["hi", "lo"]
+    assert facts["head_of_line"] == -(-(80 + 1) // 32)

@@ -1,0 +1,143 @@
+"""The vLLM engine's serving and migration hooks on one real vLLM engine,
+run as ``python -m tests.instance.engine.vllm_scenarios`` in a process of its
+own (vLLM keeps process-wide state: one engine per process, and it pins the
+process's threads); prints one JSON object of facts that test_vllm.py checks.
+
+A "self-migration" plays both ends of a migration on one engine: pre-copy
+of full blocks while the request decodes, suspend, last stage, reserve +
+scatter, install under a new id, drop the original."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from libs.common.types import Priority, SamplingParams
+from services.instance.engine.base import EngineConfig, EngineRequest
+
+PROMPT = tuple(range(1000, 1080))  # 80 tokens: 2 full blocks of 32 and a partial one
+N = 40
+
+
+def run(engine, stop_after: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Step until idle or until a request in ``stop_after`` has that many tokens."""
+    out: dict[str, list[int]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o.token_id)
+        if stop_after and any(len(out.get(r, [])) >= n for r, n in stop_after.items()):
+            break
+    return out
+
+
+def settle(engine) -> dict:
+    """Step until nothing is pending, then the pool's state."""
+    for _ in range(4):
+        engine.step()
+    engine.check_integrity()
+    return {"free": engine.num_free_blocks, "total": engine.num_total_blocks}
+
+
+def main() -> None:
+    from services.instance.engine.vllm.engine import VllmEngine
+
+    e = VllmEngine(EngineConfig(engine="vllm", model="smollm2", num_blocks=64, block_size=32, max_model_len=512,
+                                dtype="bfloat16", max_num_seqs=8, extra={"vllm_args": "--enforce-eager"}))
+    greedy = SamplingParams(max_tokens=N, ignore_eos=True)
+    facts: dict = {"migratable": e.migratable, "why": e.migration_error, "layout": e.kv_layout.__dict__,
+                   "total": e.num_total_blocks, "block_size": e.block_size}
+
+    e.add_request(EngineRequest("ref", PROMPT, greedy))
+    facts["ref"] = run(e)["ref"]
+    facts["after_ref"] = settle(e)
+
+    # Suspend (abort with the blocks held) and resume (KV copied back, no recompute).
+    e.add_request(EngineRequest("sr", PROMPT, greedy))
+    got = run(e, {"sr": 9})["sr"]
+    facts["suspend"] = e.suspend_request("sr")
+    facts["phase_suspended"] = e.request_phase("sr")[0]
+    state = e.export_state("sr")
+    facts["suspended_computed"] = state.num_computed_tokens
+    facts["suspended_tokens"] = len(state.prompt_token_ids) + len(state.output_token_ids)
+    facts["suspended_blocks"] = len(e.all_blocks("sr"))
+    e.check_integrity()
+    e.resume_request("sr")
+    facts["resumed"] = got + run(e)["sr"]
+    facts["after_resume"] = settle(e)
+
+    # Self-migration: pre-copy, suspend, last stage, reserve, scatter, install, drop.
+    e.add_request(EngineRequest("mig", PROMPT, greedy))
+    got = run(e, {"mig": 20})["mig"]
+    first = e.full_blocks("mig")
+    staged = bytes(e.gather_kv(first))
+    got += run(e, {"mig": 4})["mig"]  # decodes on while the stage "travels"
+    assert e.suspend_request("mig")
+    state = e.export_state("mig")
+    rest = e.all_blocks("mig")[len(first):]
+    staged += bytes(e.gather_kv(rest))
+    dst = e.reserve_blocks(len(first) + len(rest))
+    facts["reserved_in_load"] = e.load().reserved_blocks
+    e.scatter_kv(dst, staged)
+    state.request_id = "mig2"
+    e.install_request(state, dst)
+    e.drop_request("mig")
+    e.check_integrity()
+    facts["migrated"] = got + run(e)["mig2"]
+    facts["after_migrate"] = settle(e)
+
+    # Destination aborts: a reservation released, an installed request aborted before it ran.
+    ids = e.reserve_blocks(5)
+    e.scatter_kv(ids, bytes(5 * e.kv_layout.bytes_per_block))
+    e.release_blocks(ids)
+    ids = e.reserve_blocks(-(-state.num_computed_tokens // e.block_size))
+    state.request_id = "never"
+    e.install_request(state, ids)
+    facts["abort_installed"] = e.abort_request("never")
+    facts["after_dest_aborts"] = settle(e)
+    facts["reserve_too_many"] = e.reserve_blocks(e.num_total_blocks + 1)
+
+    # Suspended then dropped (the commit succeeded elsewhere), and aborted while suspended.
+    for rid, end in (("dropped", e.drop_request), ("aborted", e.abort_request)):
+        e.add_request(EngineRequest(rid, PROMPT, greedy))
+        run(e, {rid: 5})
+        assert e.suspend_request(rid)
+        end(rid)
+        facts[f"after_{rid}"] = settle(e)
+
+    # Lite serving: stop tokens, seeds, priority order, abort mid-stream, bad input.
+    stop_at = facts["ref"][5]
+    e.add_request(EngineRequest("stop", PROMPT, SamplingParams(max_tokens=N, stop_token_ids=(stop_at,),
+                                                                  ignore_eos=True)))
+    facts["stopped"] = run(e)["stop"]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    for rid in ("s1", "s2"):
+        e.add_request(EngineRequest(rid, PROMPT, seeded))
+    out = run(e)
+    facts["seeded_equal"] = out["s1"] == out["s2"]
+    e.add_request(EngineRequest("ab", PROMPT, greedy))
+    run(e, {"ab": 3})
+    facts["abort_running"] = e.abort_request("ab")
+    facts["abort_unknown"] = e.abort_request("nope")
+    facts["after_lite"] = settle(e)
+    try:
+        e.add_request(EngineRequest("long", tuple(range(600)), greedy))
+        facts["too_long"] = "accepted"
+    except Exception as ex:  # noqa: BLE001
+        facts["too_long"] = type(ex).__name__
+    # Priority: Ferry's HIGH is vLLM's lower value (served first by its priority policy).
+    e.add_request(EngineRequest("lo", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), Priority.NORMAL, 1.0))
+    e.add_request(EngineRequest("hi", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), Priority.HIGH, 2.0))
+    load = e.load()
+    facts["waiting_before"] = sorted(r.request_id for r in load.requests if r.state == "waiting")
+    facts["head_of_line"] = load.head_of_line_demand_blocks
+    facts["vllm_priorities"] = {rid: e._vreq(e.reqs[rid]).priority for rid in ("lo", "hi")}
+    run(e)
+    facts["end"] = settle(e)
+    print("FACTS " + json.dumps(facts), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # vLLM's teardown is slow and noisy; nothing is left to save
+
+
+if __name__ == "__main__":
+    main()
