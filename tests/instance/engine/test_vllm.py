@@ -35,6 +35,13 @@ def test_migration_is_wired(facts):
 
 def test_greedy_reference(facts):
     assert len(facts["ref"]) == 40
+    assert 64 < facts["prompt_len"] < 96  # two full blocks and a partial one
+    assert len(set(facts["ref"])) > 10  # real text, not a degenerate loop
+
+
+def test_zeroed_kv_changes_the_output(facts):
+    """The exact-token checks can fail: KV zeroed in transit gives other tokens."""
+    assert facts["zeroed_kv_output"] != facts["ref"]
 
 
 def test_suspend_holds_blocks_and_resume_continues_exactly(facts):
@@ -71,4 +78,4 @@ def test_lite_serving(facts):
 def test_priority_reaches_vllm_and_status(facts):
     assert facts["vllm_priorities"] == {"lo": 0, "hi": -1}
     assert facts["waiting_before"] == ["hi", "lo"]
-    assert facts["head_of_line"] == -(-(80 + 1) // 32)
+    assert facts["head_of_line"] == -(-(facts["prompt_len"] + 1) // 32)

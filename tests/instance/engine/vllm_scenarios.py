@@ -16,8 +16,23 @@ import sys
 from libs.common.types import Priority, SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
 
-PROMPT = tuple(range(1000, 1080))  # 80 tokens: 2 full blocks of 32 and a partial one
+TEXT = ("Write a short story about a ferry that carries travellers across a wide river at night. "
+        "The ferryman is old and knows every current; tonight a stranger asks him to cross twice.")
 N = 40
+
+
+def prompt_ids() -> tuple[int, ...]:
+    from transformers import AutoTokenizer
+
+    from libs.common.models import ensure_model
+
+    ids = AutoTokenizer.from_pretrained(str(ensure_model("smollm2"))).apply_chat_template(
+        [{"role": "user", "content": TEXT}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    return tuple(int(i) for i in ids)
+
+
+PROMPT = prompt_ids()  # 2 full blocks of 32 and a partial one
 
 
 def run(engine, stop_after: dict[str, int] | None = None) -> dict[str, list[int]]:
@@ -45,7 +60,7 @@ def main() -> None:
     e = VllmEngine(EngineConfig(engine="vllm", model="smollm2", num_blocks=64, block_size=32, max_model_len=512,
                                 dtype="bfloat16", max_num_seqs=8, extra={"vllm_args": "--enforce-eager"}))
     greedy = SamplingParams(max_tokens=N, ignore_eos=True)
-    facts: dict = {"migratable": e.migratable, "why": e.migration_error, "layout": e.kv_layout.__dict__,
+    facts: dict = {"prompt_len": len(PROMPT), "migratable": e.migratable, "why": e.migration_error, "layout": e.kv_layout.__dict__,
                    "total": e.num_total_blocks, "block_size": e.block_size}
 
     e.add_request(EngineRequest("ref", PROMPT, greedy))
@@ -85,6 +100,21 @@ def main() -> None:
     e.check_integrity()
     facts["migrated"] = got + run(e)["mig2"]
     facts["after_migrate"] = settle(e)
+
+    # Negative control: the same migration with the KV zeroed in transit must
+    # change the output (the exact-token checks above can fail).
+    e.add_request(EngineRequest("bad", PROMPT, greedy))
+    got = run(e, {"bad": 20})["bad"]
+    assert e.suspend_request("bad")
+    state = e.export_state("bad")
+    blocks = e.all_blocks("bad")
+    dst = e.reserve_blocks(len(blocks))
+    e.scatter_kv(dst, bytes(len(blocks) * e.kv_layout.bytes_per_block))
+    state.request_id = "bad2"
+    e.install_request(state, dst)
+    e.drop_request("bad")
+    facts["zeroed_kv_output"] = got + run(e)["bad2"]
+    settle(e)
 
     # Destination aborts: a reservation released, an installed request aborted before it ran.
     ids = e.reserve_blocks(5)
