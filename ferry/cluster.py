@@ -235,7 +235,7 @@ class LocalCluster:
                       *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
     def frontend_child(self) -> Child:
-        model = self.spec.model if self.spec.engine == "native" else "fake"
+        model = self.spec.model if self.spec.engine in ("native", "vllm") else "fake"
         return Child("frontend", "frontend",
                      ["--host", self.spec.host, "--port", str(self.spec.port), "--scheduler", self.scheduler,
                       "--meta-store", self.meta_store, "--model", model, "--grpc-port", str(self.spec.grpc_port),

@@ -10,11 +10,13 @@ import click
 
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
 from libs.common import rpc
+from services.instance.engine import ENGINES
 
 
 @click.command()
-@click.option("--engine", type=click.Choice(["native", "sim", "fake"]), default="native", show_default=True,
-              help="engine of every instance")
+@click.option("--engine", type=click.Choice(sorted(ENGINES)), default="native", show_default=True,
+              help="engine of every instance (vllm: pip install -e '.[vllm]'; vLLM's engine arguments go in "
+                   "--instance-arg, e.g. --instance-arg=--vllm-args='--enforce-eager')")
 @click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True)
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="HTTP port")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP address")
@@ -34,11 +36,13 @@ from libs.common import rpc
 def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, instance_args, cluster_token,
        log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
-    if engine == "native":
-        from libs.common.models import ensure_model
+    real = engine in ("native", "vllm")
+    if real:
+        from libs.common.models import KNOWN_MODELS, ensure_model
 
-        click.echo(f"ferry up: preparing model {model} …", err=True)
-        ensure_model(model)
+        if engine == "native" or model in KNOWN_MODELS:  # vLLM also takes hub names and loads them itself
+            click.echo(f"ferry up: preparing model {model} …", err=True)
+            ensure_model(model)
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
@@ -58,14 +62,14 @@ def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, insta
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        cluster.start(timeout_s=600 if engine == "native" else 60)
+        cluster.start(timeout_s=600 if real else 60)
     except StartupError as e:
         click.echo(f"ferry up: {e}; stopped all services", err=True)
         sys.exit(1)
     if stopping:
         cluster.stop()
         sys.exit(0)
-    click.echo(f"ferry up: ready at {cluster.url}/v1 (model {model if engine == 'native' else 'fake'}, {instances} {engine} instances, "
+    click.echo(f"ferry up: ready at {cluster.url}/v1 (model {model if real else 'fake'}, {instances} {engine} instances, "
                f"dispatch {dispatch}); Ctrl-C to stop", err=True)
     print(f"{cluster.url}/v1", flush=True)
     reported: set[str] = set()

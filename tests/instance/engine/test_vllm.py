@@ -30,7 +30,7 @@ def test_migration_is_wired(facts):
     assert facts["migratable"], facts["why"]
     lay = facts["layout"]
     assert (lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["block_size"]) == (30, 3, 64, 32)
-    assert lay["dtype"] == "bfloat16"
+    assert lay["dtype"] == "float32"
 
 
 def test_greedy_reference(facts):

@@ -58,7 +58,7 @@ def main() -> None:
     from services.instance.engine.vllm.engine import VllmEngine
 
     e = VllmEngine(EngineConfig(engine="vllm", model="smollm2", num_blocks=64, block_size=32, max_model_len=512,
-                                dtype="bfloat16", max_num_seqs=8, extra={"vllm_args": "--enforce-eager"}))
+                                dtype="float32", max_num_seqs=8, extra={"vllm_args": "--enforce-eager"}))
     greedy = SamplingParams(max_tokens=N, ignore_eos=True)
     facts: dict = {"prompt_len": len(PROMPT), "migratable": e.migratable, "why": e.migration_error, "layout": e.kv_layout.__dict__,
                    "total": e.num_total_blocks, "block_size": e.block_size}
