@@ -105,7 +105,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "address", "engine", "model", "block_size", "total_blocks", "max_model_len", "started_at_ms", "vocab_size")
+    __slots__ = ("instance_id", "address", "engine", "model", "block_size", "total_blocks", "max_model_len", "started_at_ms", "vocab_size", "no_migration")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class InstanceInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NO_MIGRATION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     engine: str
@@ -124,7 +125,8 @@ class InstanceInfo(_message.Message):
     max_model_len: int
     started_at_ms: int
     vocab_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., started_at_ms: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    no_migration: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., started_at_ms: _Optional[int] = ..., vocab_size: _Optional[int] = ..., no_migration: _Optional[str] = ...) -> None: ...
 
 class InstanceRecord(_message.Message):
     __slots__ = ("info", "status", "last_seen")

@@ -118,7 +118,8 @@ class ClusterView:
             if rec.status is None:
                 continue
             pend = {r: v for r, v in self._pending.get(iid, {}).items() if now - v[1] <= PENDING_TTL_S}
-            out.append(InstanceView(iid, rec.status, sum(b for b, _ in pend.values()), len(pend)))
+            out.append(InstanceView(iid, rec.status, sum(b for b, _ in pend.values()), len(pend),
+                                    migratable=not rec.info.no_migration))
         return out
 
     def address(self, instance_id: str) -> str | None:

@@ -50,7 +50,7 @@ def info_to_pb(i: InstanceInfo) -> pb.InstanceInfo:
     return pb.InstanceInfo(
         instance_id=i.instance_id, address=i.address, engine=i.engine, model=i.model,
         block_size=i.block_size, total_blocks=i.total_blocks, max_model_len=i.max_model_len,
-        started_at_ms=i.started_at_ms, vocab_size=i.vocab_size,
+        started_at_ms=i.started_at_ms, vocab_size=i.vocab_size, no_migration=i.no_migration,
     )
 
 
@@ -58,7 +58,7 @@ def info_from_pb(m: pb.InstanceInfo) -> InstanceInfo:
     return InstanceInfo(
         instance_id=m.instance_id, address=m.address, engine=m.engine, model=m.model,
         block_size=m.block_size, total_blocks=m.total_blocks, max_model_len=m.max_model_len,
-        started_at_ms=m.started_at_ms, vocab_size=m.vocab_size,
+        started_at_ms=m.started_at_ms, vocab_size=m.vocab_size, no_migration=m.no_migration,
     )
 
 

@@ -85,6 +85,7 @@ class InstanceInfo:
     max_model_len: int
     started_at_ms: int = 0
     vocab_size: int = 0  # token ids 0 .. vocab_size-1; 0 = not reported
+    no_migration: str = ""  # why it cannot live-migrate ("" = it can); the rescheduler leaves it out
 
 
 @dataclass(frozen=True)

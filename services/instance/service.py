@@ -160,7 +160,8 @@ class InstanceService(Service):
         address = f"{host}:{bound_address.rsplit(':', 1)[1]}"
         e = self.engine
         self.info = InstanceInfo(self.instance_id, address, e.name, e.model_name, e.block_size,
-                                 e.num_total_blocks, e.max_model_len, int(time.time() * 1000), e.vocab_size)
+                                 e.num_total_blocks, e.max_model_len, int(time.time() * 1000), e.vocab_size,
+                                 no_migration=e.no_migration)
         self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step)
         self.runner.start()
         from services.instance.migration import MigrationManager

@@ -19,6 +19,7 @@ class InstanceView:
     status: InstanceStatus
     pending_blocks: int = 0  # demand of requests dispatched but not yet reported
     pending_requests: int = 0
+    migratable: bool = True  # False: the instance said it cannot live-migrate (InstanceInfo.no_migration)
 
     @property
     def schedulable(self) -> bool:
@@ -149,11 +150,12 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
                     busy: frozenset[str] = frozenset()) -> list[MigrationPair]:
     """Pair sources (F < out_threshold, or terminating) with destinations
     (F > in_threshold, not terminating): repeatedly lowest-F source with
-    highest-F destination. Instances in ``busy`` (already migrating) are left out."""
+    highest-F destination. Instances in ``busy`` (already migrating) and
+    instances that cannot migrate are left out."""
     def f(v: InstanceView) -> float:
         return float("-inf") if v.status.terminating else freeness_of(v)
 
-    live = [v for v in views if v.instance_id not in busy]
+    live = [v for v in views if v.instance_id not in busy and v.migratable]
     sources = sorted((v for v in live if f(v) < out_threshold and
                       (v.status.num_running > 0 or v.status.terminating)), key=f)
     dests = sorted((v for v in live if not v.status.terminating and f(v) > in_threshold),

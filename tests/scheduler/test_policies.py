@@ -83,6 +83,17 @@ def test_busy_instances_are_not_paired():
     assert pair_migrations(views, 10, 60, busy=frozenset({"d"})) == []
 
 
+def test_instances_that_cannot_migrate_are_not_paired():
+    """A vLLM instance without Ferry's connector (InstanceInfo.no_migration)
+    is neither a source nor a destination."""
+    src, dst = view("s", freeness=-5, running=4), view("d", freeness=95)
+    lite = InstanceView("d", dst.status, migratable=False)
+    assert pair_migrations([src, lite], 10, 60) == []
+    assert [(p.source, p.destination) for p in pair_migrations([src, dst], 10, 60)] == [("s", "d")]
+    lite_src = InstanceView("s", src.status, migratable=False)
+    assert pair_migrations([lite_src, dst], 10, 60) == []
+
+
 def test_base_freeness_counts_head_of_line_demand():
     v = view("a", total=100, used=40, running=2, hol=30)
     assert base_freeness(v) == (100 - 40 - 30) / 2

@@ -127,6 +127,12 @@ class Engine(abc.ABC):
     def model_name(self) -> str:
         return self.name
 
+    @property
+    def no_migration(self) -> str:
+        """Why this engine cannot live-migrate requests ("" = it can). The
+        instance publishes it so the rescheduler leaves the instance alone."""
+        return ""
+
     # --- serving ------------------------------------------------------------
     @abc.abstractmethod
     def add_request(self, request: EngineRequest) -> None:

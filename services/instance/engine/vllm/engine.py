@@ -118,6 +118,10 @@ class VllmEngine(Engine):
         """Whether live migration works here; without it the instance only serves."""
         return not self.migration_error
 
+    @property
+    def no_migration(self) -> str:
+        return self.migration_error
+
     def _plain_layout(self) -> KvLayout:
         m = self.llm.model_config
         return KvLayout(dtype=str(m.dtype).removeprefix("torch."), block_size=self._block_size,
