@@ -18,6 +18,7 @@ from ferry.cli import LazyGroup
         "migration": "ferry.bench.migration:migration",
         "overhead": "ferry.bench.overhead:overhead",
         "serving": "ferry.bench.serving:serving",
+        "vllm": "ferry.bench.vllm_serve:vllm_bench",
     },
 )
 def bench() -> None:

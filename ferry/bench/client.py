@@ -32,9 +32,14 @@ def raise_fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def request_body(req: Request, ids: list[int], model: str | None, stream: bool = True) -> dict:
+def request_body(req: Request, ids: list[int], model: str | None, stream: bool = True,
+                 ferry_priority: bool = True) -> dict:
+    """A completion request; ``ferry_priority=False`` leaves out Ferry's
+    named priority (vLLM's server takes only integers there)."""
     body = {"prompt": ids, "max_tokens": req.output_len, "min_tokens": req.output_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": stream, "priority": req.priority}
+            "temperature": 0.0, "stream": stream}
+    if ferry_priority:
+        body["priority"] = req.priority
     if stream:
         body["stream_options"] = {"include_usage": True}
     if model:
@@ -127,7 +132,8 @@ async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body
 
 async def replay(url: str, workload: Workload, token_range: tuple[int, int], model: str | None = None,
                  on_done: Callable[[RequestRecord], None] | None = None,
-                 max_connections: int = 8192, stream: bool = True, shards: int = 32) -> list[RequestRecord]:
+                 max_connections: int = 8192, stream: bool = True, shards: int = 32,
+                 ferry_priority: bool = True) -> list[RequestRecord]:
     """Send every request at its arrival time (relative to now); return the
     records in workload order once all have finished.
 
@@ -157,7 +163,8 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
         start = time.perf_counter()
         tasks = []
         for i, (req, rec) in enumerate(zip(workload.requests, records)):
-            body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model, stream)  # before the wait
+            body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model, stream,
+                                ferry_priority)  # built before the wait
             rec.scheduled_at = start + req.arrival_s
             delay = rec.scheduled_at - time.perf_counter()
             if delay > 0:

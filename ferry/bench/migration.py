@@ -206,7 +206,9 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
 @click.option("--background", default=4, show_default=True, help="background requests per instance")
 @click.option("--out-tokens", default=48, show_default=True)
 @click.option("--at-token", default=12, show_default=True, help="migrate after this many output tokens")
-@click.option("--engine", default="native", show_default=True, type=click.Choice(["native", "sim", "fake"]))
+@click.option("--engine", default="native", show_default=True, type=click.Choice(["native", "sim", "fake", "vllm"]),
+              help="vllm: add --instance-arg=--vllm-args='--enforce-eager --no-enable-prefix-caching' (without "
+                   "the prefix cache the recompute baseline cannot reuse the migrated runs' blocks)")
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)

@@ -27,18 +27,14 @@ def resolve_model(name: str) -> str:
     return name
 
 
-def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple[object, bool]:
-    """(vllm EngineArgs, migration wired). Ferry's flags become vLLM's
-    defaults; ``extra_args`` (vLLM's own CLI flags) override them. Ferry's
-    KV connector is added unless the user brought a kv-transfer-config of
-    their own, which leaves the instance without live migration."""
-    from vllm.config import KVTransferConfig
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    argv = ["--model", model, "--block-size", str(config.block_size),
-            "--max-num-seqs", str(config.max_num_seqs),
+def engine_argv(config: EngineConfig, model: str) -> list[str]:
+    """Ferry's engine flags as vLLM command-line flags (what an instance
+    starts vLLM with, before the user's own; the benchmark gives the same to
+    vLLM's OpenAI server)."""
+    argv = ["--model", model, "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed)]
+    if config.block_size:
+        argv += ["--block-size", str(config.block_size)]
     if config.dtype != "auto":
         argv += ["--dtype", config.dtype]
     if config.max_model_len:
@@ -50,6 +46,19 @@ def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple
     kv_gb = config.kv_cache_gb or (DEFAULT_CPU_KV_GB if on_cpu else None)
     if kv_gb:
         argv += ["--kv-cache-memory-bytes", str(int(kv_gb * (1 << 30)))]
+    return argv
+
+
+def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple[object, bool]:
+    """(vllm EngineArgs, migration wired). Ferry's flags become vLLM's
+    defaults; ``extra_args`` (vLLM's own CLI flags) override them. Ferry's
+    KV connector is added unless the user brought a kv-transfer-config of
+    their own, which leaves the instance without live migration."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = engine_argv(config, model)
     user = shlex.split(extra_args)
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser(prog="ferry serve instance --engine vllm"))
     try:
