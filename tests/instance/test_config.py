@@ -11,3 +11,24 @@ def test_torch_threads_reaches_the_native_engine_config():
 def test_engine_options_are_passed_through():
     e = InstanceConfig(engine="sim", num_blocks=77, block_size=8, max_model_len=512, seed=3).engine_config()
     assert (e.engine, e.num_blocks, e.block_size, e.max_model_len, e.seed) == ("sim", 77, 8, 512, 3)
+
+
+def test_unknown_instance_arguments_are_vllm_engine_arguments():
+    from ferry.serve_cli import instance
+
+    ctx = instance.make_context("instance", ["--engine", "vllm", "--model", "d", "--enforce-eager",
+                                             "--gpu-memory-utilization", "0.8", "--port", "5"])
+    assert ctx.params["engine_args"] == ("--enforce-eager", "--gpu-memory-utilization", "0.8")
+    assert ctx.params["port"] == 5 and ctx.params["engine"] == "vllm"
+
+
+def test_vllm_block_size_defaults_to_what_the_platform_takes():
+    """vLLM's CPU attention takes multiples of 32 only; other engines keep 16."""
+    from services.instance.engine.vllm import available
+
+    assert InstanceConfig(engine="native").engine_config().block_size == 16
+    assert InstanceConfig(engine="native", block_size=8).engine_config().block_size == 8
+    if available() is None:
+        assert InstanceConfig(engine="vllm").engine_config().block_size in (16, 32)
+        assert InstanceConfig(engine="vllm", vllm_args="--enforce-eager").engine_config().extra == {
+            "vllm_args": "--enforce-eager"}
