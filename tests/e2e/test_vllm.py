@@ -3,7 +3,8 @@ openai client, and live migration of running requests through the real
 protocol (pre-copy stages while decoding, suspend, last stage, commit) with
 exact greedy tokens and no leaked block, plus the aborts of each stage.
 
-One cluster of three vLLM instances: 0 and 1 plain; 2 loses its commit
+One cluster of three vLLM instances: 0 plain; 1 slow to send a stage (a
+request can finish while its pre-copy is in flight); 2 loses its commit
 replies (the request is suspended at the source, then resumed there from its
 held blocks, and the destination drops its installed copy) and is small
 (a long request does not fit: refused at its first pre-allocation)."""
@@ -31,7 +32,8 @@ STORY = "Write a short story about a ferry that carries travellers across a wide
 def cluster(tmp_path_factory):
     c = LocalCluster(ClusterSpec(
         instances=3, engine="vllm", port=free_port(), dispatch="round_robin", instance_args=ARGS,
-        per_instance_args={0: ["--num-blocks", "96"], 1: ["--num-blocks", "96"],
+        per_instance_args={0: ["--num-blocks", "96"],
+                           1: ["--num-blocks", "96", "--failpoints", "source.copy_delay_ms=3000"],
                            2: ["--num-blocks", "6", "--max-model-len", "192",
                               "--failpoints", "dest.drop_commit_reply"]},
         log_dir=str(tmp_path_factory.mktemp("vllm"))))
@@ -130,6 +132,20 @@ async def test_destination_refuses_a_request_that_does_not_fit(cluster):
         text, final, order = await _migrated_run(cluster, http, body, "instance-2", at_chunk=2)
     assert order is not None and order.aborted == 1 and "do not fit" in order.results[0].reason, order
     assert final["migrations"] == 0 and text == reference
+    assert_clean(cluster)
+
+
+async def test_request_finishing_during_a_precopy_stage_aborts_the_migration(cluster):
+    """Instance-1 holds each stage 3 s after sending it; the request ends
+    meanwhile: the verify after the stage finds it gone, the destination
+    frees its reservation, the client has all its tokens."""
+    body = {"prompt": STORY * 6, "max_tokens": 10, "ignore_eos": True, "temperature": 0}  # 2+ full blocks
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
+        reference, _ = await stream_completion(http, body)
+        await _dispatch_to(cluster, http, "instance-1")
+        text, final, order = await _migrated_run(cluster, http, body, "instance-0", at_chunk=1)
+    assert order is not None and order.aborted == 1 and "finished" in order.results[0].reason, order
+    assert final["instances"] == ["instance-1"] and text == reference
     assert_clean(cluster)
 
 
