@@ -35,6 +35,7 @@ from services.instance.engine.base import (
     IntegrityError,
     KvLayout,
 )
+from services.instance.engine.core.engine import check_token_ids
 from services.instance.engine.vllm import args as vargs
 
 log = get_logger(__name__)
@@ -112,6 +113,7 @@ class VllmEngine(Engine):
     kv_layout: KvLayout = property(lambda self: self._layout)
     num_free_blocks = property(lambda self: self.pool.get_num_free_blocks())
     model_name = property(lambda self: self._model_name)
+    vocab_size = property(lambda self: self.llm.model_config.get_vocab_size())
 
     @property
     def migratable(self) -> bool:
@@ -143,6 +145,9 @@ class VllmEngine(Engine):
             raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {self._max_model_len}")
         if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0 or sp.max_tokens <= 0:
             raise EngineError(f"bad sampling parameters: {sp}")
+        check_token_ids(request.prompt_token_ids, self.vocab_size, "the prompt")
+        check_token_ids(request.resume_token_ids, self.vocab_size, "resume_token_ids")
+        check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
         r = _Req(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time or time.time(),
                  output=list(request.resume_token_ids))
         self._submit(r)
@@ -204,7 +209,7 @@ class VllmEngine(Engine):
                                           stats))
             if o.finished:
                 if not new:  # finished without a token (vLLM-side abort)
-                    tokens.append(TokenOutput(r.request_id, len(r.output), 0, FinishReason.ABORT,
+                    tokens.append(TokenOutput(r.request_id, len(r.output), None, FinishReason.ABORT,
                                               self._final_stats(r)))
                 self.reqs.pop(r.request_id, None)
                 self.by_iid.pop(r.iid, None)
@@ -375,6 +380,7 @@ class VllmEngine(Engine):
         n_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
         if not 0 <= state.num_computed_tokens < n_tokens:
             raise EngineError(f"num_computed_tokens {state.num_computed_tokens} out of range")
+        check_token_ids(state.prompt_token_ids + state.output_token_ids, self.vocab_size, "the migrated request")
         need = cdiv(state.num_computed_tokens, self._block_size)
         if len(block_ids) != need or any(b not in self.sconn.reserved for b in block_ids):
             raise EngineError(f"{len(block_ids)} reserved blocks for {state.num_computed_tokens} computed tokens "
