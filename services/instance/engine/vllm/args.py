@@ -119,6 +119,13 @@ def vllm_priority(p: Priority) -> int:
     return -int(p)
 
 
+def offline_if_local(model: str) -> None:
+    """A model on local disk needs no model hub: say so before vLLM's first
+    lookup, so that a host without hub access does not wait on one."""
+    if os.path.isdir(model):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def in_process() -> None:
     """vLLM's engine core in this process and thread (the agent's engine
     thread): the connector objects are then reachable, and a step is a call."""

@@ -76,6 +76,7 @@ class VllmEngine(Engine):
         t0 = time.perf_counter()
         self.config = config
         model = vargs.resolve_model(config.model)
+        vargs.offline_if_local(model)
         eargs, wired = vargs.engine_args(config, model, config.extra.get("vllm_args", ""))
         try:
             self.llm = LLMEngine.from_engine_args(eargs)
