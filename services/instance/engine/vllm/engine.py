@@ -68,15 +68,15 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = config
         vargs.in_process()
+        model = vargs.resolve_model(config.model)
+        vargs.offline_if_local(model)  # before vLLM (and the hub client) is imported
         from vllm.engine.llm_engine import LLMEngine
 
         from services.instance.engine.vllm.connector import REGISTRY
 
-        t0 = time.perf_counter()
-        self.config = config
-        model = vargs.resolve_model(config.model)
-        vargs.offline_if_local(model)
         eargs, wired = vargs.engine_args(config, model, config.extra.get("vllm_args", ""))
         try:
             self.llm = LLMEngine.from_engine_args(eargs)
