@@ -36,6 +36,27 @@ def check_token_ids(ids, vocab_size: int, what: str) -> None:
         raise EngineError(message)
 
 
+def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -> int:
+    """Raise EngineError if the request can never run on an engine of this
+    context length and vocabulary; returns its context length (prompt and
+    resumed tokens). Shared by every engine that takes EngineRequests."""
+    if not request.prompt_token_ids:
+        raise EngineError("empty prompt")
+    sp = request.sampling
+    n_ctx = len(request.prompt_token_ids) + len(request.resume_token_ids)
+    if sp.max_tokens <= len(request.resume_token_ids):
+        raise EngineError("max_tokens already reached by resume_token_ids")
+    if n_ctx >= max_model_len:
+        raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {max_model_len}")
+    problem = sampling_problem(sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.min_tokens)
+    if problem:
+        raise EngineError(problem)
+    check_token_ids(request.prompt_token_ids, vocab_size, "the prompt")
+    check_token_ids(request.resume_token_ids, vocab_size, "resume_token_ids")
+    check_token_ids(sp.stop_token_ids, vocab_size, "stop_token_ids")
+    return n_ctx
+
+
 class CoreEngine(Engine):
     name = "core"
 
@@ -68,22 +89,10 @@ class CoreEngine(Engine):
         rid = request.request_id
         if rid in self.requests:
             raise EngineError(f"request {rid!r} already exists")
-        if not request.prompt_token_ids:
-            raise EngineError("empty prompt")
         sp = request.sampling
-        n_ctx = len(request.prompt_token_ids) + len(request.resume_token_ids)
-        if sp.max_tokens <= len(request.resume_token_ids):
-            raise EngineError("max_tokens already reached by resume_token_ids")
-        if n_ctx >= self._max_model_len:
-            raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {self._max_model_len}")
+        n_ctx = check_request(request, self._max_model_len, self.vocab_size)
         if cdiv(n_ctx + 1, self._block_size) > self.pool.num_blocks - self.pool.watermark_blocks:
             raise EngineError(f"prompt of {n_ctx} tokens needs more KV blocks than this engine has")
-        problem = sampling_problem(sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.min_tokens)
-        if problem:
-            raise EngineError(problem)
-        check_token_ids(request.prompt_token_ids, self.vocab_size, "the prompt")
-        check_token_ids(request.resume_token_ids, self.vocab_size, "resume_token_ids")
-        check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
         self._seq += 1
         req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)

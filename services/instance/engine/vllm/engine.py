@@ -35,7 +35,7 @@ from services.instance.engine.base import (
     IntegrityError,
     KvLayout,
 )
-from services.instance.engine.core.engine import check_token_ids
+from services.instance.engine.core.engine import check_request, check_token_ids
 from services.instance.engine.vllm import args as vargs
 
 log = get_logger(__name__)
@@ -136,21 +136,9 @@ class VllmEngine(Engine):
         rid = request.request_id
         if rid in self.reqs:
             raise EngineError(f"request {rid!r} already exists")
-        if not request.prompt_token_ids:
-            raise EngineError("empty prompt")
-        sp = request.sampling
-        n_ctx = len(request.prompt_token_ids) + len(request.resume_token_ids)
-        if sp.max_tokens <= len(request.resume_token_ids):
-            raise EngineError("max_tokens already reached by resume_token_ids")
-        if n_ctx >= self._max_model_len:
-            raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {self._max_model_len}")
-        if sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0 or sp.max_tokens <= 0:
-            raise EngineError(f"bad sampling parameters: {sp}")
-        check_token_ids(request.prompt_token_ids, self.vocab_size, "the prompt")
-        check_token_ids(request.resume_token_ids, self.vocab_size, "resume_token_ids")
-        check_token_ids(sp.stop_token_ids, self.vocab_size, "stop_token_ids")
-        r = _Req(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time or time.time(),
-                 output=list(request.resume_token_ids))
+        check_request(request, self._max_model_len, self.vocab_size)
+        r = _Req(rid, list(request.prompt_token_ids), request.sampling, request.priority,
+                 request.arrival_time or time.time(), output=list(request.resume_token_ids))
         self._submit(r)
 
     def _submit(self, r: _Req, load=None) -> None:
