@@ -12,14 +12,12 @@ from ferry.pb import meta_store_pb2 as mpb
 from ferry.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import convert, rpc
 from libs.common.logging import get_logger
+from libs.common.pending import PENDING_TTL_S, PendingDispatches
 from libs.common.types import InstanceRecord
 from services.scheduler.policies import InstanceView  # a pure dataclass
 
 log = get_logger(__name__)
 
-# A dispatched request is counted as pending on its instance until a report
-# lists it, or at most this long.
-PENDING_TTL_S = 2.0
 # After a re-watch (meta store restarted), instances missing from the fresh
 # snapshot are kept this long: they re-register within a report or two.
 CARRY_OVER_S = 3.0
@@ -35,7 +33,7 @@ class ClusterView:
         self.carry_over_s = carry_over_s
         self._carried: dict[str, float] = {}  # instance -> drop after (monotonic)
         self.records: dict[str, InstanceRecord] = {}
-        self._pending: dict[str, dict[str, tuple[int, float]]] = {}  # instance -> rid -> (blocks, t)
+        self._pending = PendingDispatches(PENDING_TTL_S)
         self.synced = asyncio.Event()
         self.connected = False
         self._task: asyncio.Task | None = None
@@ -76,7 +74,7 @@ class ClusterView:
                         target = self.records if self.connected else fresh
                         if ev.type == mpb.WatchEvent.REMOVED:
                             target.pop(rec.info.instance_id, None)
-                            self._pending.pop(rec.info.instance_id, None)
+                            self._pending.drop(rec.info.instance_id)
                         else:
                             target[rec.info.instance_id] = rec
                             self._carried.pop(rec.info.instance_id, None)
@@ -99,28 +97,19 @@ class ClusterView:
             self.records.pop(iid, None)
 
     def _settle(self, rec: InstanceRecord) -> None:
-        pend = self._pending.get(rec.info.instance_id)
-        if not pend or rec.status is None:
-            return
-        seen = {r.request_id for r in rec.status.requests}
-        now = time.monotonic()
-        for rid in [r for r, (_, t) in pend.items() if r in seen or now - t > PENDING_TTL_S]:
-            del pend[rid]
+        if rec.status is not None:
+            self._pending.settle(rec.info.instance_id, (r.request_id for r in rec.status.requests),
+                                 time.monotonic())
 
     def add_pending(self, instance_id: str, request_id: str, blocks: int) -> None:
-        self._pending.setdefault(instance_id, {})[request_id] = (blocks, time.monotonic())
+        self._pending.add(instance_id, request_id, blocks, time.monotonic())
 
     def views(self) -> list[InstanceView]:
         self._drop_carried()
-        out = []
         now = time.monotonic()
-        for iid, rec in self.records.items():
-            if rec.status is None:
-                continue
-            pend = {r: v for r, v in self._pending.get(iid, {}).items() if now - v[1] <= PENDING_TTL_S}
-            out.append(InstanceView(iid, rec.status, sum(b for b, _ in pend.values()), len(pend),
-                                    migratable=not rec.info.no_migration))
-        return out
+        return [InstanceView(iid, rec.status, *self._pending.totals(iid, now),
+                             migratable=not rec.info.no_migration)
+                for iid, rec in self.records.items() if rec.status is not None]
 
     def address(self, instance_id: str) -> str | None:
         rec = self.records.get(instance_id)

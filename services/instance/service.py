@@ -23,7 +23,6 @@ from libs.common.errors import (
     Unavailable,
     abort_with,
 )
-from libs.common.load import summarize
 from libs.common.logging import get_logger
 from libs.common.server import Service
 from libs.common.types import InstanceInfo, InstanceStatus, Priority, TokenOutput
@@ -31,6 +30,7 @@ from services.instance.engine import ENGINES, create_engine
 from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineLoad, EngineRequest
 from services.instance.reporter import StatusReporter
 from services.instance.runner import EngineRunner
+from services.instance.status import instance_status, material
 from services.instance.streams import Event, StreamTable
 
 log = get_logger(__name__)
@@ -143,7 +143,7 @@ class InstanceService(Service):
         self.dead = False  # the engine thread died: this instance is stopping
         self.seq = 0
         self.load: EngineLoad = self.engine.load()
-        self._load_key = _material(self.load)
+        self._load_key = material(self.load)
         self.migrating_in = 0
         self.migrating_out = 0
         self.runner: EngineRunner | None = None
@@ -204,7 +204,7 @@ class InstanceService(Service):
             self._engine_died()
             return
         self.load = load
-        key = _material(load)
+        key = material(load)
         if key != self._load_key:  # not every step: most only add a token
             self._load_key = key
             if self.reporter:
@@ -236,24 +236,10 @@ class InstanceService(Service):
 
     # --- status --------------------------------------------------------------
     def status(self) -> InstanceStatus:
-        load = self.load
-        summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks,
-                            self.headroom, self.terminating)
         self.seq += 1
-        waiting = sum(1 for r in load.requests if r.state == "waiting")
-        return InstanceStatus(
-            instance_id=self.instance_id, seq=self.seq, timestamp=time.time(),
-            total_blocks=load.total_blocks, free_blocks=load.free_blocks, block_size=load.block_size,
-            num_running=summary.num_running, num_waiting=waiting,
-            head_of_line_demand_blocks=load.head_of_line_demand_blocks,
-            virtual_usage=summary.virtual_usage, freeness=summary.freeness,
-            normal_freeness=summary.normal_freeness, terminating=self.terminating,
-            num_preemptions=load.num_preemptions, migrating_in=self.migrating_in,
-            migrating_out=self.migrating_out, requests=summary.requests,
-            used_blocks=load.total_blocks - load.free_blocks - load.reserved_blocks,
-            waiting_demand_blocks=load.waiting_demand_blocks,
-            engine_steps=self.runner.steps if self.runner else 0,
-        )
+        return instance_status(self.instance_id, self.seq, time.time(), self.load, self.headroom,
+                               self.terminating, self.migrating_in, self.migrating_out,
+                               engine_steps=self.runner.steps if self.runner else 0)
 
 
 class InstanceServicer(pb_grpc.InstanceServicer):
@@ -382,16 +368,6 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if self.svc.migration is None:
             raise FailedPrecondition("migration is not available on this instance")
         return self.svc.migration
-
-
-def _material(load: EngineLoad) -> tuple:
-    """What a status report carries, but for token counts: the inputs of
-    dispatch and migration (blocks, queue, states, priorities). A step that
-    changes only token counts does not call for a report; the heartbeat
-    carries the counts."""
-    return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
-            load.num_preemptions, load.reserved_blocks,
-            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests))
 
 
 __all__ = ["InstanceService", "InstanceConfig", "ENGINES"]

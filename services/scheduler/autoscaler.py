@@ -127,6 +127,22 @@ def decide(window: Sequence[Snapshot], policy: AutoscalePolicy, *, now: float,
     return Decision(reason="within range", mean_freeness=mean)
 
 
+def snapshot(now: float, views) -> Snapshot:
+    """A sample of the cluster view (scheduler InstanceViews) for ``decide``."""
+    return Snapshot(now, tuple(
+        InstanceSample(v.instance_id, v.status.normal_freeness, v.status.num_running,
+                       v.status.num_waiting, v.status.terminating, v.pending_requests)
+        for v in views))
+
+
+def add_sample(window: deque[Snapshot], snap: Snapshot, policy: AutoscalePolicy) -> None:
+    """Append a sample and forget those older than 1.5 windows."""
+    window.append(snap)
+    horizon = snap.t - policy.window_s * 1.5
+    while window and window[0].t < horizon:
+        window.popleft()
+
+
 def _neg_key(s: str) -> tuple:
     """Sort key that orders strings descending (natural order on digit runs)."""
     import re
@@ -198,10 +214,7 @@ class Autoscaler:
                 log.error("autoscaler tick failed", error=repr(e))
 
     def sample(self, now: float) -> Snapshot:
-        return Snapshot(now, tuple(
-            InstanceSample(v.instance_id, v.status.normal_freeness, v.status.num_running,
-                           v.status.num_waiting, v.status.terminating, v.pending_requests)
-            for v in self.svc.view.views()))
+        return snapshot(now, self.svc.view.views())
 
     async def tick(self) -> Decision:
         now = time.monotonic()
@@ -211,11 +224,7 @@ class Autoscaler:
                 log.warning("launched instance died", instance_id=iid)
                 self.draining.pop(iid, None)
         await self._check_drains(now)
-        snap = self.sample(now)
-        self.window.append(snap)
-        horizon = now - self.policy.window_s * 1.5
-        while self.window and self.window[0].t < horizon:
-            self.window.popleft()
+        add_sample(self.window, self.sample(now), self.policy)
         d = decide(list(self.window), self.policy, now=now, last_action_at=self.last_action_at,
                    launching=len(self.launching), draining=len(self.draining),
                    stoppable=frozenset(self.launcher.instances()))

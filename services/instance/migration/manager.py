@@ -17,7 +17,7 @@ from libs.common.logging import get_logger
 from services.instance.engine.base import KvLayout
 from services.instance.migration import metrics
 from services.instance.migration.destination import Destination
-from services.instance.migration.policy import migration_order
+from services.instance.migration.policy import next_to_migrate
 from services.instance.migration.source import MigrationConfig, Outcome, SourceMigration
 
 log = get_logger("migration")
@@ -92,13 +92,10 @@ class MigrationManager:
                     break
                 rid = req.request_id
             else:
-                status = self.svc.status()
-                if reply.started and not status.terminating and status.freeness > req.stop_when_freeness_above:
-                    break  # no longer a source
-                order = migration_order(status.requests, req.use_priorities, frozenset(tried))
-                if not order:
-                    break
-                rid = order[0]
+                rid = next_to_migrate(self.svc.status(), reply.started, req.stop_when_freeness_above,
+                                      req.use_priorities, frozenset(tried))
+                if rid is None:
+                    break  # no longer a source, or nothing left to move
             tried.add(rid)
             reply.started += 1
             out = await self.migrate_one(rid, req.dest_instance_id, req.dest_address, req.blocking)

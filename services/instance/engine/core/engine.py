@@ -4,6 +4,7 @@ the scheduler and an executor). Engines differ only in their executor."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from libs.common import failpoints
 from libs.common.validation import out_of_vocab_message, sampling_problem
@@ -61,8 +62,11 @@ class CoreEngine(Engine):
     name = "core"
 
     def __init__(self, config: EngineConfig, executor: Executor, num_blocks: int, max_model_len: int,
-                 model_name: str | None = None):
+                 model_name: str | None = None, clock: Callable[[], float] = time.time):
+        """``clock``: where the engine reads the time of a step's tokens and of
+        preemptions (a virtual clock in the discrete-event simulator)."""
         self.config = config
+        self.clock = clock
         self.executor = executor
         self._block_size = executor.kv_layout.block_size
         self._max_model_len = max_model_len
@@ -70,7 +74,7 @@ class CoreEngine(Engine):
         watermark = int(config.watermark * num_blocks)
         self.pool = BlockPool(num_blocks, watermark_blocks=watermark)
         self.scheduler = Scheduler(self.pool, self._block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, clock=clock)
         self.requests: dict[str, Request] = {}  # every live request, any status
         self._seq = 0
         self._failed_steps = 0  # steps in a row where every request failed
@@ -115,7 +119,7 @@ class CoreEngine(Engine):
         if not sched.chunks:
             return []
         chunks, tokens, outputs = self._execute(sched.chunks)
-        now = time.time()
+        now = self.clock()
         for chunk, tok in zip(chunks, tokens):
             req = chunk.request
             samples = chunk.samples

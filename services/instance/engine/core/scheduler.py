@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.instance.engine.core.block_pool import BlockPool
@@ -53,8 +54,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 clock: Callable[[], float] = time.time):
         self.pool = pool
+        self.clock = clock
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,7 +98,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
-        req.on_preempted(time.time())
+        req.on_preempted(self.clock())
         self.num_preemptions += 1
         self.add_waiting(req)
 
