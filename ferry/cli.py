@@ -34,6 +34,7 @@ class LazyGroup(click.Group):
         "models": "ferry.models_cli:models",
         "profile": "ferry.bench.profile_cli:profile",
         "serve": "ferry.serve_cli:serve",
+        "sim": "ferry.sim.cli:sim",
         "up": "ferry.up:up",
     },
 )

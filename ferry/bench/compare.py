@@ -61,7 +61,8 @@ def compare_table(summaries: dict[str, dict], baseline: str | None = BASELINE) -
                                                 for s in summaries.values()))
     lines.append(f"  {'send lag p99 (wall ms)':22}" + "".join(f"{_cell(s['send_lag_ms']['p99'], None):>{width}}"
                                                             for s in summaries.values()))
-    lines.append(f"  {'wall s':22}" + "".join(f"{s['wall_s']:>{width}.1f}" for s in summaries.values()))
+    if any(s.get("wall_s") is not None for s in summaries.values()):  # not in simulated runs
+        lines.append(f"  {'wall s':22}" + "".join(f"{s['wall_s']:>{width}.1f}" for s in summaries.values()))
     return "\n".join(lines)
 
 

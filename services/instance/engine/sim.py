@@ -35,6 +35,11 @@ class SimProfile:
     decode_ms_per_seq: float
     decode_ms_per_kv_token: float = 0.0
     max_model_len: int = 2048
+    # Migration cost model (the discrete-event simulator, ferry/sim): the KV
+    # one token weighs and the link it crosses. The defaults are the live sim
+    # engine's own: token ids as float32 K and V, over loopback gRPC.
+    kv_bytes_per_token: int = 8
+    migration_bandwidth_gbps: float = 8.0
     model: str = ""
     source: str = ""
 

@@ -1,0 +1,266 @@
+"""One simulated instance: the engine core (CoreEngine: block pool,
+scheduler, preemption, migration hooks) stepped on the virtual clock, the
+engine-thread contract of services/instance/runner.py (calls run between
+steps), and the status reporter of services/instance/reporter.py (a report
+after a step that changes blocks, queue or states, at most every
+report_interval_s, and a heartbeat), each report computed by the live
+agent's own ``instance_status``.
+
+A step's duration is SimProfile.step_ms over the step's chunks (chunk_cost),
+as the live sim engine sleeps; the executor emits a non-EOS token per
+sampling chunk and stores no KV.
+
+Published load: the live agent reports the load the engine thread published
+after its last step (or after calls, when idle). ``engine.step()`` changes
+the engine at the step's start in virtual time, so the simulator keeps the
+published load by computing ``engine.load()`` before a change whenever a
+report or a migrate-out order may read it before the next publish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ferry.sim.kernel import Kernel, Wait
+from libs.common.types import InstanceStatus, Priority, TokenOutput
+from services.instance.engine.base import EngineConfig, EngineLoad, KvLayout
+from services.instance.engine.core.engine import CoreEngine
+from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.scheduler import ScheduledChunk
+from services.instance.engine.sim import SimProfile, chunk_cost
+from services.instance.status import instance_status
+
+SAMPLED_TOKEN = 97  # any id that is not EOS (the executor has no EOS)
+
+
+class EngineClock:
+    """The engine core's clock: the kernel's time at a step's start, moved
+    to the step's end by the executor (the core stamps tokens after
+    executing)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class StepTimeExecutor(Executor):
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __init__(self, profile: SimProfile, clock: EngineClock):
+        self.profile = profile
+        self.clock = clock
+        self._layout = KvLayout("float32", profile.block_size, 1, 1, 1)
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return self._layout
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        self.clock.t += self.profile.step_ms(*chunk_cost(chunks)) / 1000.0
+        return [SAMPLED_TOKEN if c.samples else None for c in chunks]
+
+    def gather_kv(self, block_ids: list[int]) -> memoryview:
+        return memoryview(b"")
+
+    def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
+        pass
+
+
+class EngineCall(Wait):
+    """Wait for fn(*args) to run on the instance's engine at its next step
+    boundary (at once when idle); resume with its result."""
+
+    def __init__(self, inst: SimInstance, fn: Callable, args: tuple):
+        self.inst, self.fn, self.args = inst, fn, args
+
+    def arm(self, kernel, resume, fail) -> None:
+        hop = self.inst.hop_s
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            if exc is not None:
+                kernel.after(hop, fail, exc)
+            else:
+                kernel.after(hop, resume, result)
+
+        self.inst.submit(self.fn, *self.args, done=done)
+
+
+class SimInstance:
+    def __init__(self, kernel: Kernel, instance_id: str, profile: SimProfile, engine_config: EngineConfig,
+                 headroom: dict[Priority, int], report_interval_s: float, heartbeat_s: float, hop_s: float,
+                 on_step: Callable[[SimInstance, list[TokenOutput]], None],
+                 on_report: Callable[[SimInstance, InstanceStatus], None]):
+        self.k = kernel
+        self.instance_id = instance_id
+        self.profile = profile
+        self.clock = EngineClock()
+        num_blocks = engine_config.num_blocks or profile.num_blocks
+        self.engine = CoreEngine(engine_config, StepTimeExecutor(profile, self.clock), num_blocks,
+                                 engine_config.max_model_len or profile.max_model_len, model_name=profile.name,
+                                 clock=self.clock)
+        self.headroom = headroom
+        self.report_interval_s = report_interval_s
+        self.heartbeat_s = heartbeat_s
+        self.hop_s = hop_s
+        self.on_step = on_step
+        self.on_report = on_report
+        # Agent state read by status reports and by the migration model.
+        self.terminating = False
+        self.migrating_in = 0
+        self.migrating_out = 0
+        self.orders = 0  # migrate-out orders running here (they read the status)
+        self.reservations: dict[str, Any] = {}  # migration id -> destination reservation
+        self.stopped = False
+        # Engine thread.
+        self._cmds: list[tuple[Callable, tuple, Callable | None]] = []
+        self._stepping = False
+        self._wake_armed = False
+        self._last_step_s = 0.05
+        self.steps = 0
+        # Published load and the reporter.
+        self._pub_load: EngineLoad | None = None
+        self._mutated = False  # the engine changed since the last publish
+        self._key: tuple = ()
+        self.seq = 0
+        self._last_report = float("-inf")
+        self._report_at: float | None = None
+        self._report_gen = 0
+        self._late = False
+        self.reports = 0
+        self.late_reports = 0
+        self._publish()
+
+    # --- the engine thread (runner.py) --------------------------------------------------
+    def call(self, fn: Callable, *args: Any) -> EngineCall:
+        return EngineCall(self, fn, args)
+
+    def submit(self, fn: Callable, *args: Any, done: Callable[[Any, BaseException | None], None] | None = None):
+        """Run fn(*args) between two steps (runner.submit / runner.call)."""
+        self._cmds.append((fn, args, done))
+        if not self._stepping and not self._wake_armed:
+            self._wake_armed = True
+            self.k.at(self.k.now, self._wake)
+
+    def _wake(self) -> None:
+        self._wake_armed = False
+        if not self._stepping:
+            self._boundary()
+
+    def _boundary(self) -> None:
+        """Between steps: run the queued calls, then step or go idle."""
+        cmds, self._cmds = self._cmds, []
+        if cmds:
+            self._before_change()
+        for fn, args, done in cmds:
+            try:
+                result, exc = fn(*args), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller, as runner.call does
+                result, exc = None, e
+            if done is not None:
+                done(result, exc)
+        if self.engine.has_work():
+            self._start_step()
+        elif cmds:
+            self._publish()
+
+    def _start_step(self) -> None:
+        self._before_change()
+        now = self.k.now
+        self.clock.t = now
+        outputs = self.engine.step()
+        if self.clock.t == now:
+            # Nothing could be scheduled (the head of the queue does not fit
+            # and nothing runs): the live engine thread spins publishing the
+            # same load; here it waits for the next call.
+            self._publish()
+            return
+        self._stepping = True
+        self._last_step_s = self.clock.t - now
+        self.k.at(self.clock.t, self._step_end, outputs)
+
+    def _step_end(self, outputs: list[TokenOutput]) -> None:
+        self._stepping = False
+        self.steps += 1
+        if outputs:
+            self.on_step(self, outputs)
+        self._publish()
+        self._boundary()
+
+    # --- published load and status reports (service.py, reporter.py) -------------------
+    def _cheap_key(self) -> tuple:
+        """Changes whenever ``material(engine.load())`` does (blocks, queue,
+        states; tests/sim check it over random runs), at O(1) per step."""
+        s = self.engine.scheduler
+        pool = self.engine.pool
+        return (pool.num_free, pool.num_reserved, len(s.waiting), len(s.running), s.num_preemptions)
+
+    def _publish(self) -> None:
+        self._pub_load = None
+        self._mutated = False
+        key = self._cheap_key()
+        if key != self._key:
+            self._key = key
+            self.poke()
+        if self._late:  # a report could not read the load it was due: send it now
+            self._late = False
+            self._report(self._report_gen)
+
+    def _before_change(self) -> None:
+        """The engine is about to change: keep the published load if a report
+        or an order may read it before the next publish."""
+        if self._pub_load is None and not self._mutated:
+            horizon = self.k.now + 1.5 * self._last_step_s + self.hop_s
+            if self.orders or (self._report_at is not None and self._report_at <= horizon):
+                self._pub_load = self.engine.load()
+        self._mutated = True
+
+    def published_load(self) -> EngineLoad | None:
+        if self._pub_load is None and not self._mutated:
+            self._pub_load = self.engine.load()
+        return self._pub_load
+
+    def status(self) -> InstanceStatus | None:
+        """InstanceService.status(): the published load and the agent's marks."""
+        load = self.published_load()
+        if load is None:
+            return None
+        self.seq += 1
+        return instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
+                               self.migrating_in, self.migrating_out)
+
+    def poke(self) -> None:
+        """The load changed: report soon (at most every report_interval_s)."""
+        if self.stopped:
+            return
+        at = max(self._last_report + self.report_interval_s, self.k.now)
+        if self._report_at is None or at < self._report_at:
+            self._schedule_report(at)
+
+    def _schedule_report(self, at: float) -> None:
+        self._report_gen += 1
+        self._report_at = at
+        self.k.at(at, self._report, self._report_gen)
+
+    def _report(self, gen: int) -> None:
+        if gen != self._report_gen or self.stopped:
+            return
+        status = self.status()
+        if status is None:
+            self._late = True
+            self.late_reports += 1
+            return
+        self.reports += 1
+        self._last_report = self.k.now
+        self.on_report(self, status)
+        self._schedule_report(self.k.now + self.heartbeat_s)
+
+    def set_terminating(self, value: bool) -> None:
+        self.terminating = value
+        self.poke()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self._report_gen += 1

@@ -1,0 +1,304 @@
+"""One simulated run: a workload (ferry/bench/workload.py, the same specs and
+seeds as ``ferry bench compare``) replayed against N simulated instances
+under one dispatch policy; returns the run dict ``ferry bench serving``
+returns (options, workload, summary, samples, per-request records).
+
+Configuration comes from the live services' own configs: ``--instance-arg``
+and ``--scheduler-arg`` are parsed by InstanceConfig and SchedulerConfig, so
+a flag means the same here as on a live cluster. Under ``--sim-slowdown K``
+the live benchmark runs the profile K times slower while control-plane
+intervals and delays stay wall time; the simulator runs the profile as is and
+divides every wall-time figure by K, which is the same model time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import click
+
+from ferry.bench import metrics
+from ferry.bench import workload as wl
+from ferry.bench.serving import slowed_intervals
+from ferry.sim.autoscaler import SimAutoscaler
+from ferry.sim.instance import SimInstance
+from ferry.sim.kernel import START, Kernel
+from ferry.sim.migration import MigrationModel
+from ferry.sim.params import Delays, TransferModel
+from ferry.sim.scheduler import SimScheduler
+from libs.common.config import click_options, from_options
+from libs.common.types import Priority, SamplingParams, TokenOutput
+from services.instance.engine.base import EngineError, EngineRequest
+from services.instance.engine.sim import SimProfile
+from services.instance.service import InstanceConfig
+from services.scheduler.service import SchedulerConfig
+
+WARMUP_S = 1.0  # the cluster is up and has reported before the first request
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    arrivals: str = "poisson:2"
+    lengths: str = "M-M"
+    num_requests: int = 100
+    seed: int = 0
+    time_scale: float = 1.0
+    high_priority_fraction: float = 0.0
+    max_model_len: int | None = None
+    traces_dir: str | None = None
+    instances: int = 2
+    profile: str = "llama-7b-a10"
+    sim_slowdown: float = 1.0
+    instance_args: tuple[str, ...] = ()
+    scheduler_args: tuple[str, ...] = ()
+    delays: Delays = field(default_factory=Delays)
+    kv_bytes_per_token: int | None = None  # None: the profile's
+    migration_bandwidth_gbps: float | None = None
+    sample_interval_s: float = 0.5
+    progress: bool = True
+
+
+def parse_config(cls: type, args: list[str]):
+    """A live service config from its command-line flags (and FERRY_* env)."""
+    @click.command()
+    @click_options(cls)
+    def cmd(**kw):
+        return from_options(cls, kw)
+
+    return cmd.main(list(args), standalone_mode=False)
+
+
+def configs(opts: SimOptions, policy: str) -> tuple[InstanceConfig, SchedulerConfig]:
+    """The configs a live benchmark would start its services with (wall time)."""
+    inst_slow, sched_slow = slowed_intervals(opts.sim_slowdown)
+    icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow,
+                                         *opts.instance_args])
+    scfg = parse_config(SchedulerConfig, ["--dispatch", policy, *sched_slow, *opts.scheduler_args])
+    return icfg, scfg
+
+
+def profile_of(opts: SimOptions) -> SimProfile:
+    p = SimProfile.load(opts.profile)
+    over = {k: v for k, v in (("kv_bytes_per_token", opts.kv_bytes_per_token),
+                              ("migration_bandwidth_gbps", opts.migration_bandwidth_gbps)) if v is not None}
+    return dataclasses.replace(p, **over) if over else p
+
+
+class Recorder:
+    """The client's view of every request (RequestRecord), from token outputs."""
+
+    def __init__(self, work: wl.Workload, t0: float, token_s: float, wall: float):
+        self.t0 = t0
+        self.token_s = token_s
+        self.records = [metrics.RequestRecord(r.index, r.priority, r.prompt_len, r.output_len,
+                                              t0 + r.arrival_s * wall) for r in work.requests]
+        self.index = {f"req-{r.index}": r.index for r in work.requests}
+        self.done = 0
+
+    def on_tokens(self, now: float, outputs: list[TokenOutput]) -> None:
+        t = now + self.token_s
+        for o in outputs:
+            if o.index == 0 or o.finish_reason is not None:
+                rec = self.records[self.index[o.request_id]]
+                if o.index == 0:
+                    rec.first_token_at = t
+                if o.finish_reason is not None:
+                    rec.last_token_at = rec.finished_at = t
+                    rec.tokens = o.index + 1
+                    rec.finish_reason = o.finish_reason.value
+                    st = o.stats or {}
+                    rec.preemptions = int(st.get("num_preemptions", 0))
+                    rec.preemption_loss_ms = float(st.get("preemption_loss_ms", 0.0))
+                    rec.migrations = int(st.get("num_migrations", 0))
+                    self.done += 1
+
+    def fail(self, index: int, now: float, error: str) -> None:
+        rec = self.records[index]
+        rec.error, rec.finished_at = error, now
+        self.done += 1
+
+
+class Cluster:
+    """Instances, scheduler, frontend and recorder wired on one kernel."""
+
+    def __init__(self, opts: SimOptions, policy: str, work: wl.Workload):
+        self.opts = opts
+        icfg, scfg = configs(opts, policy)
+        k = self.k = Kernel()
+        wall = 1.0 / opts.sim_slowdown  # wall-time figures -> model time
+        self.delays = opts.delays.scaled(wall)
+        self.profile = profile_of(opts)
+        self.engine_config = icfg.engine_config()
+        self.icfg, self.scfg = icfg, scfg
+        self.wall = wall
+        transfer = TransferModel.from_profile(self.profile)  # wall time on a live cluster too
+        transfer = transfer.with_(bandwidth_bytes_per_s=transfer.bandwidth_bytes_per_s / wall,
+                                  stage_overhead_s=transfer.stage_overhead_s * wall)
+        self.migration = MigrationModel(icfg.migration_config(), self.delays, transfer)
+        self.instances: dict[str, SimInstance] = {}
+        self.t0 = START + WARMUP_S
+        self.recorder = Recorder(work, self.t0, self.delays.token_s, wall)
+        self.scheduler = SimScheduler(k, scfg, self.migration, self.instances, scfg.migrate_interval_s * wall)
+        self.autoscaler = SimAutoscaler(self, scfg, wall) if scfg.autoscale else None
+        self.work = work
+        self.samples: list[dict] = []
+        self.instance_log: list[tuple[float, int]] = []  # (t, live instances) after each change
+        for _ in range(opts.instances):
+            self.add_instance()
+        self.scheduler.start()
+        if self.autoscaler:
+            self.autoscaler.start()
+        k.at(self.t0, self._arrive, 0)
+        k.at(self.t0, self._sample)
+
+    # --- instances -----------------------------------------------------------------------
+    def add_instance(self) -> SimInstance:
+        iid = f"inst-{len(self.instances):03d}"
+        inst = SimInstance(self.k, iid, self.profile, self.engine_config, {Priority.HIGH: self.icfg.headroom_high},
+                           self.icfg.report_interval_s * self.wall, self.icfg.heartbeat_s * self.wall,
+                           self.delays.hop_s, self._on_step, self._on_report)
+        self.instances[iid] = inst
+        self._log_instances()
+        return inst
+
+    def stop_instance(self, iid: str) -> None:
+        self.instances[iid].stop()
+        self.scheduler.remove(iid)
+        self._log_instances()
+
+    def live_instances(self) -> list[SimInstance]:
+        return [i for i in self.instances.values() if not i.stopped]
+
+    def _log_instances(self) -> None:
+        launching = self.autoscaler.launching if self.autoscaler else 0
+        self.instance_log.append((self.k.now, len(self.live_instances()) + launching))
+
+    def _on_step(self, inst: SimInstance, outputs: list[TokenOutput]) -> None:
+        self.recorder.on_tokens(self.k.now, outputs)
+
+    def _on_report(self, inst: SimInstance, status) -> None:
+        self.k.after(self.delays.report_s, self.scheduler.deliver, status)
+
+    # --- the frontend ----------------------------------------------------------------------
+    def _arrive(self, i: int) -> None:
+        self.recorder.records[i].sent_at = self.k.now
+        self.k.after(self.delays.dispatch_s, self._dispatch, i)
+        if i + 1 < len(self.work.requests):  # one arrival in the queue at a time
+            self.k.at(self.t0 + self.work.requests[i + 1].arrival_s * self.wall, self._arrive, i + 1)
+
+    def _dispatch(self, i: int) -> None:
+        req = self.work.requests[i]
+        picked = self.scheduler.dispatch(f"req-{i}", req.prompt_len, Priority.parse(req.priority))
+        if picked is None:
+            self.recorder.fail(i, self.k.now, "no live instance to dispatch to")
+            return
+        iid, run_priority = picked
+        self.recorder.records[i].instances.append(iid)
+        self.k.after(self.delays.generate_s, self._generate, i, iid, run_priority)
+
+    def _generate(self, i: int, iid: str, priority: Priority) -> None:
+        req = self.work.requests[i]
+        inst = self.instances[iid]
+        sp = SamplingParams(max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
+        ereq = EngineRequest(f"req-{i}", (1,) * req.prompt_len, sp, priority, arrival_time=self.k.now)
+
+        def added(_result, exc: BaseException | None) -> None:
+            if isinstance(exc, EngineError):
+                self.recorder.fail(i, self.k.now, f"HTTP 400: {exc}")
+            elif exc is not None:
+                raise exc
+
+        inst.submit(inst.engine.add_request, ereq, done=added)
+
+    # --- cluster samples (serving.sample_cluster) --------------------------------------------
+    def _sample(self) -> None:
+        self.samples.append({"t": self.k.now - self.t0, "migrations_ordered": self.scheduler.migrations_ordered,
+                             "instances": {iid: {"freeness": s.freeness, "num_running": s.num_running,
+                                                 "num_waiting": s.num_waiting, "free_blocks": s.free_blocks,
+                                                 "num_preemptions": s.num_preemptions,
+                                                 "migrating_out": s.migrating_out}
+                                           for iid, s in self.scheduler.statuses.items()}})
+        if self.recorder.done < len(self.work.requests):
+            self.k.after(self.opts.sample_interval_s, self._sample)
+
+    # --- running ---------------------------------------------------------------------------
+    def run(self, on_progress: Callable[[int, float], None] | None = None, chunk_s: float = 5.0) -> None:
+        n = len(self.work.requests)
+        while self.recorder.done < n:
+            if self.k.idle():
+                raise RuntimeError(f"simulation stalled with {n - self.recorder.done} requests unfinished")
+            self.k.run(until=self.k.now + chunk_s)
+            if on_progress:
+                on_progress(self.recorder.done, self.k.now - self.t0)
+        self.end = max(r.finished_at for r in self.recorder.records)
+
+    def instance_seconds(self) -> float:
+        """Live instances integrated from the first request to the last finish."""
+        total, prev_t, prev_n = 0.0, self.t0, None
+        for t, n in self.instance_log:
+            if prev_n is not None:
+                total += prev_n * max(0.0, min(t, self.end) - max(prev_t, self.t0))
+            prev_t, prev_n = max(t, prev_t), n
+        total += prev_n * max(0.0, self.end - max(prev_t, self.t0))
+        return total
+
+
+def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
+    """One run. The result holds no wall-clock figure: the same options give
+    the same dict (wall time is returned under ``_wall_s``, kept out of JSON)."""
+    label = label or policy
+    work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.sim_slowdown,
+                    opts.high_priority_fraction, opts.max_model_len or profile_of(opts).max_model_len,
+                    opts.traces_dir)
+    if work.clip and work.clip.clipped:
+        click.echo(f"[{label}] {work.clip.line()}", err=True)
+    t_wall = time.perf_counter()
+    cluster = Cluster(opts, policy, work)
+    bar = None
+    if opts.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(work.requests), desc=f"{label} seed {opts.seed}", unit="req", dynamic_ncols=True,
+                   mininterval=1.0, file=sys.stderr)
+
+    def progress(done: int, sim_s: float) -> None:
+        bar.n = done
+        bar.set_postfix_str(f"{sim_s / max(1e-9, time.perf_counter() - t_wall):.0f} sim-s/s", refresh=False)
+        bar.refresh()
+
+    try:
+        cluster.run(progress if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    wall = time.perf_counter() - t_wall
+    summary = metrics.summarize(cluster.recorder.records)
+    summary["dead_processes"] = []
+    summary["migrations_ordered"] = cluster.scheduler.migrations_ordered
+    sim_s = cluster.end - cluster.t0
+    outcomes = cluster.migration.outcomes
+    committed = [o for o in outcomes if o.committed]
+    sim = {"model_s": sim_s, "steps": sum(i.steps for i in cluster.instances.values()),
+           "events": cluster.k.events, "reports": sum(i.reports for i in cluster.instances.values()),
+           "late_reports": sum(i.late_reports for i in cluster.instances.values()),
+           "migrations_committed": len(committed), "migrations_aborted": len(outcomes) - len(committed),
+           "migration_downtime_ms_mean": (1000 * sum(o.downtime_s for o in committed) / len(committed)
+                                          if committed else None),
+           "instance_seconds": cluster.instance_seconds(),
+           "delays_model_s": dataclasses.asdict(cluster.delays),
+           "transfer": dataclasses.asdict(cluster.migration.transfer)}
+    if cluster.autoscaler:
+        sim["scale_events"] = cluster.autoscaler.events
+    return {"label": label, "dispatch": policy, "options": _jsonable(opts), "time_scale": 1.0,
+            "workload": work.describe(), "summary": summary, "sim": sim, "samples": cluster.samples,
+            "requests": [r.to_dict() for r in cluster.recorder.records], "_wall_s": wall}
+
+
+def _jsonable(opts: SimOptions) -> dict:
+    d = dataclasses.asdict(opts)
+    d.pop("progress")
+    return d

@@ -1,0 +1,92 @@
+"""The global scheduler on the virtual clock: its cluster view (the latest
+status each instance reported, delivered after Delays.report_s, plus the
+pending dispatches of libs/common/pending.py), Dispatch by the live
+Dispatcher, and the rescheduling loop of services/scheduler/rescheduler.py
+(pair_migrations every migrate_interval_s, one migrate-out order per pair,
+both instances busy until its reply)."""
+
+from __future__ import annotations
+
+from ferry.sim.instance import SimInstance
+from ferry.sim.kernel import Delay, Kernel
+from ferry.sim.migration import MigrationModel
+from libs.common.pending import PendingDispatches
+from libs.common.types import InstanceStatus, Priority
+from services.scheduler.policies import (
+    MIGRATION_FREENESS,
+    Dispatcher,
+    DispatchRequest,
+    InstanceView,
+    MigrationPair,
+    blocks_for,
+    pair_migrations,
+)
+from services.scheduler.service import SchedulerConfig
+
+
+class SimScheduler:
+    def __init__(self, kernel: Kernel, config: SchedulerConfig, migration: MigrationModel,
+                 instances: dict[str, SimInstance], migrate_interval_s: float):
+        self.k = kernel
+        self.config = config
+        self.migration = migration
+        self.instances = instances
+        self.migrate_interval_s = migrate_interval_s
+        self.dispatcher = Dispatcher(config.dispatch)
+        # As Rescheduler.__init__ chooses it.
+        self.freeness_of = MIGRATION_FREENESS["llumnix_base" if config.dispatch == "llumnix_base" else "llumnix"]
+        self.statuses: dict[str, InstanceStatus] = {}
+        self.pending = PendingDispatches()
+        self.busy: set[str] = set()
+        self.migrations_ordered = 0
+
+    # --- the cluster view (libs/common/cluster_view.py) ------------------------------------
+    def deliver(self, status: InstanceStatus) -> None:
+        iid = status.instance_id
+        if iid not in self.instances or self.instances[iid].stopped:
+            return
+        self.statuses[iid] = status
+        self.pending.settle(iid, (r.request_id for r in status.requests), self.k.now)
+
+    def remove(self, instance_id: str) -> None:
+        self.statuses.pop(instance_id, None)
+        self.pending.drop(instance_id)
+
+    def views(self) -> list[InstanceView]:
+        now = self.k.now
+        return [InstanceView(iid, st, *self.pending.totals(iid, now)) for iid, st in self.statuses.items()]
+
+    # --- Dispatch (service.py) ----------------------------------------------------------------
+    def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority) -> tuple[str, Priority] | None:
+        iid = self.dispatcher.choose(self.views(), DispatchRequest(request_id, num_prompt_tokens, priority))
+        if iid is None:
+            return None
+        self.pending.add(iid, request_id, blocks_for(num_prompt_tokens, self.statuses[iid].block_size), self.k.now)
+        return iid, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)
+
+    # --- rescheduling (rescheduler.py) ----------------------------------------------------
+    def start(self) -> None:
+        if self.config.migration and self.dispatcher.migrates:
+            self.k.after(self.migrate_interval_s, self._tick)
+
+    def _tick(self) -> None:
+        pairs = pair_migrations(self.views(), self.config.migrate_out_threshold, self.config.migrate_in_threshold,
+                                self.freeness_of, frozenset(self.busy))
+        for p in pairs:
+            self.busy.update((p.source, p.destination))
+            self.migrations_ordered += 1
+            self.k.spawn(self._order(p))
+        self.k.after(self.migrate_interval_s, self._tick)
+
+    def _order(self, pair: MigrationPair):
+        src, dst = self.instances[pair.source], self.instances[pair.destination]
+        rpc = self.migration.delays.rpc_s
+        try:
+            yield Delay(rpc / 2)
+            if not src.stopped and not dst.stopped:
+                yield from self.migration.migrate_out(src, dst, self.config.migrate_out_threshold,
+                                                      self.dispatcher.uses_priorities)
+            yield Delay(rpc / 2)
+        finally:
+            self.busy.discard(pair.source)
+            self.busy.discard(pair.destination)
