@@ -5,10 +5,18 @@ rescheduling interval, migration stages and limits, auto-scaling) are NOT
 here: the simulator reads them from the live services' own configs
 (InstanceConfig, SchedulerConfig), so the same flags set both.
 
-Defaults were measured on the live cluster of this repository (16 sim
-instances of llama-7b-a10 on this 2-core machine, `ferry sim calibrate`; see
-docs/results/README.md, "Simulator calibration"), except the KV transfer,
-which models the paper's testbed through the sim profile.
+Defaults were measured on the live cluster of this repository on this 2-core
+machine (docs/results/README.md, "Simulator calibration"):
+- `ferry sim calibrate` (16 sim instances of llama-7b-a10, M-M at 17/s,
+  600 requests, llumnix): idle, a one-token request's frontend TTFT exceeds
+  the profile's step by 4.2 ms (p50); under the load, Dispatch round trips
+  take 2.1 ms and an instance's GetStatus 1.6 ms (p50). dispatch + generate +
+  token = 2.2 ms of frontend work + the two round trips (6.0 ms in all);
+- a report reaches the scheduler's view 2.5 ms after the instance wrote it
+  (p50; a view polled every millisecond on a one-instance cluster);
+- an engine-thread call returns to the event loop in 0.07 ms (p50 round
+  trip of EngineRunner.call on an idle engine, 0.1 ms p90).
+The KV transfer models the paper's testbed through the sim profile.
 """
 
 from __future__ import annotations
@@ -22,23 +30,26 @@ from services.instance.engine.sim import SimProfile
 class Delays:
     """One-way delays of the control plane, in seconds of model time."""
 
-    # Frontend receives a request -> the scheduler's Dispatch picks an instance.
-    dispatch_s: float = 0.0021
-    # The scheduler's pick -> the instance's Generate handler queues the request.
+    # Frontend receives a request -> the scheduler's Dispatch picks an instance
+    # (frontend work and half a Dispatch round trip).
+    dispatch_s: float = 0.0033
+    # The scheduler's pick -> the instance's Generate handler queues the request
+    # (half a Dispatch and half an instance round trip).
     generate_s: float = 0.0019
     # An engine step ends -> its token reaches the frontend (TTFT, e2e end).
-    token_s: float = 0.0012
+    token_s: float = 0.0008
     # An instance writes a status report -> the scheduler's view holds it
     # (instance -> meta store -> watch stream).
-    report_s: float = 0.0030
+    report_s: float = 0.0025
     # One gRPC round trip between agents (pre-allocate, commit, abort, the
-    # migrate-out order and its reply), and the scheduler -> instance leg.
-    rpc_s: float = 0.0020
+    # migrate-out order and its reply).
+    rpc_s: float = 0.0016
     # A call run on the engine thread at a step boundary -> the agent's
     # event loop resumes (call_soon_threadsafe).
-    hop_s: float = 0.0002
-    # Auto-scaling: a launch -> the new instance registers and reports.
-    launch_s: float = 3.0
+    hop_s: float = 0.0001
+    # Auto-scaling: a launch -> the new instance registers and reports. Not
+    # measured here: set it for the modelled system (weights loading).
+    launch_s: float = 10.0
 
     def scaled(self, factor: float) -> Delays:
         """Every delay times ``factor`` (e.g. 1/K under --sim-slowdown K: the

@@ -226,14 +226,22 @@ class Cluster:
             self.k.after(self.opts.sample_interval_s, self._sample)
 
     # --- running ---------------------------------------------------------------------------
-    def run(self, on_progress: Callable[[int, float], None] | None = None, chunk_s: float = 5.0) -> None:
+    def run(self, on_progress: Callable[[int, float], None] | None = None, chunk_s: float = 5.0,
+            stall_s: float = 120.0) -> None:
         n = len(self.work.requests)
+        last, moved_at = None, self.k.now
         while self.recorder.done < n:
-            if self.k.idle():
-                raise RuntimeError(f"simulation stalled with {n - self.recorder.done} requests unfinished")
             self.k.run(until=self.k.now + chunk_s)
             if on_progress:
                 on_progress(self.recorder.done, self.k.now - self.t0)
+            now_state = (self.recorder.done, sum(i.steps for i in self.instances.values()))
+            if now_state != last:
+                last, moved_at = now_state, self.k.now
+            elif self.k.now - moved_at > stall_s and self.k.now > self.t0 + self.work.duration_s * self.wall:
+                # E.g. a request longer than the KV cache: it preempts itself
+                # forever, as it would on a live instance.
+                raise RuntimeError(f"simulation stalled: {n - self.recorder.done} requests unfinished and no "
+                                   f"engine step for {stall_s:g} s of model time")
         self.end = max(r.finished_at for r in self.recorder.records)
 
     def instance_seconds(self) -> float:

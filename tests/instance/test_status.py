@@ -1,0 +1,57 @@
+"""An instance's status report as a pure function of its published load, and
+the choice of requests of a migrate-out order."""
+
+import pytest
+
+from libs.common.types import InstanceStatus, Priority, RequestLoad
+from services.instance.engine.base import EngineLoad
+from services.instance.migration.policy import next_to_migrate
+from services.instance.status import instance_status, material
+
+LOAD = EngineLoad(total_blocks=100, free_blocks=50, block_size=16, requests=(
+    RequestLoad("a", Priority.NORMAL, "running", 20, 300),
+    RequestLoad("h", Priority.HIGH, "running", 10, 100),
+    RequestLoad("w1", Priority.NORMAL, "waiting", 0, 64),
+    RequestLoad("w2", Priority.NORMAL, "waiting", 0, 32),
+), head_of_line_demand_blocks=4, waiting_demand_blocks=6, num_preemptions=3, reserved_blocks=5)
+
+
+def test_status_counts_virtual_usage_headroom_and_reserved_blocks():
+    s = instance_status("i", 7, 123.0, LOAD, {Priority.HIGH: 20}, migrating_in=1, migrating_out=2)
+    assert (s.instance_id, s.seq, s.timestamp) == ("i", 7, 123.0)
+    assert (s.num_running, s.num_waiting, s.num_preemptions) == (2, 2, 3)
+    assert s.used_blocks == 100 - 50 - 5  # blocks reserved for incoming migrations are not "used"
+    # V: 20 + (10 + 20 headroom) + 4 (head of line) + 0 = 54; F = (100 - 54) / 2 running
+    assert s.virtual_usage == pytest.approx(54) and s.freeness == pytest.approx(23)
+    assert s.normal_freeness == pytest.approx((100 - 24) / 1)
+    assert (s.migrating_in, s.migrating_out, s.terminating) == (1, 2, False)
+    assert [r.virtual_usage for r in s.requests] == [20, 30, 4, 0]
+    assert instance_status("i", 1, 0.0, LOAD, {}, terminating=True).freeness < -1e9
+
+
+def test_material_ignores_token_counts_only():
+    more_tokens = EngineLoad(**{**LOAD.__dict__, "requests": tuple(
+        RequestLoad(r.request_id, r.priority, r.state, r.physical_blocks, r.num_tokens + 1) for r in LOAD.requests)})
+    assert material(more_tokens) == material(LOAD)
+    one_more_block = EngineLoad(**{**LOAD.__dict__, "free_blocks": 49})
+    assert material(one_more_block) != material(LOAD)
+
+
+def status(freeness: float, terminating: bool = False) -> InstanceStatus:
+    reqs = (RequestLoad("long", Priority.NORMAL, "running", 30, 480),
+            RequestLoad("short", Priority.NORMAL, "running", 2, 20),
+            RequestLoad("high", Priority.HIGH, "running", 1, 10),
+            RequestLoad("queued", Priority.NORMAL, "waiting", 0, 5))
+    return InstanceStatus("i", freeness=freeness, terminating=terminating, requests=reqs)
+
+
+def test_next_to_migrate_moves_the_cheapest_until_no_longer_a_source():
+    assert next_to_migrate(status(2.0), 0, 10.0, use_priorities=False) == "high"
+    assert next_to_migrate(status(2.0), 0, 10.0, use_priorities=True) == "short"  # normal before high
+    assert next_to_migrate(status(2.0), 1, 10.0, False, frozenset({"high"})) == "short"
+    # The first migration always starts; later ones stop once freeness is above the threshold...
+    assert next_to_migrate(status(12.0), 0, 10.0, False) == "high"
+    assert next_to_migrate(status(12.0), 1, 10.0, False) is None
+    # ...unless the instance is terminating (it drains).
+    assert next_to_migrate(status(12.0, terminating=True), 1, 10.0, False) == "high"
+    assert next_to_migrate(status(2.0), 3, 10.0, False, frozenset({"high", "short", "long"})) is None
