@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from libs.common.types import Priority, RequestLoad
 
@@ -42,7 +42,9 @@ def virtual_usages(requests: tuple[RequestLoad, ...], head_of_line_demand: int,
         else:
             room = headroom.get(r.priority, 0)
             v = r.physical_blocks + (room / running_per_prio[r.priority] if room else 0.0)
-        out.append(replace(r, virtual_usage=v))
+        # The constructor, not dataclasses.replace: 2x cheaper, and this runs
+        # for every request of every status report.
+        out.append(RequestLoad(r.request_id, r.priority, r.state, r.physical_blocks, r.num_tokens, v))
     return tuple(out)
 
 

@@ -114,7 +114,7 @@ class Scheduler:
             if n <= 0:
                 continue
             need = self.blocks_needed(req, req.num_computed_tokens + n)
-            while not self.pool.can_allocate(need):
+            while need and not self.pool.can_allocate(need):  # most decode steps need no block
                 victim = self.pick_victim()
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -125,7 +125,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.block_ids += self.pool.allocate(need)
+            if need:
+                req.block_ids += self.pool.allocate(need)
             scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
             budget -= n
 
