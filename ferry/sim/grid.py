@@ -1,0 +1,160 @@
+"""``ferry sim grid``: many workloads (cells), every policy on every seed,
+one JSON per cell (what ``ferry sim compare --no-records`` writes, without
+cluster samples) and a report over all cells: a markdown table per metric
+(median [p10 - p90] over seeds) with each policy's per-seed ratio to a
+baseline, and plots. Cells whose JSON already exists with the same settings
+are kept, so a long grid can be resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import click
+
+from ferry.bench.serving import POLICIES, write_json
+from ferry.sim import stats
+from ferry.sim.cli import parse_seeds, run_compare, sim_options
+
+# (label, summary key, sub-key, unit) of the reported metrics.
+REPORTED = (("P99 TTFT", "ttft_ms", "p99", "s"), ("mean TTFT", "ttft_ms", "mean", "s"),
+            ("P99 decode", "decode_ms", "p99", "ms"), ("mean decode", "decode_ms", "mean", "ms"),
+            ("preemption loss", "preemption_loss_ms_mean", None, "ms"), ("migrations", "migrations", None, ""))
+
+
+def slug(lengths: str, arrivals: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", f"{lengths}_{arrivals}").strip("_")
+
+
+def parse_cell(spec: str) -> tuple[str, str]:
+    """"M-M poisson:17" -> ("M-M", "poisson:17")."""
+    parts = spec.split()
+    if len(parts) != 2:
+        raise click.BadParameter(f"a cell is 'LENGTHS ARRIVALS', e.g. 'M-M poisson:17'; got {spec!r}")
+    return parts[0], parts[1]
+
+
+def run_cell(kw: dict, names: list[str], seeds: list[int], path: str) -> dict:
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        same = (old["seeds"] == seeds and list(old["policies"]) == names
+                and old["workload"]["num_requests"] == kw["num_requests"])
+        if same:
+            click.echo(f"kept {path}", err=True)
+            return old
+    result = run_compare(kw, names, seeds, records=False)
+    for run in result["runs"].values():
+        run["samples"] = []
+    write_json(path, result)
+    return result
+
+
+def _value(summary: dict, key: str, sub: str | None, unit: str):
+    v = stats.metric(summary, key, sub)
+    return None if v is None else (v / 1000 if unit == "s" else v)
+
+
+def _cell_text(spread: dict, digits: int) -> str:
+    if spread["median"] is None:
+        return "-"
+    return f"{spread['median']:,.{digits}f} [{spread['p10']:,.{digits}f}-{spread['p90']:,.{digits}f}]"
+
+
+def report(results: list[dict], baseline: str) -> str:
+    """Markdown: one table per metric, a row per cell, a column per policy:
+    median [p10-p90] over seeds; then the median per-seed ratio to the
+    baseline."""
+    out = []
+    names = list(results[0]["policies"]) if results else []
+    for label, key, sub, unit in REPORTED:
+        digits = 0 if label == "migrations" else (2 if unit == "s" else 1)
+        out.append(f"### {label}{f' ({unit})' if unit else ''}: median [p10-p90] over seeds; "
+                   f"x = median per-seed ratio to {baseline}\n")
+        out.append("| cell | seeds | " + " | ".join(names) + " |")
+        out.append("|---|---|" + "---|" * len(names))
+        for r in results:
+            w = r["workload"]
+            per = {n: [_value(s, key, sub, unit) for s in r["per_seed"][n]] for n in names}
+            cells = []
+            for n in names:
+                text = _cell_text(stats.spread(per[n]), digits)
+                if n != baseline and baseline in per:
+                    ratio = stats.spread([a / b if a is not None and b else None
+                                          for a, b in zip(per[n], per[baseline])])
+                    if ratio["median"] is not None:
+                        text += f" {ratio['median']:.2f}x"
+                cells.append(text)
+            out.append(f"| {w['lengths']} {w['arrivals']} n={w['num_requests']} | {len(r['seeds'])} | "
+                       + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(results: list[dict], folder: str) -> list[str]:
+    """One PNG per metric: a bar per policy and cell at the median over
+    seeds, whiskers from the 10th to the 90th percentile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    os.makedirs(folder, exist_ok=True)
+    names = list(results[0]["policies"])
+    labels = [f"{r['workload']['lengths']}\n{r['workload']['arrivals']}" for r in results]
+    paths = []
+    for label, key, sub, unit in REPORTED:
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(results)), 4))
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            sp = [stats.spread([_value(s, key, sub, unit) for s in r["per_seed"][n]]) for r in results]
+            med = np.array([s["median"] or 0.0 for s in sp])
+            lo = med - np.array([s["p10"] or 0.0 for s in sp])
+            hi = np.array([s["p90"] or 0.0 for s in sp]) - med
+            ax.bar(np.arange(len(results)) + i * width, med, width, yerr=[lo, hi], capsize=2, label=n)
+        ax.set_xticks(np.arange(len(results)) + width * (len(names) - 1) / 2, labels, fontsize=7)
+        ax.set_ylabel(f"{label}{f' ({unit})' if unit else ''}")
+        if key == "ttft_ms":
+            ax.set_yscale("log")
+        ax.set_title(f"{label}: median over seeds, p10-p90 whiskers", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(folder, f"{slug(label, '')}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+@click.command("grid")
+@sim_options
+@click.option("--cell", "cells", multiple=True, required=True,
+              help="a workload as 'LENGTHS ARRIVALS', e.g. 'M-M poisson:17' (repeatable)")
+@click.option("--policies", default=",".join(POLICIES), show_default=True)
+@click.option("--baseline", default="infaas++", show_default=True, help="the report's ratios are to this policy")
+@click.option("--out", "out_dir", required=True, help="folder for one JSON per cell, report.md and plots/")
+def grid(cells, policies, baseline, out_dir, seed, seeds, json_path, plots_dir, no_records, **kw) -> None:
+    """Run a grid of workloads (every policy, every seed) and report it."""
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    seed_list = parse_seeds(seeds) if seeds else [seed]
+    os.makedirs(out_dir, exist_ok=True)
+    results = []
+    t0 = time.perf_counter()
+    for spec in cells:
+        lengths, arrivals = parse_cell(spec)
+        t = time.perf_counter()
+        path = os.path.join(out_dir, f"{slug(lengths, arrivals)}.json")
+        results.append(run_cell({**kw, "lengths": lengths, "arrivals": arrivals}, names, seed_list, path))
+        click.echo(f"[{lengths} {arrivals}] {time.perf_counter() - t:.0f} s wall", err=True)
+    text = report(results, baseline)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(text)
+    click.echo(text)
+    for p in plot(results, os.path.join(out_dir, "plots")):
+        click.echo(f"wrote {p}")
+    click.echo(f"grid: {len(cells)} cells in {time.perf_counter() - t0:.0f} s wall", err=True)
