@@ -3,15 +3,15 @@ tokens at the same step ends as a SimEngine stepped by hand where every step
 lasts what its executor computed (no sleeping), preemptions and priorities
 included; and its cheap report trigger fires whenever the live one would."""
 
+import itertools
 import random
 
+from ferry.sim.instance import SimInstance
+from ferry.sim.kernel import START, Kernel
 from libs.common.types import Priority, SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
 from services.instance.engine.sim import SimEngine, SimProfile
 from services.instance.status import material
-
-from ferry.sim.instance import SimInstance
-from ferry.sim.kernel import START, Kernel
 
 PROFILE = SimProfile.load("llama-7b-a10")
 CONFIG = EngineConfig(engine="sim", profile="llama-7b-a10", num_blocks=60, max_num_batched_tokens=256)
@@ -108,7 +108,7 @@ def test_cheap_report_trigger_fires_whenever_material_changes():
         k.at(t, inst.submit, inst.engine.add_request, r)
     k.run(until=START + 3600)
     changes = 0
-    for (m0, c0), (m1, c1) in zip(seen, seen[1:]):
+    for (m0, c0), (m1, c1) in itertools.pairwise(seen):
         if m0 != m1:
             changes += 1
             assert c0 != c1, (m0, m1)

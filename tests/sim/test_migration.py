@@ -5,15 +5,14 @@ block leaks on either side."""
 
 import pytest
 
-from libs.common.types import SamplingParams
-from services.instance.engine.base import EngineConfig, EngineRequest
-from services.instance.engine.sim import SimProfile
-from services.instance.migration.source import MigrationConfig
-
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
 from ferry.sim.migration import MigrationModel
 from ferry.sim.params import Delays, TransferModel
+from libs.common.types import SamplingParams
+from services.instance.engine.base import EngineConfig, EngineRequest
+from services.instance.engine.sim import SimProfile
+from services.instance.migration.source import MigrationConfig
 
 PROFILE = SimProfile.load("llama-7b-a10")
 DELAYS = Delays(rpc_s=0.004, hop_s=0.0005)
