@@ -28,6 +28,7 @@ from services.instance.engine.base import EngineConfig, EngineLoad, KvLayout
 from services.instance.engine.core.engine import CoreEngine
 from services.instance.engine.core.executor import Executor
 from services.instance.engine.core.scheduler import ScheduledChunk
+from services.instance.engine.fake import TokenKvExecutor
 from services.instance.engine.sim import SimProfile, chunk_cost
 from services.instance.status import instance_status
 
@@ -48,6 +49,7 @@ class EngineClock:
 
 class StepTimeExecutor(Executor):
     eos_token_ids: frozenset[int] = frozenset()
+    vocab_size = TokenKvExecutor.vocab_size  # the live sim engine's
 
     def __init__(self, profile: SimProfile, clock: EngineClock):
         self.profile = profile
@@ -229,7 +231,7 @@ class SimInstance:
             return None
         self.seq += 1
         return instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
-                               self.migrating_in, self.migrating_out)
+                               self.migrating_in, self.migrating_out, engine_steps=self.steps)
 
     def poke(self) -> None:
         """The load changed: report soon (at most every report_interval_s)."""
