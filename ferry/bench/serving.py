@@ -266,32 +266,50 @@ def write_json(path: str, obj: dict) -> None:
 
 # --- the command ---------------------------------------------------------------------
 
+# The workload's flags: `ferry bench serving`, `ferry bench compare` and `ferry sim` take them alike.
+WORKLOAD_OPTIONS = (
+    click.option("--arrivals", default="poisson:2", show_default=True,
+                 help="poisson:RATE | gamma:RATE:CV | trace:PATH (Azure CSV; a name in --traces-dir works)"),
+    click.option("--lengths", default="M-M", show_default=True,
+                 help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
+    click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+                 help="divide arrival times by this (2 = twice the rate)"),
+    click.option("--high-priority-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True),
+    click.option("--max-model-len", type=click.IntRange(2), default=None,
+                 help="clip lengths to this context (default: the frontend's)"),
+    click.option("--traces-dir", default=None, help="default: $FERRY_TRACES_DIR or the repository's data/traces"),
+)
+PROFILE_OPTION = click.option("--profile", default="llama-7b-a10", show_default=True,
+                              help="sim profile name or JSON path")
+# Flags passed on to the services' own configs.
+SERVICE_ARG_OPTIONS = (
+    click.option("--instance-arg", "instance_args", multiple=True,
+                 help="extra `ferry serve instance` argument (repeatable), e.g. --instance-arg=--max-model-len=8192"),
+    click.option("--scheduler-arg", "scheduler_args", multiple=True,
+                 help="extra `ferry serve scheduler` argument (repeatable)"),
+)
+
+
+def apply_options(f, opts):
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
 def serving_options(f):
     """The workload and cluster options shared by `serving` and `compare`."""
-    opts = [
-        click.option("--arrivals", default="poisson:2", show_default=True,
-                     help="poisson:RATE | gamma:RATE:CV | trace:PATH (Azure CSV; a name in --traces-dir works)"),
-        click.option("--lengths", default="M-M", show_default=True,
-                     help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
-        click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-                     help="divide arrival times by this (2 = twice the rate)"),
-        click.option("--high-priority-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True),
-        click.option("--max-model-len", type=click.IntRange(2), default=None,
-                     help="clip lengths to this context (default: the frontend's)"),
-        click.option("--traces-dir", default=None, help="default: $FERRY_TRACES_DIR or the repository's data/traces"),
+    return apply_options(f, [
+        *WORKLOAD_OPTIONS,
         click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True),
         click.option("--engine", type=click.Choice(["sim", "fake", "native"]), default="sim", show_default=True),
-        click.option("--profile", default="llama-7b-a10", show_default=True, help="sim profile name or JSON path"),
+        PROFILE_OPTION,
         click.option("--sim-slowdown", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
                      help="sim: run K times slower in wall time (below 1: faster, to compress a long run), "
                           "report model time (see module doc)"),
         click.option("--token-delay-ms", type=float, default=None, help="fake engine step time"),
-        click.option("--instance-arg", "instance_args", multiple=True,
-                     help="extra `ferry serve instance` argument (repeatable), e.g. --instance-arg=--max-model-len=8192"),
-        click.option("--scheduler-arg", "scheduler_args", multiple=True,
-                     help="extra `ferry serve scheduler` argument (repeatable)"),
+        *SERVICE_ARG_OPTIONS,
         click.option("--vocab-size", type=int, default=32000, show_default=True,
                      help="native: prompt token ids are drawn from [1000, this)"),
         click.option("--stream/--no-stream", default=True, show_default=True,
@@ -300,10 +318,7 @@ def serving_options(f):
         click.option("--no-progress", "no_progress", is_flag=True, help="no progress bar"),
         click.option("--json", "json_path", default=None, help="write results here"),
         click.option("--plots", "plots_dir", default=None, help="write PNG plots into this folder"),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    ])
 
 
 def options_from(kw: dict, **more) -> ServingOptions:

@@ -18,7 +18,14 @@ import click
 
 from ferry.bench import workload as wl
 from ferry.bench.compare import compare_table
-from ferry.bench.serving import POLICIES, write_json
+from ferry.bench.serving import (
+    POLICIES,
+    PROFILE_OPTION,
+    SERVICE_ARG_OPTIONS,
+    WORKLOAD_OPTIONS,
+    apply_options,
+    write_json,
+)
 from ferry.cli import LazyGroup
 from ferry.sim import stats
 from ferry.sim.params import Delays
@@ -48,28 +55,14 @@ def sim_options(f):
     simulated sim cluster has), then the simulator's model parameters."""
     d = Delays()
     opts = [
-        click.option("--arrivals", default="poisson:2", show_default=True,
-                     help="poisson:RATE | gamma:RATE:CV | trace:PATH (Azure CSV; a name in --traces-dir works)"),
-        click.option("--lengths", default="M-M", show_default=True,
-                     help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
-        click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
-        click.option("--seed", type=int, default=0, show_default=True, help="one seed (see --seeds)"),
+        *WORKLOAD_OPTIONS,
         click.option("--seeds", default=None, help="several seeds, e.g. 0-9 or 0,3,5 (overrides --seed)"),
-        click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-                     help="divide arrival times by this (2 = twice the rate)"),
-        click.option("--high-priority-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True),
-        click.option("--max-model-len", type=click.IntRange(2), default=None,
-                     help="clip lengths to this context (default: the profile's)"),
-        click.option("--traces-dir", default=None, help="default: $FERRY_TRACES_DIR or the repository's data/traces"),
         click.option("--instances", type=click.IntRange(1), default=2, show_default=True),
-        click.option("--profile", default="llama-7b-a10", show_default=True, help="sim profile name or JSON path"),
+        PROFILE_OPTION,
         click.option("--sim-slowdown", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
                      help="model a live run at this --sim-slowdown: its wall-time intervals and delays become "
                           "model time / K"),
-        click.option("--instance-arg", "instance_args", multiple=True,
-                     help="`ferry serve instance` argument (repeatable), e.g. --instance-arg=--headroom-high=100"),
-        click.option("--scheduler-arg", "scheduler_args", multiple=True,
-                     help="`ferry serve scheduler` argument (repeatable)"),
+        *SERVICE_ARG_OPTIONS,
         click.option("--dispatch-ms", type=float, default=d.dispatch_s * 1e3, show_default=True,
                      help="model: request at the frontend -> the scheduler's pick"),
         click.option("--generate-ms", type=float, default=d.generate_s * 1e3, show_default=True,
@@ -93,9 +86,7 @@ def sim_options(f):
         click.option("--json", "json_path", default=None, help="write results here"),
         click.option("--plots", "plots_dir", default=None, help="write PNG plots into this folder (first seed)"),
     ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+    return apply_options(f, opts)
 
 
 def options_from(kw: dict, seed: int) -> SimOptions:
