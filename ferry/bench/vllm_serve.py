@@ -2,7 +2,10 @@
 (frontend, scheduler, meta store, vLLM instances) and against vLLM's own
 OpenAI server, one after the other on this machine, with the same model and
 the same vLLM engine arguments: TTFT, TPOT (time per output token after the
-first), throughput. What differs is everything around the engine: Ferry's
+first), throughput. With ``--ferry-engine native`` the Ferry side is
+``ferry up``'s default serving (native engine instances, threads split over
+the cores) against the same vLLM server: Ferry's serving vs vLLM's serving.
+TTFT is taken at the first chunk that carries generated text, on both sides. What differs is everything around the engine: Ferry's
 processes and hops, and how each drives vLLM (Ferry: in-process engine core
 stepped by the agent's engine thread, synchronous scheduling; vLLM's server:
 engine core in its own process, its default scheduling)."""
@@ -83,11 +86,13 @@ def table(runs: dict[str, dict]) -> str:
               help="Ferry's vLLM instances (vLLM's server is one engine)")
 @click.option("--vllm-arg", "vllm_args", multiple=True, help="vLLM engine argument for both (repeatable), "
               "e.g. --vllm-arg=--enforce-eager")
+@click.option("--ferry-engine", type=click.Choice(["vllm", "native"]), default="vllm", show_default=True,
+              help="the engine of Ferry's instances (native: ferry up's default serving)")
 @click.option("--only", type=click.Choice(["both", "ferry", "vllm"]), default="both", show_default=True)
 @click.option("--startup-timeout-s", type=float, default=900, show_default=True)
 @click.option("--json", "json_path", default=None, help="write results here")
 def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, num_blocks, max_num_seqs, instances,
-               vllm_args, only, startup_timeout_s, json_path) -> None:
+               vllm_args, ferry_engine, only, startup_timeout_s, json_path) -> None:
     """Ferry over vLLM vs vLLM's own OpenAI server, same model, same rate."""
     from services.instance.engine.base import EngineConfig
     from services.instance.engine.vllm.args import default_block_size, engine_argv, resolve_model
@@ -101,13 +106,15 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
     runs: dict[str, dict] = {}
     if only in ("both", "ferry"):
         inst_args = ["--num-blocks", str(num_blocks), "--dtype", dtype, "--max-model-len", str(max_model_len),
-                     "--max-num-seqs", str(max_num_seqs), f"--vllm-args={' '.join(vllm_args)}"]
-        c = LocalCluster(ClusterSpec(instances=instances, engine="vllm", model=model, port=free_port(),
+                     "--max-num-seqs", str(max_num_seqs)]
+        if ferry_engine == "vllm":
+            inst_args.append(f"--vllm-args={' '.join(vllm_args)}")
+        c = LocalCluster(ClusterSpec(instances=instances, engine=ferry_engine, model=model, port=free_port(),
                                      instance_args=inst_args, log_dir=logs, log_level="warning"))
         c.start(timeout_s=startup_timeout_s)
         try:
             run_one(c.url, wl.build("poisson:4", "fixed:16:4", 4, seed + 1), None)  # warm-up
-            runs[f"ferry ({instances} inst.)"] = run_one(c.url, work, None)
+            runs[f"ferry {ferry_engine} ({instances} inst.)"] = run_one(c.url, work, None)
         finally:
             c.stop()
     if only in ("both", "vllm"):
@@ -123,6 +130,7 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
     click.echo(f"logs: {logs}")
     if json_path:
         out = {"command": " ".join(sys.argv), "workload": work.describe(), "vllm_argv": argv,
+               "ferry_engine": ferry_engine, "ferry_instances": instances, "loadavg": list(os.getloadavg()),
                "runs": {k: {"summary": v["summary"]} for k, v in runs.items()}}
         with open(json_path, "w") as f:
             json.dump(out, f, indent=1, default=str)
