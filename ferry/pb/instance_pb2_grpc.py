@@ -175,7 +175,7 @@ class InstanceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def MigrationSettled(self, request, context):
-        """After the commit: wait (briefly) for the request's first step here.
+        """After the commit: wait (briefly) until the request joins the batch here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -71,6 +71,9 @@ class InstanceConfig(CommonConfig):
     migration_last_stage_max_blocks: int = opt(2, "migration: go to the last stage at this many uncopied blocks",
                                                min=0)
     migration_chunk_mb: float = opt(4.0, "migration: KV transfer chunk size (MiB)", min=0.01)
+    migration_precopy_chunk_mb: float = opt(1.0, "migration: chunk size of the pre-copy stages (MiB)", min=0.01)
+    migration_copy_duty: float = opt(0.25, "migration: most fraction of wall time a pre-copy stage spends "
+                                     "copying (1 = unpaced)", min=0.01, max=1.0)
     max_migrate_out: int = opt(2, "migration: concurrent migrations out of this instance", min=1)
     max_migrate_out_per_dest: int = opt(2, "migration: concurrent migrations out of this instance to one "
                                         "destination", min=1)
@@ -87,7 +90,8 @@ class InstanceConfig(CommonConfig):
             max_stages=self.migration_max_stages, last_stage_max_blocks=self.migration_last_stage_max_blocks,
             chunk_bytes=int(self.migration_chunk_mb * (1 << 20)), max_migrate_out=self.max_migrate_out,
             max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms,
-            max_migrate_out_per_dest=self.max_migrate_out_per_dest)
+            max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
+            precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -197,8 +201,6 @@ class InstanceService(Service):
 
     # --- engine outputs (on the event loop) -----------------------------------------
     def _on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
-        if self.migration is not None and outputs:
-            self.migration.dest.on_step(out.request_id for out in outputs)
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:

@@ -11,6 +11,7 @@ freed by its abort or its expiry."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable
@@ -38,8 +39,11 @@ class Reservation:
     bytes: int = 0
     committed_at: float | None = None
     spare: list[int] = field(default_factory=list)  # held for the last stage
-    closed: bool = False  # engine thread: its blocks went back to the pool or into a request
-    stepped: asyncio.Event = field(default_factory=asyncio.Event)  # its first step here
+    closed: bool = False  # its blocks went back to the pool or into a request
+    installed: asyncio.Event = field(default_factory=asyncio.Event)  # in the batch from the next step
+    # NOTE: held by whoever changes stages/spare/closed (the engine thread, or
+    # the event loop when a stage is served from the spare blocks alone).
+    lock: threading.Lock = field(default_factory=threading.Lock)
     writers: int = 0  # scatters in flight
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -63,7 +67,6 @@ class Destination:
         self.runner = host.runner
         self.max_migrate_in = max_migrate_in
         self.reservations: dict[str, Reservation] = {}
-        self._awaiting_step: dict[str, Reservation] = {}  # request id -> committed, not yet stepped
         self.settled: OrderedDict[str, float] = OrderedDict()  # migration id -> commit ack -> first step (ms)
         self._committed: dict[str, Reservation] = {}  # migration id -> committed, until settled
 
@@ -81,38 +84,47 @@ class Destination:
         return res
 
     # --- on the engine thread ------------------------------------------------------
+    @staticmethod
+    def _want(res: Reservation, num_blocks: int, spare: int) -> int:
+        """Fresh blocks a stage needs beyond the spare ones held."""
+        from_spare = min(num_blocks, len(res.spare))
+        return num_blocks - from_spare + max(0, spare - (len(res.spare) - from_spare))
+
     def _take(self, res: Reservation, stage: int, num_blocks: int, spare: int) -> bool:
         """Reserve what the stage needs and record it in the reservation, in
-        one step. False if it does not fit (or the reservation ended)."""
-        if res.closed:
-            return False
-        from_spare = min(num_blocks, len(res.spare))
-        want = num_blocks - from_spare + max(0, spare - (len(res.spare) - from_spare))
-        fresh = self.engine.reserve_blocks(want) if want else []
-        if fresh is None:
-            return False
-        pool = res.spare + fresh
-        res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
-        res.received[stage] = 0
-        return True
+        one step. False if it does not fit (or the reservation ended). On the
+        engine thread, or on the loop when no fresh block is needed."""
+        with res.lock:
+            if res.closed:
+                return False
+            want = self._want(res, num_blocks, spare)
+            fresh = self.engine.reserve_blocks(want) if want else []
+            if fresh is None:
+                return False
+            pool = res.spare + fresh
+            res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
+            res.received[stage] = 0
+            return True
 
     def _give_back(self, res: Reservation) -> int:
         """Free everything the reservation holds; it holds nothing after."""
-        if res.closed:
-            return 0
-        held = res.held
-        res.closed = True
-        res.stages, res.spare = {}, []
+        with res.lock:
+            if res.closed:
+                return 0
+            held = res.held
+            res.closed = True
+            res.stages, res.spare = {}, []
         self.engine.release_blocks(held)
         return len(held)
 
     def _install(self, res: Reservation, state: RequestState) -> None:
         """NOTE: the commit was validated; a failure here is a bug, and the
         client's stream is ended rather than left hanging."""
-        if res.closed:  # aborted between the commit and this step boundary
-            return
-        blocks, spare = res.blocks, res.spare
-        res.closed = True
+        with res.lock:
+            if res.closed:  # aborted between the commit and this step boundary
+                return
+            blocks, spare = res.blocks, res.spare
+            res.closed = True
         if spare:
             self.engine.release_blocks(spare)
         try:
@@ -121,6 +133,9 @@ class Destination:
             log.error("install after commit failed", request_id=state.request_id, error=repr(e))
             self.engine.release_blocks(blocks)
             self.runner.loop.call_soon_threadsafe(self.host.end_stream, state.request_id, "abort")
+            return
+        # Installed between two steps: its first step here starts now.
+        self.runner.loop.call_soon_threadsafe(self._installed, res, time.monotonic())
 
     async def _release(self, res: Reservation) -> int:
         """Wait for scatters in flight into the blocks (they must not land
@@ -154,7 +169,12 @@ class Destination:
         if p.stage in res.stages:
             return False, f"stage {p.stage} already reserved"
         res.renew()
-        ok = await self.runner.call(self._take, res, p.stage, p.num_blocks, p.spare_blocks)
+        if self._want(res, p.num_blocks, p.spare_blocks) == 0:
+            # From the spare blocks alone (the last stage, right after the
+            # suspend): no engine step to wait for.
+            ok = self._take(res, p.stage, p.num_blocks, p.spare_blocks)
+        else:
+            ok = await self.runner.call(self._take, res, p.stage, p.num_blocks, p.spare_blocks)
         res.renew()
         if res.machine.terminal:  # aborted or expired while we waited: _give_back freed what _take took
             return False, f"migration is {res.machine.state.value}"
@@ -225,37 +245,30 @@ class Destination:
         self.host.streams.open(state.request_id, next_index=len(state.output_token_ids))
         self.runner.submit(self._install, res, state)
         res.committed_at = time.monotonic()
-        self._awaiting_step[state.request_id] = res
         self._committed[migration_id] = res
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
         self.counters.destination_committed()
         self.host.changed()
 
-    def on_step(self, request_ids) -> None:
-        """The engine stepped these requests (on the event loop): the first
-        step of a migrated-in request ends its downtime."""
-        if not self._awaiting_step:
-            return
-        now = time.monotonic()
-        for rid in request_ids:
-            res = self._awaiting_step.pop(rid, None)
-            if res is not None:
-                mid = res.machine.migration_id
-                self.settled[mid] = (now - res.committed_at) * 1000
-                while len(self.settled) > 1024:
-                    self.settled.popitem(last=False)
-                self._committed.pop(mid, None)
-                res.stepped.set()
+    def _installed(self, res: Reservation, at: float) -> None:
+        """On the loop: the request joined the batch (at a step boundary);
+        its downtime ends as its first step here begins."""
+        mid = res.machine.migration_id
+        self.settled[mid] = (at - res.committed_at) * 1000
+        while len(self.settled) > 1024:
+            self.settled.popitem(last=False)
+        self._committed.pop(mid, None)
+        res.installed.set()
 
     async def settle(self, migration_id: str, wait_ms: int) -> float | None:
-        """Commit acknowledged -> the request's first step here (ms); waits
-        up to ``wait_ms`` for that step; None if it did not come."""
+        """Commit acknowledged -> the request's first step here begins (ms);
+        waits up to ``wait_ms`` for it; None if it did not come."""
         if migration_id not in self.settled:
             res = self._committed.get(migration_id)
             if res is None:
                 return None
             try:
-                await asyncio.wait_for(res.stepped.wait(), wait_ms / 1000)
+                await asyncio.wait_for(res.installed.wait(), wait_ms / 1000)
             except TimeoutError:
                 return None
         return self.settled.get(migration_id)
@@ -273,7 +286,6 @@ class Destination:
             if stream is not None and stream.attached:
                 return False
             self.host.streams.close(rid)
-            self._awaiting_step.pop(rid, None)
             self._committed.pop(migration_id, None)
             await self.runner.call(self._drop_committed, res, rid)
         else:

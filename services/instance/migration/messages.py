@@ -28,6 +28,12 @@ class MigrationConfig:
     rpc_timeout_s: float = 10.0
     # Most migrations out of this instance to one destination at once.
     max_migrate_out_per_dest: int = 2
+    # Pre-copy stages (the request still decodes here) copy in smaller chunks
+    # and spend at most this fraction of wall time copying (gather + send),
+    # so that the source's decode steps barely slow down; the last stage (the
+    # request suspended) runs at full speed.
+    copy_duty: float = 0.25
+    precopy_chunk_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Outcome:
     blocks: int = 0
     bytes: int = 0
     duration_ms: float = 0.0
-    downtime_ms: float = 0.0  # suspend -> commit acknowledged (see DESIGN §6 for the destination's view)
+    downtime_ms: float = 0.0  # suspend -> its first step at the destination begins (0: unknown)
     commit_ack_ms: float = 0.0
 
 

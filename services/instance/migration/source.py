@@ -90,27 +90,36 @@ class SourceMigration:
             self.dest_failed = True
             raise MigrationAborted(f"destination refused: {reason}")
 
-    async def _copy(self, stage: int, blocks: list[int]) -> int:
+    async def _copy(self, stage: int, blocks: list[int], paced: bool = False) -> int:
         """Gather the blocks in chunks (off the event loop and the engine
-        thread) and stream them; returns bytes sent."""
+        thread) and stream them; returns bytes sent. Paced (pre-copy while
+        the request decodes here): smaller chunks, and after each a pause so
+        that copying takes at most ``copy_duty`` of the wall time."""
         if not blocks:
             return 0
         bpb = self.engine.kv_layout.bytes_per_block
-        per_chunk = max(1, self.config.chunk_bytes // bpb)
+        chunk_bytes = min(self.config.chunk_bytes, self.config.precopy_chunk_bytes) if paced \
+            else self.config.chunk_bytes
+        per_chunk = max(1, chunk_bytes // bpb)
         total = len(blocks) * bpb
         delay = failpoints.value("source.copy_delay_ms")
+        duty = self.config.copy_duty if paced else 1.0
 
         async def chunks():
             for i in range(0, len(blocks), per_chunk):
+                t = time.perf_counter()
                 data = await asyncio.to_thread(self.engine.gather_kv, blocks[i:i + per_chunk])
                 yield KvChunk(self.id, stage, i * bpb, data, len(blocks), total)
+                # Back here once the transport took the chunk (sent it).
                 if i == 0:
                     self.fault("source.crash_mid_transfer")
+                if 0 < duty < 1 and i + per_chunk < len(blocks):
+                    await asyncio.sleep((time.perf_counter() - t) * (1 / duty - 1))
 
         written = await self.peer.transfer(chunks())
         if written != len(blocks):
             raise MigrationAborted(f"destination wrote {written} of {len(blocks)} blocks")
-        if delay:
+        if delay and len(blocks) >= int(failpoints.value("source.copy_delay_min_blocks") or 0):
             await asyncio.sleep(float(delay) / 1000)
         return total
 
@@ -171,7 +180,7 @@ class SourceMigration:
             self._to(S.PRE_ALLOC, stage=stage, blocks=len(todo))
             await self._pre_allocate(stage, len(todo), spare=spare)
             self._to(S.COPY, stage=stage, blocks=len(todo))
-            nbytes = await self._copy(stage, todo)
+            nbytes = await self._copy(stage, todo, paced=True)
             self.out.blocks += len(todo)
             self.out.bytes += nbytes
             self.sent += len(todo)

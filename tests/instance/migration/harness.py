@@ -51,8 +51,6 @@ class Node:
                 self.streams.close(out.request_id)
         if load is not None:
             self.load = load
-        if outputs:
-            self.manager.dest.on_step(o.request_id for o in outputs)
 
     async def check_clean(self, timeout_s: float = 5.0) -> None:
         """Idle, no reservation, every block free, check_integrity passes."""
