@@ -14,6 +14,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -247,7 +248,7 @@ class Chaos:
             st_.orders_aborted += reply.aborted
             for r in reply.results:
                 if r.outcome != "committed":
-                    st_.abort_reasons[r.reason.split(":")[0][:40]] += 1
+                    st_.abort_reasons[re.sub(r"'[^']*'", "'…'", r.reason)[:60]] += 1  # grouped without ids
 
 
 async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4, concurrency: int = 8,
