@@ -152,6 +152,8 @@ class Destination:
             return False, f"kv layout mismatch: source {p.layout}, destination {mine}"
         res = self.reservations.get(p.migration_id)
         if res is None:
+            if p.stage > 0:  # NOTE: never start over mid-migration: the earlier stages' blocks are gone
+                return False, f"no reservation for migration {p.migration_id!r} (expired or aborted)"
             if self.host.is_terminating():
                 return False, "destination is terminating"
             if self.active >= self.max_migrate_in:

