@@ -14,6 +14,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,12 @@ class Stats:
     resumes: int = 0
     migrations: int = 0
     errors_by_kind: collections.Counter = field(default_factory=collections.Counter)
+    # The steady migration load (orders of single running requests between live instances).
+    orders: int = 0
+    orders_committed: int = 0
+    orders_aborted: int = 0
+    orders_failed: int = 0
+    abort_reasons: collections.Counter = field(default_factory=collections.Counter)
 
 
 async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, dict | None]:
@@ -98,8 +105,11 @@ async def _instance_status(address: str) -> ipb.InstanceStatus:
 
 
 class Chaos:
-    def __init__(self, cluster: LocalCluster, n_instances: int, seed: int, down_s: float = 1.0):
+    def __init__(self, cluster: LocalCluster, n_instances: int, seed: int, down_s: float = 1.0,
+                 stats: Stats | None = None):
         self.c = cluster
+        self.stats = stats or Stats()
+        self.victims: list[asyncio.Task] = []  # the long requests of migration-peer faults
         self.n = n_instances
         self.rng = random.Random(seed)
         self.down_s = down_s
@@ -138,7 +148,7 @@ class Chaos:
             await asyncio.sleep(self.down_s)
             await asyncio.to_thread(self.c.restart, name)
         else:
-            f.target, f.note = await self._kill_migration_peer(kind == "migration_dest")
+            f.target, f.note = await self._kill_migration_peer(kind == "migration_dest", http)
             if f.target:
                 await asyncio.sleep(self.down_s)
                 await asyncio.to_thread(self.c.restart, f.target)
@@ -148,21 +158,43 @@ class Chaos:
         self.faults.append(f)
         return f
 
-    async def _kill_migration_peer(self, kill_dest: bool) -> tuple[str, str]:
-        """Order a migration of a running request between two static
-        instances, and kill one side while its KV is in transit."""
+    async def _kill_migration_peer(self, kill_dest: bool, http: httpx.AsyncClient) -> tuple[str, str]:
+        """Start a long request (its first copy stage is slowed by a
+        failpoint: at least copy_delay_min_blocks full blocks), order its
+        migration between two static instances, and kill one side while its
+        KV is in transit. The request itself must still finish exactly."""
+        prompt, n = f"victim {self.rng.random():.6f} " * 18, 300
+        ids: list[str] = []
+
+        async def note_id(c) -> None:
+            if not ids:
+                ids.append(c.request_id)
+
+        async def victim() -> None:
+            self.stats.requests += 1
+            try:
+                c = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note_id)
+            except Exception as e:  # noqa: BLE001
+                self.stats.lost += 1
+                self.stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
+                return
+            _account(self.stats, prompt, n, c.text, c.final)
+
+        self.victims.append(asyncio.create_task(victim()))
+        for _ in range(100):
+            if ids:
+                break
+            await asyncio.sleep(0.02)
         live = self._live_static()
-        self.rng.shuffle(live)
         for src in live:
             try:
                 st = await _instance_status(src.address)
             except grpc.RpcError:
                 continue
-            running = [r.request_id for r in st.requests if r.state == 1]
-            if not running:
+            if not ids or not any(r.request_id == ids[0] and r.state == 1 for r in st.requests):
                 continue
-            dst = next(i for i in live if i is not src)
-            rid = self.rng.choice(running)
+            dst = self.rng.choice([i for i in live if i is not src])
+            rid = ids[0]
 
             async def order():
                 async with rpc.channel(src.address) as ch:
@@ -181,12 +213,47 @@ class Chaos:
             except Exception as e:  # noqa: BLE001
                 note = f"order failed: {e!r}"
             return victim.name, ("mid-transfer " if in_flight else "after transfer ") + note
-        return "", "no running request to migrate"
+        return "", "the long request was not running on a static instance"
+
+    async def migration_load(self, stop: asyncio.Event, every_s: float = 0.1) -> None:
+        """A steady MigrateOut driver: a running request of a random live
+        instance to another, one order at a time, so that migrations keep
+        committing beside every fault."""
+        st_ = self.stats
+        while not stop.is_set():
+            await asyncio.sleep(every_s)
+            live = self._live_static()
+            if len(live) < 2:
+                continue
+            src = self.rng.choice(live)
+            try:
+                st = await _instance_status(src.address)
+            except grpc.RpcError:
+                continue
+            running = [r.request_id for r in st.requests if r.state == 1]
+            if not running:
+                continue
+            dst = self.rng.choice([i for i in live if i is not src])
+            st_.orders += 1
+            try:
+                async with rpc.channel(src.address) as ch:
+                    reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+                        request_id=self.rng.choice(running), dest_instance_id=dst.name,
+                        dest_address=dst.address), timeout=10)
+            except grpc.RpcError as e:
+                st_.orders_failed += 1
+                st_.abort_reasons[f"order: {e.code().name}"] += 1
+                continue
+            st_.orders_committed += reply.committed
+            st_.orders_aborted += reply.aborted
+            for r in reply.results:
+                if r.outcome != "committed":
+                    st_.abort_reasons[re.sub(r"'[^']*'", "'…'", r.reason)[:60]] += 1  # grouped without ids
 
 
 async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4, concurrency: int = 8,
                     fault_every_s: float | None = None, log_dir: str | None = None,
-                    token_delay_ms: float = 10.0, min_faults: int = 0) -> dict:
+                    token_delay_ms: float = 10.0, min_faults: int = 0, migration_load: bool = True) -> dict:
     """``min_faults``: go on past ``duration_s`` until this many faults were
     injected (a slow machine recovers slowly; tests want every kind once)."""
     log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-chaos-")
@@ -194,7 +261,9 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
         instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True,
         instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "96",
                        "--migration-last-stage-max-blocks", "1", "--migration-deadline-ms", "1000",
-                       "--failpoints", "source.copy_delay_ms=400", "--heartbeat-s", "0.2"],
+                       # Only the fault injector's long request (>= 12 full blocks in a stage) is slowed.
+                       "--failpoints", "source.copy_delay_ms=400,source.copy_delay_min_blocks=12",
+                       "--heartbeat-s", "0.2"],
         meta_store_args=["--ttl-s", "1.5"],
         scheduler_args=["--migrate-interval-s", "0.1", "--migrate-out-threshold", "8",
                         "--migrate-in-threshold", "24", "--autoscale", "--scale-out-below", "8",
@@ -208,7 +277,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
     rng = random.Random(seed)
     stats = Stats()
     stop = asyncio.Event()
-    chaos = Chaos(cluster, instances, seed)
+    chaos = Chaos(cluster, instances, seed, stats=stats)
     kinds = list(FAULT_KINDS)
     rng.shuffle(kinds)
     every = fault_every_s or max(3.0, duration_s / (len(kinds) + 1))
@@ -230,6 +299,8 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                     _account(stats, prompt, n, text, final)
 
             clients = [asyncio.create_task(client(k)) for k in range(concurrency)]
+            if migration_load:
+                clients.append(asyncio.create_task(chaos.migration_load(stop)))
             chaos.t0 = time.monotonic()
             end = chaos.t0 + duration_s
             j = 0
@@ -244,7 +315,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
             while time.monotonic() < end:
                 await asyncio.sleep(0.1)
             stop.set()
-            await asyncio.gather(*clients)
+            await asyncio.gather(*clients, *chaos.victims)
             load_s = time.monotonic() - chaos.t0
             leaked, integrity_errors, live = await _leaks(cluster)
     finally:
@@ -255,7 +326,12 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
         "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
         "integrity_errors": integrity_errors, "live_instances_at_end": live,
         "errors_by_kind": dict(stats.errors_by_kind), "resumes": stats.resumes,
-        "migrations": stats.migrations, "faults": [asdict(f) for f in chaos.faults],
+        "migrations": stats.migrations,
+        # Committed migrations seen by completed requests' clients (`migrations`) and the steady load's orders.
+        "migration_orders": {"orders": stats.orders, "committed": stats.orders_committed,
+                             "aborted": stats.orders_aborted, "failed": stats.orders_failed,
+                             "abort_reasons": dict(stats.abort_reasons)},
+        "faults": [asdict(f) for f in chaos.faults],
         "max_recovery_s": max((f.recovery_s or 0.0 for f in chaos.faults), default=0.0),
         "log_dir": log_dir,
     }
@@ -298,6 +374,9 @@ def print_report(res: dict) -> None:
     print(f"\nrequests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
           f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
           f"resumes {res['resumes']}  migrations {res['migrations']}")
+    mo = res.get("migration_orders", {})
+    print(f"migration load: {mo.get('orders', 0)} orders, {mo.get('committed', 0)} committed, "
+          f"{mo.get('aborted', 0)} aborted, {mo.get('failed', 0)} failed  {mo.get('abort_reasons', {})}")
     print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
 
 

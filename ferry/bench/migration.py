@@ -90,6 +90,19 @@ async def _migrate(cluster, rid, blocking=False):
     return src, dst, reply.results[0]
 
 
+def client_stall(times: list[float], t0: float, t1: float) -> tuple[float | None, float | None]:
+    """(largest gap between consecutive tokens at the client across the
+    migration [t0, t1] minus the normal inter-token time, that normal time):
+    the normal time is the median gap outside the migration window."""
+    gaps = [((b - a) * 1000, b) for a, b in zip(times, times[1:])]
+    inside = [g for g, b in gaps if t0 <= b <= t1 + 0.3]
+    outside = [g for g, b in gaps if not t0 <= b <= t1 + 0.3]
+    if not inside or not outside:
+        return None, None
+    itl = statistics.median(outside)
+    return max(inside) - itl, itl
+
+
 async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token, vocab):
     rng = random.Random(length)
     prompt = [rng.randrange(100, vocab) for _ in range(length)]
@@ -113,27 +126,35 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         text, times, final = await _stream(http, body, on_token)
         await info["task"]
         res = info["res"]
-        gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
-        near = [(b - a) * 1000 for a, b in zip(times, times[1:]) if info["t0"] - 0.5 <= b <= info["t1"] + 1.0]
+        stall, itl = client_stall(times, info["t0"], info["t1"])
         bg = bgs[info["src"].name]
+        dst_bg = bgs[next(i.name for i in cluster.instances() if i.name != info["src"].name)]
         rows.append({
             "committed": res.outcome == "committed", "reason": res.reason,
-            "downtime_ms": res.downtime_ms, "total_ms": res.duration_ms, "stages": res.stages,
-            "bytes": res.bytes, "blocks": res.blocks,
-            "stall_ms": (max(near) - statistics.median(gaps)) if near else None,
+            # suspend -> first step on the destination (0 = the destination did not say)
+            "downtime_ms": res.downtime_ms or None, "commit_ack_ms": res.commit_ack_ms,
+            "total_ms": res.duration_ms, "stages": res.stages, "bytes": res.bytes, "blocks": res.blocks,
+            "stall_ms": stall, "itl_ms": itl,
             "tokens_match": text == reference and final["migrations"] == 1,
             "step_ms_during": bg.step_ms(info["t0"], info["t1"], True),
             "step_ms_outside": bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
+            "dest_step_ms": dst_bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
         })
     # Baseline 1: blocking copy = suspend, then copy every block (no pre-copy).
     info = {}
 
     async def block_at(n, rid):
-        if n == at_token and "res" not in info:
-            _, _, info["res"] = await _migrate(cluster, rid, blocking=True)
+        if n == at_token and "task" not in info:
+            async def go():
+                info["t0"] = time.perf_counter()
+                _, _, info["res"] = await _migrate(cluster, rid, blocking=True)
+                info["t1"] = time.perf_counter()
+            info["task"] = asyncio.create_task(go())
 
-    await _stream(http, body, block_at)
-    blocking_ms = info["res"].downtime_ms
+    _, btimes, _ = await _stream(http, body, block_at)
+    await info["task"]
+    blocking_ms = info["res"].downtime_ms or None
+    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"])
     # Baseline 2: recompute = prefill prompt + output so far at the destination.
     dst = cluster.instances()[1]
     async with rpc.channel(dst.address) as ch:
@@ -146,6 +167,8 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
                 break
         recompute_ms = (time.perf_counter() - t0) * 1000
     ok = [r for r in rows if r["committed"]]
+    itls = [r["itl_ms"] for r in ok if r["itl_ms"] is not None]
+    itl = statistics.median(itls) if itls else None
 
     def med(key):
         vals = [r[key] for r in ok if r[key] is not None]
@@ -153,33 +176,46 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
 
     during, outside = med("step_ms_during"), med("step_ms_outside")
     return {
-        "downtime_ms": med("downtime_ms"), "stall_ms": med("stall_ms"), "stages": med("stages"),
-        "bytes": med("bytes"), "total_ms": med("total_ms"),
+        "downtime_ms": med("downtime_ms"), "commit_ack_ms": med("commit_ack_ms"), "stall_ms": med("stall_ms"),
+        "stall_max_ms": max((r["stall_ms"] for r in ok if r["stall_ms"] is not None), default=None),
+        "itl_ms": itl, "stall_in_itl": (med("stall_ms") / itl) if itl and med("stall_ms") is not None else None,
+        "dest_step_ms": med("dest_step_ms"), "stages": med("stages"), "bytes": med("bytes"),
+        "total_ms": med("total_ms"),
         "tokens_match": bool(rows) and all(r["tokens_match"] for r in rows),
         "decode_step_ms": {"without_migration": outside, "during_migration": during,
                            "slowdown": (during / outside - 1) if during and outside else None},
-        "blocking_copy_ms": blocking_ms, "recompute_ms": recompute_ms,
+        # Baselines: blocking copy (downtime to the first destination step, and the client's stall);
+        # recompute (prefill of prompt + output at the destination: the client's stall is about this,
+        # minus one normal inter-token time).
+        "blocking_copy_ms": blocking_ms, "blocking_copy_stall_ms": blocking_stall,
+        "recompute_ms": recompute_ms, "recompute_stall_ms": (recompute_ms - itl) if itl else recompute_ms,
         "runs": len(rows), "committed": len(ok), "aborted_reasons": [r["reason"] for r in rows if not r["committed"]],
         "per_run": rows,
     }
 
 
-HEADER = ["length", "downtime", "stall", "stages", "MiB", "total", "match", "step", "step(mig)",
-          "blocking", "recompute"]
+HEADER = ["length", "downtime", "ack", "stall", "itl", "stages", "MiB", "total", "match", "step", "step(mig)",
+          "blocking", "blk.stall", "recompute"]
 
 
 def _row(length, r) -> str:
     s = r["decode_step_ms"]
-    vals = [str(length), r["downtime_ms"], r["stall_ms"], r["stages"], (r["bytes"] or 0) / 2**20, r["total_ms"],
-            str(r["tokens_match"]), s["without_migration"], s["during_migration"], r["blocking_copy_ms"],
-            r["recompute_ms"]]
+    vals = [str(length), r["downtime_ms"], r["commit_ack_ms"], r["stall_ms"], r["itl_ms"], r["stages"],
+            (r["bytes"] or 0) / 2**20, r["total_ms"], str(r["tokens_match"]), s["without_migration"],
+            s["during_migration"], r["blocking_copy_ms"], r["blocking_copy_stall_ms"], r["recompute_ms"]]
     return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals)
 
 
-def _summary(res: dict, config: dict) -> dict:
+def _flat(res: dict, key: str) -> float | None:
+    """Longest length's value over the shortest's (1.0 = flat)."""
     keys = list(res)
-    first, last = res[keys[0]]["downtime_ms"], res[keys[-1]]["downtime_ms"]
-    return {"lengths": res, "flatness": (last / first) if first and last else None, "config": config}
+    first, last = res[keys[0]][key], res[keys[-1]][key]
+    return (last / first) if first and last else None
+
+
+def _summary(res: dict, config: dict) -> dict:
+    return {"lengths": res, "flatness": {"downtime": _flat(res, "downtime_ms"), "stall": _flat(res, "stall_ms")},
+            "config": config}
 
 
 async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, on_length):
@@ -244,6 +280,8 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
     finally:
         cluster.stop()
     out = _summary(res, config)
-    click.echo(f"flatness (downtime at {lens[-1]} / at {lens[0]}): "
-               f"{out['flatness']:.2f}" if out["flatness"] else "flatness: n/a")
-    click.echo("(times in ms; step = background decode step on the source, median)")
+    for k, v in out["flatness"].items():
+        click.echo(f"flatness of {k} (at {lens[-1]} / at {lens[0]}): " + (f"{v:.2f}" if v else "n/a"))
+    click.echo("(times in ms; downtime = suspend -> first step on the destination; ack = suspend -> commit "
+               "acknowledged; stall = largest client inter-token gap across the migration minus itl, the normal "
+               "one; step = background decode step on the source, median)")

@@ -148,7 +148,7 @@ class MigrateOutReply(_message.Message):
     def __init__(self, started: _Optional[int] = ..., committed: _Optional[int] = ..., aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms")
+    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms", "commit_ack_ms")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class MigrationResult(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_ACK_MS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     outcome: str
@@ -167,7 +168,8 @@ class MigrationResult(_message.Message):
     bytes: int
     duration_ms: float
     downtime_ms: float
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ...) -> None: ...
+    commit_ack_ms: float
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ..., commit_ack_ms: _Optional[float] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -298,3 +300,19 @@ class AbortMigrationReply(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class MigrationSettledRequest(_message.Message):
+    __slots__ = ("migration_id", "wait_ms")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    wait_ms: int
+    def __init__(self, migration_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class MigrationSettledReply(_message.Message):
+    __slots__ = ("stepped", "after_commit_ms")
+    STEPPED_FIELD_NUMBER: _ClassVar[int]
+    AFTER_COMMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    stepped: bool
+    after_commit_ms: float
+    def __init__(self, stepped: _Optional[bool] = ..., after_commit_ms: _Optional[float] = ...) -> None: ...

@@ -92,6 +92,11 @@ class InstanceStub:
                 request_serializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationReply.FromString,
                 _registered_method=True)
+        self.MigrationSettled = channel.unary_unary(
+                '/ferry.v1.Instance/MigrationSettled',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
+                _registered_method=True)
 
 
 class InstanceServicer:
@@ -169,6 +174,13 @@ class InstanceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MigrationSettled(self, request, context):
+        """After the commit: wait (briefly) until the request joins the batch here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InstanceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +238,11 @@ def add_InstanceServicer_to_server(servicer, server):
                     servicer.AbortMigration,
                     request_deserializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationReply.SerializeToString,
+            ),
+            'MigrationSettled': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrationSettled,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +544,33 @@ class Instance:
             '/ferry.v1.Instance/AbortMigration',
             ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
             ferry_dot_pb_dot_instance__pb2.AbortMigrationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrationSettled(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Instance/MigrationSettled',
+            ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
             options,
             channel_credentials,
             insecure,

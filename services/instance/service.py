@@ -71,7 +71,12 @@ class InstanceConfig(CommonConfig):
     migration_last_stage_max_blocks: int = opt(2, "migration: go to the last stage at this many uncopied blocks",
                                                min=0)
     migration_chunk_mb: float = opt(4.0, "migration: KV transfer chunk size (MiB)", min=0.01)
-    max_migrate_out: int = opt(1, "migration: concurrent migrations out of this instance", min=1)
+    migration_precopy_chunk_mb: float = opt(1.0, "migration: chunk size of the pre-copy stages (MiB)", min=0.01)
+    migration_copy_duty: float = opt(0.25, "migration: most fraction of wall time a pre-copy stage spends "
+                                     "copying (1 = unpaced)", min=0.01, max=1.0)
+    max_migrate_out: int = opt(2, "migration: concurrent migrations out of this instance", min=1)
+    max_migrate_out_per_dest: int = opt(2, "migration: concurrent migrations out of this instance to one "
+                                        "destination", min=1)
     max_migrate_in: int = opt(2, "migration: concurrent migrations into this instance", min=1)
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
@@ -79,12 +84,14 @@ class InstanceConfig(CommonConfig):
                          "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
 
     def migration_config(self):
-        from services.instance.migration.source import MigrationConfig
+        from services.instance.migration import MigrationConfig
 
         return MigrationConfig(
             max_stages=self.migration_max_stages, last_stage_max_blocks=self.migration_last_stage_max_blocks,
             chunk_bytes=int(self.migration_chunk_mb * (1 << 20)), max_migrate_out=self.max_migrate_out,
-            max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms)
+            max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms,
+            max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
+            precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -144,12 +151,11 @@ class InstanceService(Service):
         self.seq = 0
         self.load: EngineLoad = self.engine.load()
         self._load_key = material(self.load)
-        self.migrating_in = 0
-        self.migrating_out = 0
         self.runner: EngineRunner | None = None
         self.reporter: StatusReporter | None = None
         self.info: InstanceInfo | None = None
         self.migration = None  # set in start(): services.instance.migration.MigrationManager
+        self.migration_rpcs = None
 
     # --- lifecycle --------------------------------------------------------------
     def register(self, server: grpc.aio.Server) -> None:
@@ -164,9 +170,13 @@ class InstanceService(Service):
                                  no_migration=e.no_migration)
         self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step)
         self.runner.start()
-        from services.instance.migration import MigrationManager
+        from services.instance.migration import MigrationHost, MigrationManager
+        from services.instance.migration.servicer import MigrationRpcs
 
-        self.migration = MigrationManager(self, self.config.migration_config())
+        host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
+                             load=lambda: self.load, headroom=self.headroom, changed=self._poke)
+        self.migration = MigrationManager(host, self.config.migration_config())
+        self.migration_rpcs = MigrationRpcs(self.migration)
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
 
@@ -184,6 +194,10 @@ class InstanceService(Service):
             await self.reporter.stop(deregister=True)
         if self.runner:
             self.runner.stop()
+
+    def _poke(self) -> None:
+        if self.reporter:
+            self.reporter.poke()
 
     # --- engine outputs (on the event loop) -----------------------------------------
     def _on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
@@ -237,8 +251,9 @@ class InstanceService(Service):
     # --- status --------------------------------------------------------------
     def status(self) -> InstanceStatus:
         self.seq += 1
+        m = self.migration
         return instance_status(self.instance_id, self.seq, time.time(), self.load, self.headroom,
-                               self.terminating, self.migrating_in, self.migrating_out,
+                               self.terminating, m.migrating_in if m else 0, m.migrating_out if m else 0,
                                engine_steps=self.runner.steps if self.runner else 0)
 
 
@@ -348,26 +363,29 @@ class InstanceServicer(pb_grpc.InstanceServicer):
                                       total_blocks=svc.engine.num_total_blocks,
                                       num_requests=len(load.requests), num_reservations=reservations)
 
-    # Migration RPCs delegate to the MigrationManager (services/instance/migration).
+    # Migration RPCs: protobuf <-> domain types in services/instance/migration/servicer.py.
     async def MigrateOut(self, request, context):
-        return await self._migration(context).migrate_out(request)
+        return await self._migration().migrate_out(request)
 
     async def PreAllocate(self, request, context):
-        return await self._migration(context).pre_allocate(request)
+        return await self._migration().pre_allocate(request)
 
     async def TransferKv(self, request_iterator, context):
-        return await self._migration(context).transfer_kv(request_iterator)
+        return await self._migration().transfer_kv(request_iterator)
 
     async def Commit(self, request, context):
-        return await self._migration(context).commit(request)
+        return await self._migration().commit(request)
 
     async def AbortMigration(self, request, context):
-        return await self._migration(context).abort(request)
+        return await self._migration().abort(request)
 
-    def _migration(self, context):
+    async def MigrationSettled(self, request, context):
+        return await self._migration().settled(request)
+
+    def _migration(self):
         if self.svc.migration is None:
             raise FailedPrecondition("migration is not available on this instance")
-        return self.svc.migration
+        return self.svc.migration_rpcs
 
 
 __all__ = ["InstanceService", "InstanceConfig", "ENGINES"]

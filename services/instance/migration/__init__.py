@@ -1,5 +1,7 @@
 """Live migration of running requests (DESIGN §6)."""
 
+from services.instance.migration.host import MigrationHost
 from services.instance.migration.manager import MigrationManager
+from services.instance.migration.messages import MigrationConfig
 
-__all__ = ["MigrationManager"]
+__all__ = ["MigrationConfig", "MigrationHost", "MigrationManager"]

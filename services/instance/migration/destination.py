@@ -1,17 +1,28 @@
 """The destination side of a migration: reservations with a deadline that
 every call renews, KV chunks scattered into the reserved blocks as they
-arrive, and the commit that installs the request."""
+arrive, and the commit that installs the request.
+
+NOTE: blocks change hands only on the engine thread, in one step with the
+bookkeeping that records them (``_take``, ``_give_back``): a reservation's
+blocks are recorded the moment the pool hands them out, so a caller cancelled
+while waiting cannot drop them on the floor; whatever a reservation holds is
+freed by its abort or its expiry."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections import OrderedDict
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
 
 from libs.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from libs.common.logging import get_logger
 from libs.common.types import RequestState
-from services.instance.engine.base import KvLayout
+from services.instance.migration.host import MigrationHost
+from services.instance.migration.messages import KvChunk, PreAllocate
+from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.states import DestState, Machine
 
 log = get_logger("migration")
@@ -28,6 +39,13 @@ class Reservation:
     bytes: int = 0
     committed_at: float | None = None
     spare: list[int] = field(default_factory=list)  # held for the last stage
+    closed: bool = False  # its blocks went back to the pool or into a request
+    installed: asyncio.Event = field(default_factory=asyncio.Event)  # in the batch from the next step
+    # NOTE: held by whoever changes stages/spare/closed (the engine thread, or
+    # the event loop when a stage is served from the spare blocks alone).
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    writers: int = 0  # scatters in flight
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def blocks(self) -> list[int]:
@@ -42,16 +60,19 @@ class Reservation:
 
 
 class Destination:
-    def __init__(self, svc, max_migrate_in: int):
-        self.svc = svc
-        self.engine = svc.engine
-        self.runner = svc.runner
+    def __init__(self, host: MigrationHost, max_migrate_in: int, counters: MigrationCounters | None = None):
+        self.host = host
+        self.counters = counters or MigrationCounters()
+        self.engine = host.engine
+        self.runner = host.runner
         self.max_migrate_in = max_migrate_in
         self.reservations: dict[str, Reservation] = {}
+        self.settled: OrderedDict[str, float] = OrderedDict()  # migration id -> commit ack -> first step (ms)
+        self._committed: dict[str, Reservation] = {}  # migration id -> committed, until settled
 
     @property
     def active(self) -> int:
-        return sum(1 for r in self.reservations.values() if r.machine.state is DestState.RESERVED)
+        return sum(1 for r in self.reservations.values() if r.machine.state in (DestState.NONE, DestState.RESERVED))
 
     def _get(self, migration_id: str, state: DestState = DestState.RESERVED) -> Reservation:
         res = self.reservations.get(migration_id)
@@ -62,48 +83,116 @@ class Destination:
         res.renew()
         return res
 
-    async def pre_allocate(self, migration_id: str, request_id: str, stage: int, num_blocks: int,
-                           layout: KvLayout, deadline_ms: int, source: str, spare: int = 0) -> tuple[bool, str]:
+    # --- on the engine thread ------------------------------------------------------
+    @staticmethod
+    def _want(res: Reservation, num_blocks: int, spare: int) -> int:
+        """Fresh blocks a stage needs beyond the spare ones held."""
+        from_spare = min(num_blocks, len(res.spare))
+        return num_blocks - from_spare + max(0, spare - (len(res.spare) - from_spare))
+
+    def _take(self, res: Reservation, stage: int, num_blocks: int, spare: int) -> bool:
+        """Reserve what the stage needs and record it in the reservation, in
+        one step. False if it does not fit (or the reservation ended). On the
+        engine thread, or on the loop when no fresh block is needed."""
+        with res.lock:
+            if res.closed:
+                return False
+            want = self._want(res, num_blocks, spare)
+            fresh = self.engine.reserve_blocks(want) if want else []
+            if fresh is None:
+                return False
+            pool = res.spare + fresh
+            res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
+            res.received[stage] = 0
+            return True
+
+    def _give_back(self, res: Reservation) -> int:
+        """Free everything the reservation holds; it holds nothing after."""
+        with res.lock:
+            if res.closed:
+                return 0
+            held = res.held
+            res.closed = True
+            res.stages, res.spare = {}, []
+        self.engine.release_blocks(held)
+        return len(held)
+
+    def _install(self, res: Reservation, state: RequestState) -> None:
+        """NOTE: the commit was validated; a failure here is a bug, and the
+        client's stream is ended rather than left hanging."""
+        with res.lock:
+            if res.closed:  # aborted between the commit and this step boundary
+                return
+            blocks, spare = res.blocks, res.spare
+            res.closed = True
+        if spare:
+            self.engine.release_blocks(spare)
+        try:
+            self.engine.install_request(state, blocks)
+        except Exception as e:  # noqa: BLE001
+            log.error("install after commit failed", request_id=state.request_id, error=repr(e))
+            self.engine.release_blocks(blocks)
+            self.runner.loop.call_soon_threadsafe(self.host.end_stream, state.request_id, "abort")
+            return
+        # Installed between two steps: its first step here starts now.
+        self.runner.loop.call_soon_threadsafe(self._installed, res, time.monotonic())
+
+    async def _release(self, res: Reservation) -> int:
+        """Wait for scatters in flight into the blocks (they must not land
+        in blocks someone else owns by then), then free them."""
+        while res.writers:
+            res.idle.clear()
+            await res.idle.wait()
+        return await self.runner.call(self._give_back, res)
+
+    # --- the protocol --------------------------------------------------------------
+    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
         mine = self.engine.kv_layout
-        if layout != mine:
-            return False, f"kv layout mismatch: source {layout}, destination {mine}"
-        res = self.reservations.get(migration_id)
+        if p.layout != mine:
+            return False, f"kv layout mismatch: source {p.layout}, destination {mine}"
+        res = self.reservations.get(p.migration_id)
         if res is None:
-            if self.svc.terminating:
+            if p.stage > 0:  # NOTE: never start over mid-migration: the earlier stages' blocks are gone
+                return False, f"no reservation for migration {p.migration_id!r} (expired or aborted)"
+            if self.host.is_terminating():
                 return False, "destination is terminating"
             if self.active >= self.max_migrate_in:
                 return False, f"migrate-in limit {self.max_migrate_in} reached"
-            if request_id in self.svc.streams:
-                return False, f"request {request_id!r} already lives here"
-            deadline_s = max(0.05, deadline_ms / 1000)
-            res = Reservation(Machine("destination", migration_id, request_id, DestState.NONE), source,
-                              time.monotonic() + deadline_s, deadline_s)
+            if p.request_id in self.host.streams:
+                return False, f"request {p.request_id!r} already lives here"
+            deadline_s = max(0.05, p.deadline_ms / 1000)
+            res = Reservation(Machine("destination", p.migration_id, p.request_id, DestState.NONE),
+                              p.source_instance_id, time.monotonic() + deadline_s, deadline_s)
+            # NOTE: recorded before any block is taken: the expiry sees it
+            # whatever happens to this call.
+            self.reservations[p.migration_id] = res
         elif res.machine.state is not DestState.RESERVED:
             return False, f"migration is {res.machine.state.value}"
-        if stage in res.stages:
-            return False, f"stage {stage} already reserved"
-        # Serve the stage from the spare blocks when they suffice (no engine
-        # step needed: the last stage comes right after the suspend).
-        from_spare = min(num_blocks, len(res.spare))
-        want = num_blocks - from_spare + max(0, spare - (len(res.spare) - from_spare))
-        fresh = await self.runner.call(self.engine.reserve_blocks, want) if want else []
-        if fresh is None:
-            if res.machine.state is DestState.RESERVED:  # keep earlier stages until the source aborts
-                res.renew()
-            return False, f"{want} blocks do not fit above the watermark"
-        pool = res.spare + fresh
-        res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
-        if migration_id not in self.reservations:
-            self.reservations[migration_id] = res
-        res.received[stage] = 0
+        if p.stage in res.stages:
+            return False, f"stage {p.stage} already reserved"
         res.renew()
-        res.machine.to(DestState.RESERVED, stage=stage, blocks=num_blocks, spare=len(res.spare),
+        if self._want(res, p.num_blocks, p.spare_blocks) == 0:
+            # From the spare blocks alone (the last stage, right after the
+            # suspend): no engine step to wait for.
+            ok = self._take(res, p.stage, p.num_blocks, p.spare_blocks)
+        else:
+            ok = await self.runner.call(self._take, res, p.stage, p.num_blocks, p.spare_blocks)
+        res.renew()
+        if res.machine.terminal:  # aborted or expired while we waited: _give_back freed what _take took
+            return False, f"migration is {res.machine.state.value}"
+        if not ok:
+            if res.machine.state is DestState.NONE and not res.held:
+                res.machine.to(DestState.ABORTED, reason="refused")
+                self.reservations.pop(p.migration_id, None)
+            # else: keep earlier stages until the source aborts (or the deadline)
+            return False, f"{p.num_blocks + p.spare_blocks} blocks do not fit above the watermark"
+        res.machine.to(DestState.RESERVED, stage=p.stage, blocks=p.num_blocks, spare=len(res.spare),
                        total_blocks=len(res.blocks))
-        self.svc.migrating_in = self.active
+        self.host.changed()
         return True, ""
 
-    async def transfer(self, chunks) -> tuple[int, int]:
-        """Consume one stage's KvChunk stream; scatter each chunk into its blocks."""
+    async def transfer(self, chunks: AsyncIterable[KvChunk]) -> tuple[int, int]:
+        """Consume one stage's chunks; scatter each into its blocks."""
         res = None
         written = nbytes = 0
         bpb = self.engine.kv_layout.bytes_per_block
@@ -114,6 +203,8 @@ class Destination:
                 if stage not in res.stages:
                     raise InvalidArgument(f"stage {stage} was not pre-allocated")
                 blocks = res.stages[stage]
+            if res.machine.state is not DestState.RESERVED or res.closed:
+                raise Aborted("migration aborted during transfer")
             res.renew()
             if chunk.offset % bpb or len(chunk.data) % bpb:
                 raise InvalidArgument("KV chunk is not aligned to whole blocks")
@@ -121,12 +212,18 @@ class Destination:
             n = len(chunk.data) // bpb
             if first + n > len(blocks):
                 raise InvalidArgument(f"KV chunk for blocks {first}..{first + n} of a {len(blocks)}-block stage")
-            await asyncio.to_thread(self.engine.scatter_kv, blocks[first:first + n], chunk.data)
+            res.writers += 1
+            try:
+                await asyncio.to_thread(self.engine.scatter_kv, blocks[first:first + n], chunk.data)
+            finally:
+                res.writers -= 1
+                if not res.writers:
+                    res.idle.set()
             written += n
             nbytes += len(chunk.data)
-            if res.machine.state is not DestState.RESERVED:  # aborted while we wrote
-                raise Aborted("migration aborted during transfer")
         if res is not None:
+            if res.machine.state is not DestState.RESERVED:
+                raise Aborted("migration aborted during transfer")
             res.received[stage] += written
             res.bytes += nbytes
         return written, nbytes
@@ -143,28 +240,40 @@ class Destination:
             raise InvalidArgument(f"{len(res.blocks)} blocks for {state.num_computed_tokens} computed tokens")
         # NOTE: a dict lookup from the event loop; the engine thread only adds
         # this id through _install below, which runs after this check.
-        if self.engine.request_phase(state.request_id) is not None or state.request_id in self.svc.streams:
+        if self.engine.request_phase(state.request_id) is not None or state.request_id in self.host.streams:
             raise FailedPrecondition(f"request {state.request_id!r} already lives here")
         # Validated: acknowledge now and install at the engine's next step
         # boundary (waiting for it here would add a step to the downtime).
-        self.svc.streams.open(state.request_id, next_index=len(state.output_token_ids))
-        self.runner.submit(self._install, state, res.blocks, res.spare)
-        res.spare = []
+        self.host.streams.open(state.request_id, next_index=len(state.output_token_ids))
+        self.runner.submit(self._install, res, state)
         res.committed_at = time.monotonic()
+        self._committed[migration_id] = res
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
-        self.svc.migrating_in = self.active
+        self.counters.destination_committed()
+        self.host.changed()
 
-    def _install(self, state: RequestState, blocks: list[int], spare: list[int]) -> None:
-        """On the engine thread. NOTE: the commit was validated; a failure here
-        is a bug, and the client's stream is ended rather than left hanging."""
-        if spare:
-            self.engine.release_blocks(spare)
-        try:
-            self.engine.install_request(state, blocks)
-        except Exception as e:  # noqa: BLE001
-            log.error("install after commit failed", request_id=state.request_id, error=repr(e))
-            self.engine.release_blocks(blocks)
-            self.runner.loop.call_soon_threadsafe(self.svc._end_stream, state.request_id, "abort")
+    def _installed(self, res: Reservation, at: float) -> None:
+        """On the loop: the request joined the batch (at a step boundary);
+        its downtime ends as its first step here begins."""
+        mid = res.machine.migration_id
+        self.settled[mid] = (at - res.committed_at) * 1000
+        while len(self.settled) > 1024:
+            self.settled.popitem(last=False)
+        self._committed.pop(mid, None)
+        res.installed.set()
+
+    async def settle(self, migration_id: str, wait_ms: int) -> float | None:
+        """Commit acknowledged -> the request's first step here begins (ms);
+        waits up to ``wait_ms`` for it; None if it did not come."""
+        if migration_id not in self.settled:
+            res = self._committed.get(migration_id)
+            if res is None:
+                return None
+            try:
+                await asyncio.wait_for(res.installed.wait(), wait_ms / 1000)
+            except TimeoutError:
+                return None
+        return self.settled.get(migration_id)
 
     async def abort(self, migration_id: str, reason: str) -> bool:
         res = self.reservations.get(migration_id)
@@ -174,16 +283,27 @@ class Destination:
             # Commit reply lost: the source goes on; drop our copy unless a
             # client already follows it here (then the source cannot have
             # resumed: it only sends `moved` after a successful commit).
-            stream = self.svc.streams.get(res.machine.request_id)
+            rid = res.machine.request_id
+            stream = self.host.streams.get(rid)
             if stream is not None and stream.attached:
                 return False
-            self.svc.streams.close(res.machine.request_id)
-            await self.runner.call(self.engine.abort_request, res.machine.request_id)
+            self.host.streams.close(rid)
+            self._committed.pop(migration_id, None)
+            await self.runner.call(self._drop_committed, res, rid)
         else:
-            await self.runner.call(self.engine.release_blocks, res.held)
+            res.machine.to(DestState.ABORTED, reason=reason)  # first: no transfer writes on
+            await self._release(res)
+            self.host.changed()
+            return True
         res.machine.to(DestState.ABORTED, reason=reason)
-        self.svc.migrating_in = self.active
+        self.host.changed()
         return True
+
+    def _drop_committed(self, res: Reservation, request_id: str) -> None:
+        if not res.closed:  # not installed yet: its blocks are still ours
+            self._give_back(res)
+        else:
+            self.engine.abort_request(request_id)
 
     async def expire(self) -> None:
         """Free reservations whose deadline passed (the source died), and drop
@@ -191,12 +311,12 @@ class Destination:
         now = time.monotonic()
         for mid, res in list(self.reservations.items()):
             st = res.machine.state
-            if st is DestState.RESERVED and now > res.deadline:
-                await self.runner.call(self.engine.release_blocks, res.held)
+            if st in (DestState.NONE, DestState.RESERVED) and now > res.deadline:
                 res.machine.to(DestState.EXPIRED, blocks=len(res.held))
-                self.svc.migrating_in = self.active
+                await self._release(res)
+                self.host.changed()
             elif st is DestState.COMMITTED:
-                stream = self.svc.streams.get(res.machine.request_id)
+                stream = self.host.streams.get(res.machine.request_id)
                 if stream is None or stream.attached:
                     del self.reservations[mid]  # the client follows the request here: done
                     continue
@@ -205,4 +325,4 @@ class Destination:
                                 request_id=res.machine.request_id)
                     await self.abort(mid, "not attached before the deadline")
             if res.machine.terminal:
-                del self.reservations[mid]
+                self.reservations.pop(mid, None)

@@ -1,142 +1,197 @@
 """Both sides of migration on one instance: the scheduler's migrate-out
-orders (choose requests, migrate one at a time until no longer a source) and
-the destination RPCs."""
+orders (choose requests, migrate until no longer a source, a few at once) and
+the destination. Owns the migration counters.
+
+NOTE: an order runs as a task of this manager, not of the RPC that brought
+it: when the caller goes away (its deadline passed, it restarted) the order
+starts no new migration and lets the ones in flight finish or abort; nothing
+is cancelled half-way by a caller."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 
-import grpc
-
-from ferry.pb import instance_pb2 as pb
-from ferry.pb import instance_pb2_grpc as pb_grpc
-from libs.common import convert, failpoints, rpc
-from libs.common.errors import ResourceExhausted, Unavailable
+from libs.common import rpc
+from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
-from services.instance.engine.base import KvLayout
-from services.instance.migration import metrics
 from services.instance.migration.destination import Destination
+from services.instance.migration.grpc_peer import GrpcPeer
+from services.instance.migration.host import MigrationHost
+from services.instance.migration.messages import MigrateOutOrder, MigrationConfig, OrderResult, Outcome
+from services.instance.migration.metrics import MigrationCounters
+from services.instance.migration.peer import DestinationPeer
 from services.instance.migration.policy import next_to_migrate
-from services.instance.migration.source import MigrationConfig, Outcome, SourceMigration
+from services.instance.migration.selection import status_without
+from services.instance.migration.source import Fault, SourceMigration, failpoint_faults
 
 log = get_logger("migration")
 
+PeerFactory = Callable[[str], DestinationPeer]  # destination address -> peer
+
 
 class MigrationManager:
-    def __init__(self, svc, config: MigrationConfig):
-        self.svc = svc
+    def __init__(self, host: MigrationHost, config: MigrationConfig, peers: PeerFactory | None = None,
+                 fault: Fault = failpoint_faults, expire_interval_s: float = 0.05):
+        self.host = host
         self.config = config
-        self.dest = Destination(svc, config.max_migrate_in)
-        self.outgoing: dict[str, SourceMigration] = {}  # request id -> migration
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._expiry = asyncio.create_task(self._expire_forever())
+        self.counters = MigrationCounters()
+        self.dest = Destination(host, config.max_migrate_in, self.counters)
+        self.outgoing: dict[str, SourceMigration] = {}  # request id -> migration in flight
+        self.fault = fault
+        self._peers = peers or self._grpc_peer
+        self._grpc_peers: dict[str, GrpcPeer] = {}
+        self._channels = []
+        self._tasks: set[asyncio.Task] = set()  # orders and their migrations
+        self._expiry = asyncio.create_task(self._expire_forever(expire_interval_s))
 
     @property
     def reservations(self):
         return self.dest.reservations
 
+    @property
+    def migrating_out(self) -> int:
+        return len(self.outgoing)
+
+    @property
+    def migrating_in(self) -> int:
+        return self.dest.active
+
     async def close(self) -> None:
+        """Stop: migrations in flight abort (the requests stay here)."""
         self._expiry.cancel()
-        for ch in self._channels.values():
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(self._expiry, *tasks, return_exceptions=True)
+        for ch in self._channels:
             await ch.close()
 
-    def _stub(self, address: str) -> pb_grpc.InstanceStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = rpc.channel(address)
-        return pb_grpc.InstanceStub(ch)
+    def _grpc_peer(self, address: str) -> DestinationPeer:
+        peer = self._grpc_peers.get(address)
+        if peer is None:
+            ch = rpc.channel(address)
+            self._channels.append(ch)
+            peer = self._grpc_peers[address] = GrpcPeer(ch, self.config.rpc_timeout_s)
+        return peer
 
-    async def _expire_forever(self) -> None:
+    async def _expire_forever(self, interval_s: float) -> None:
         while True:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(interval_s)
             try:
                 await self.dest.expire()
             except Exception as e:  # noqa: BLE001
                 log.error("reservation expiry failed", error=repr(e))
 
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
     # --- source ------------------------------------------------------------------
-    async def migrate_one(self, request_id: str, dest_id: str, dest_address: str,
-                          blocking: bool = False) -> Outcome:
-        if len(self.outgoing) >= self.config.max_migrate_out:
-            raise ResourceExhausted(f"migrate-out limit {self.config.max_migrate_out} reached")
+    def _to_dest(self, dest_id: str) -> int:
+        return sum(1 for m in self.outgoing.values() if m.dest_id == dest_id)
+
+    def can_start(self, dest_id: str) -> bool:
+        return (len(self.outgoing) < self.config.max_migrate_out
+                and self._to_dest(dest_id) < self.config.max_migrate_out_per_dest)
+
+    def _start(self, request_id: str, dest_id: str, dest_address: str, blocking: bool) -> SourceMigration:
+        """Register a migration (synchronously: limits hold with several
+        orders at once)."""
+        if request_id in self.outgoing:
+            raise ResourceExhausted(f"request {request_id!r} is already migrating")
+        if not self.can_start(dest_id):
+            raise ResourceExhausted(f"migrate-out limit reached ({self.config.max_migrate_out} in all, "
+                                    f"{self.config.max_migrate_out_per_dest} per destination)")
         config = replace(self.config, max_stages=0) if blocking else self.config
-        mig = SourceMigration(self.svc, request_id, dest_id, dest_address, self._stub(dest_address), config)
+        mig = SourceMigration(self.host, request_id, dest_id, dest_address, self._peers(dest_address), config,
+                              self.fault)
         self.outgoing[request_id] = mig
-        self.svc.migrating_out = len(self.outgoing)
+        self.host.changed()
+        return mig
+
+    async def _run(self, mig: SourceMigration) -> Outcome:
         try:
             out = await mig.run()
         finally:
-            self.outgoing.pop(request_id, None)
-            self.svc.migrating_out = len(self.outgoing)
-            if self.svc.reporter:
-                self.svc.reporter.poke()
-        metrics.MIGRATIONS.labels("source", "committed" if out.committed else "aborted").inc()
-        metrics.STAGES.observe(out.stages)
-        metrics.BLOCKS.inc(out.blocks)
-        metrics.BYTES.inc(out.bytes)
-        metrics.DURATION.observe(out.duration_ms / 1000)
-        if out.committed:
-            metrics.DOWNTIME.observe(out.downtime_ms / 1000)
+            self.outgoing.pop(mig.request_id, None)
+            self.host.changed()
+        self.counters.source_done(out)
         return out
 
-    async def migrate_out(self, req: pb.MigrateOutRequest) -> pb.MigrateOutReply:
-        if self.svc.migrating_out >= self.config.max_migrate_out:
+    async def migrate_one(self, request_id: str, dest_id: str, dest_address: str, blocking: bool = False) -> Outcome:
+        return await self._run(self._start(request_id, dest_id, dest_address, blocking))
+
+    def order_status(self):
+        """The status an order chooses from: requests already leaving excluded."""
+        return status_without(self.host.instance_id, self.host.current_load(), self.host.headroom,
+                              self.host.is_terminating(), frozenset(self.outgoing))
+
+    async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
+        """Run an order to its end; if the caller is cancelled meanwhile the
+        order goes on without starting new migrations."""
+        if not self.can_start(order.dest_instance_id):
             raise ResourceExhausted("already migrating out")
-        reply = pb.MigrateOutReply()
+        if order.request_id and order.request_id in self.outgoing:
+            raise ResourceExhausted(f"request {order.request_id!r} is already migrating")
+        stop = asyncio.Event()
+        task = self._spawn(self._order(order, stop))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+
+    async def _order(self, order: MigrateOutOrder, stop: asyncio.Event) -> OrderResult:
+        result = OrderResult()
         tried: set[str] = set()
-        limit = req.max_requests or 64
-        while reply.started < limit:
-            if req.request_id:
-                if req.request_id in tried:
-                    break
-                rid = req.request_id
-            else:
-                rid = next_to_migrate(self.svc.status(), reply.started, req.stop_when_freeness_above,
-                                      req.use_priorities, frozenset(tried))
-                if rid is None:
-                    break  # no longer a source, or nothing left to move
-            tried.add(rid)
-            reply.started += 1
-            out = await self.migrate_one(rid, req.dest_instance_id, req.dest_address, req.blocking)
-            reply.results.append(out.to_pb())
-            if out.committed:
-                reply.committed += 1
-            else:
-                reply.aborted += 1
-                if "refused" in out.reason or "UNAVAILABLE" in out.reason.upper():
-                    break  # the destination is full or gone: ask the scheduler again
-        return reply
+        limit = order.max_requests or 64
+        running: set[asyncio.Task] = set()
+        choosing = True
+        try:
+            while True:
+                while choosing and not stop.is_set() and result.started < limit \
+                        and self.can_start(order.dest_instance_id):
+                    rid = self._choose(order, result.started, tried)
+                    if rid is None:
+                        choosing = False
+                        break
+                    tried.add(rid)
+                    try:
+                        mig = self._start(rid, order.dest_instance_id, order.dest_address, order.blocking)
+                    except ResourceExhausted:
+                        continue  # leaving already (another order): choose again
+                    result.started += 1
+                    running.add(self._spawn(self._run(mig)))
+                    if order.request_id:
+                        choosing = False
+                if not running:
+                    return result
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    out = t.result()
+                    result.results.append(out)
+                    if out.committed:
+                        result.committed += 1
+                    else:
+                        result.aborted += 1
+                        if self.outgoing_dest_failed(out):
+                            choosing = False  # the destination is full or gone: ask the scheduler again
+        except asyncio.CancelledError:
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            raise
 
-    # --- destination ---------------------------------------------------------------
-    async def pre_allocate(self, req: pb.PreAllocateRequest) -> pb.PreAllocateReply:
-        h = req.header
-        layout = KvLayout(h.dtype, h.block_size, h.num_layers, h.num_kv_heads, h.head_dim)
-        ok, reason = await self.dest.pre_allocate(req.migration_id, req.request_id, req.stage, req.num_blocks,
-                                                  layout, req.deadline_ms, req.source_instance_id,
-                                                  req.spare_blocks)
-        if not ok:
-            log.info("pre-allocate refused", migration_id=req.migration_id, reason=reason)
-        return pb.PreAllocateReply(accepted=ok, reason=reason)
+    @staticmethod
+    def outgoing_dest_failed(out: Outcome) -> bool:
+        return "refused" in out.reason or "UNAVAILABLE" in out.reason.upper()
 
-    async def transfer_kv(self, chunks) -> pb.TransferKvReply:
-        if failpoints.enabled("dest.crash_mid_transfer"):
-            import os
-
-            async for _ in chunks:
-                os._exit(17)  # killed with a transfer under way
-        written, nbytes = await self.dest.transfer(chunks)
-        return pb.TransferKvReply(blocks_written=written, bytes=nbytes)
-
-    async def commit(self, req: pb.CommitRequest) -> pb.CommitReply:
-        await self.dest.commit(req.migration_id, convert.state_from_pb(req.state))
-        metrics.MIGRATIONS.labels("destination", "committed").inc()
-        if self.svc.reporter:
-            self.svc.reporter.poke()
-        if failpoints.enabled("dest.drop_commit_reply"):
-            raise Unavailable("failpoint: commit reply lost")
-        return pb.CommitReply(ok=True)
-
-    async def abort(self, req: pb.AbortMigrationRequest) -> pb.AbortMigrationReply:
-        found = await self.dest.abort(req.migration_id, req.reason or "aborted by the source")
-        return pb.AbortMigrationReply(found=found)
+    def _choose(self, order: MigrateOutOrder, started: int, tried: set[str]) -> str | None:
+        if order.request_id:
+            return None if order.request_id in tried else order.request_id
+        return next_to_migrate(self.order_status(), started, order.stop_when_freeness_above,
+                               order.use_priorities, frozenset(tried))

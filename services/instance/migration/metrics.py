@@ -1,6 +1,11 @@
-"""Per-migration metrics of an instance (exported on its --metrics-port)."""
+"""Migration metrics of an instance (exported on its --metrics-port).
+NOTE: written only through MigrationCounters (the manager owns one)."""
+
+from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
+
+from services.instance.migration.messages import Outcome
 
 MIGRATIONS = Counter("ferry_migrations_total", "Migrations by side and outcome", ["side", "outcome"])
 STAGES = Histogram("ferry_migration_stages", "Copy stages per migration (last included)",
@@ -9,5 +14,35 @@ BLOCKS = Counter("ferry_migration_blocks_total", "KV blocks sent by migrations")
 BYTES = Counter("ferry_migration_bytes_total", "KV bytes sent by migrations")
 DURATION = Histogram("ferry_migration_duration_seconds", "Migration duration (select to done/abort)",
                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-DOWNTIME = Histogram("ferry_migration_downtime_seconds", "Suspend to commit acknowledged",
+DOWNTIME = Histogram("ferry_migration_downtime_seconds", "Suspend to the first step on the destination",
                      buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+COMMIT_ACK = Histogram("ferry_migration_commit_ack_seconds", "Suspend to commit acknowledged",
+                       buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+
+
+class MigrationCounters:
+    """Counts of this instance's migrations, and the Prometheus export."""
+
+    def __init__(self):
+        self.committed_out = 0
+        self.aborted_out = 0
+        self.committed_in = 0
+
+    def source_done(self, out: Outcome) -> None:
+        if out.committed:
+            self.committed_out += 1
+        else:
+            self.aborted_out += 1
+        MIGRATIONS.labels("source", "committed" if out.committed else "aborted").inc()
+        STAGES.observe(out.stages)
+        BLOCKS.inc(out.blocks)
+        BYTES.inc(out.bytes)
+        DURATION.observe(out.duration_ms / 1000)
+        if out.committed:
+            COMMIT_ACK.observe(out.commit_ack_ms / 1000)
+            if out.downtime_ms:
+                DOWNTIME.observe(out.downtime_ms / 1000)
+
+    def destination_committed(self) -> None:
+        self.committed_in += 1
+        MIGRATIONS.labels("destination", "committed").inc()

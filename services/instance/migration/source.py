@@ -2,86 +2,79 @@
 full blocks while the request keeps decoding, pre-allocate before and verify
 after every stage, suspend at a step boundary, last stage, commit with the
 full request state. Any failure aborts: the request goes on at the source as
-if nothing happened."""
+if nothing happened.
+
+NOTE: cancellation-safe. A cancel (the order's caller went away, the
+instance stops) at any await aborts like a failure, and the abort itself runs
+to its end even if cancelled again: the request runs on exactly one instance.
+After the commit acknowledgement nothing awaits until the request is handed
+over (``moved`` pushed, the local copy dropped at the next step boundary)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 
-import grpc
-
-from ferry.pb import instance_pb2 as pb
-from ferry.pb import instance_pb2_grpc as pb_grpc
-from libs.common import convert, failpoints
+from libs.common import failpoints
 from libs.common.logging import get_logger
+from services.instance.migration.host import MigrationHost
+from services.instance.migration.messages import (
+    KvChunk,
+    MigrateOutOrder,  # noqa: F401 - re-exported for callers of this module
+    MigrationAborted,
+    MigrationConfig,
+    Outcome,
+    PeerError,
+    PreAllocate,
+)
+from services.instance.migration.peer import DestinationPeer
 from services.instance.migration.states import Machine, SourceState
 from services.instance.streams import Event
 
 log = get_logger("migration")
 S = SourceState
+Fault = Callable[[str], None]
+
+__all__ = ["MigrationAborted", "MigrationConfig", "Outcome", "SourceMigration", "failpoint_faults"]
 
 
-class MigrationAborted(Exception):
-    pass
+def failpoint_faults(name: str) -> None:
+    """The process-wide failpoints (``--failpoints``) at the source's fault
+    points. NOTE: source.crash_mid_transfer simulates the source process
+    being killed (SIGKILL): it exits, from the source core, not from inside
+    the transport's chunk generator."""
+    if name == "source.crash_mid_transfer" and failpoints.enabled(name):
+        import os
 
-
-@dataclass(frozen=True)
-class MigrationConfig:
-    max_stages: int = 4
-    last_stage_max_blocks: int = 2
-    chunk_bytes: int = 4 << 20
-    max_migrate_out: int = 1
-    max_migrate_in: int = 2
-    deadline_ms: int = 3000
-    rpc_timeout_s: float = 10.0
-
-
-@dataclass
-class Outcome:
-    migration_id: str
-    request_id: str
-    committed: bool
-    reason: str = ""
-    stages: int = 0
-    blocks: int = 0
-    bytes: int = 0
-    duration_ms: float = 0.0
-    downtime_ms: float = 0.0
-
-    def to_pb(self) -> pb.MigrationResult:
-        return pb.MigrationResult(
-            migration_id=self.migration_id, request_id=self.request_id,
-            outcome="committed" if self.committed else "aborted", reason=self.reason, stages=self.stages,
-            blocks=self.blocks, bytes=self.bytes, duration_ms=self.duration_ms, downtime_ms=self.downtime_ms)
-
-
-def _header(layout) -> pb.KvHeader:
-    return pb.KvHeader(dtype=layout.dtype, block_size=layout.block_size, num_layers=layout.num_layers,
-                       num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+        os._exit(17)
 
 
 class SourceMigration:
-    def __init__(self, svc, request_id: str, dest_id: str, dest_address: str, stub: pb_grpc.InstanceStub,
-                 config: MigrationConfig):
-        self.svc = svc
-        self.engine = svc.engine
-        self.runner = svc.runner
+    def __init__(self, host: MigrationHost, request_id: str, dest_id: str, dest_address: str,
+                 peer: DestinationPeer, config: MigrationConfig, fault: Fault = failpoint_faults):
+        self.host = host
+        self.engine = host.engine
+        self.runner = host.runner
         self.request_id = request_id
         self.dest_id = dest_id
         self.dest_address = dest_address
-        self.stub = stub
+        self.peer = peer
         self.config = config
+        self.fault = fault
         self.id = f"mig-{uuid.uuid4().hex[:12]}"
         self.m = Machine("source", self.id, request_id, S.SELECT)
         self.out = Outcome(self.id, request_id, False)
         self.sent = 0  # blocks already copied
         self.preemptions = 0
-        self.suspended = False
+        self.dest_failed = False  # the destination could not be reached or refused
 
     # --- helpers ---------------------------------------------------------------
+    def _to(self, state: SourceState, **fields) -> None:
+        self.m.to(state, **fields)
+        self.fault(f"source.{state.value}")  # tests inject failures and cancellations here
+
     @property
     def spare_blocks(self) -> int:
         """Most blocks the last stage can need: the uncopied full blocks that
@@ -90,37 +83,43 @@ class SourceMigration:
         return self.config.last_stage_max_blocks + 2
 
     async def _pre_allocate(self, stage: int, n: int, spare: int = 0) -> None:
-        reply = await self.stub.PreAllocate(pb.PreAllocateRequest(
-            migration_id=self.id, request_id=self.request_id, num_blocks=n, stage=stage,
-            header=_header(self.engine.kv_layout), deadline_ms=self.config.deadline_ms,
-            source_instance_id=self.svc.instance_id, spare_blocks=spare), timeout=self.config.rpc_timeout_s)
-        if not reply.accepted:
-            raise MigrationAborted(f"destination refused: {reply.reason}")
+        ok, reason = await self.peer.pre_allocate(PreAllocate(
+            self.id, self.request_id, stage, n, self.engine.kv_layout, self.config.deadline_ms,
+            self.host.instance_id, spare))
+        if not ok:
+            self.dest_failed = True
+            raise MigrationAborted(f"destination refused: {reason}")
 
-    async def _copy(self, stage: int, blocks: list[int]) -> int:
+    async def _copy(self, stage: int, blocks: list[int], paced: bool = False) -> int:
         """Gather the blocks in chunks (off the event loop and the engine
-        thread) and stream them; returns bytes sent."""
+        thread) and stream them; returns bytes sent. Paced (pre-copy while
+        the request decodes here): smaller chunks, and after each a pause so
+        that copying takes at most ``copy_duty`` of the wall time."""
         if not blocks:
             return 0
         bpb = self.engine.kv_layout.bytes_per_block
-        per_chunk = max(1, self.config.chunk_bytes // bpb)
+        chunk_bytes = min(self.config.chunk_bytes, self.config.precopy_chunk_bytes) if paced \
+            else self.config.chunk_bytes
+        per_chunk = max(1, chunk_bytes // bpb)
         total = len(blocks) * bpb
         delay = failpoints.value("source.copy_delay_ms")
+        duty = self.config.copy_duty if paced else 1.0
 
         async def chunks():
             for i in range(0, len(blocks), per_chunk):
+                t = time.perf_counter()
                 data = await asyncio.to_thread(self.engine.gather_kv, blocks[i:i + per_chunk])
-                yield pb.KvChunk(migration_id=self.id, stage=stage, num_blocks=len(blocks),
-                                 offset=i * bpb, data=bytes(data), total_bytes=total)
-                if failpoints.enabled("source.crash_mid_transfer") and i == 0:
-                    import os
+                yield KvChunk(self.id, stage, i * bpb, data, len(blocks), total)
+                # Back here once the transport took the chunk (sent it).
+                if i == 0:
+                    self.fault("source.crash_mid_transfer")
+                if 0 < duty < 1 and i + per_chunk < len(blocks):
+                    await asyncio.sleep((time.perf_counter() - t) * (1 / duty - 1))
 
-                    os._exit(17)
-
-        reply = await self.stub.TransferKv(chunks(), timeout=self.config.rpc_timeout_s)
-        if reply.blocks_written != len(blocks):
-            raise MigrationAborted(f"destination wrote {reply.blocks_written} of {len(blocks)} blocks")
-        if delay:
+        written = await self.peer.transfer(chunks())
+        if written != len(blocks):
+            raise MigrationAborted(f"destination wrote {written} of {len(blocks)} blocks")
+        if delay and len(blocks) >= int(failpoints.value("source.copy_delay_min_blocks") or 0):
             await asyncio.sleep(float(delay) / 1000)
         return total
 
@@ -137,11 +136,24 @@ class SourceMigration:
         t0 = time.perf_counter()
         try:
             await self._run()
-        except (MigrationAborted, grpc.RpcError, Exception) as e:  # noqa: BLE001 - every failure aborts
-            reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
-            await self._abort(reason or type(e).__name__)
+        except BaseException as e:
+            cancelled = isinstance(e, asyncio.CancelledError)
+            if isinstance(e, PeerError):
+                self.dest_failed = True
+            reason = "cancelled" if cancelled else (str(e) or type(e).__name__)
+            await self._abort_to_the_end(reason)
+            if cancelled or not isinstance(e, Exception):
+                raise
         self.out.duration_ms = (time.perf_counter() - t0) * 1000
         self.out.stages = sum(1 for s in self.m.history if s in (S.COPY, S.COPY_LAST))
+        if self.out.committed:
+            # Off the critical path (the client already follows the request):
+            # the downtime ends at the request's first step at the destination.
+            try:
+                after = await self.peer.settled(self.id, wait_ms=2000)
+            except Exception:  # noqa: BLE001 - a measurement only
+                after = None
+            self.out.downtime_ms = self.out.commit_ack_ms + after if after is not None else 0.0
         return self.out
 
     async def _run(self) -> None:
@@ -165,75 +177,96 @@ class SourceMigration:
                 spare = self.spare_blocks
                 if self.config.max_stages == 0:  # blocking baseline: the last stage is everything
                     spare += len(await self.runner.call(self.engine.all_blocks, self.request_id))
-            self.m.to(S.PRE_ALLOC, stage=stage, blocks=len(todo))
+            self._to(S.PRE_ALLOC, stage=stage, blocks=len(todo))
             await self._pre_allocate(stage, len(todo), spare=spare)
-            self.m.to(S.COPY, stage=stage, blocks=len(todo))
-            nbytes = await self._copy(stage, todo)
+            self._to(S.COPY, stage=stage, blocks=len(todo))
+            nbytes = await self._copy(stage, todo, paced=True)
             self.out.blocks += len(todo)
             self.out.bytes += nbytes
             self.sent += len(todo)
-            self.m.to(S.VERIFY, stage=stage, blocks=len(todo), bytes=nbytes)
+            self._to(S.VERIFY, stage=stage, blocks=len(todo), bytes=nbytes)
             await self._verify()
             stage += 1
             if last:
                 break
 
-        self.m.to(S.SUSPEND, stage=stage)
+        self._to(S.SUSPEND, stage=stage)
         # One engine-thread call at a step boundary: suspend, export, and list
         # what is left to copy (a second call would wait a whole step).
         suspended, t_suspend, state, rest = await self.runner.call(self._suspend_and_export)
         if not suspended:
             raise MigrationAborted("request finished or was preempted before suspend")
-        self.suspended = True
-        self.m.to(S.PRE_ALLOC_LAST, stage=stage, blocks=len(rest))
+        self._to(S.PRE_ALLOC_LAST, stage=stage, blocks=len(rest))
         await self._pre_allocate(stage, len(rest))
-        self.m.to(S.COPY_LAST, stage=stage, blocks=len(rest))
+        self._to(S.COPY_LAST, stage=stage, blocks=len(rest))
         nbytes = await self._copy(stage, rest)
         self.out.blocks += len(rest)
         self.out.bytes += nbytes
-        self.m.to(S.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
-        state = replace(state, num_migrations=state.num_migrations + 1)
-        reply = await self.stub.Commit(pb.CommitRequest(migration_id=self.id, state=convert.state_to_pb(state)),
-                                       timeout=self.config.rpc_timeout_s)
-        if not reply.ok:
-            raise MigrationAborted(f"commit refused: {reply.reason}")
-        # The destination owns the request now: tell the client's stream where
-        # to go on first (it is suspended here, no token can come between),
-        # then forget it here.
-        self.out.downtime_ms = (time.perf_counter() - t_suspend) * 1000
-        stream = self.svc.streams.get(self.request_id)
-        if stream is not None:
-            stream.push(Event(len(state.output_token_ids), moved_to=(self.dest_id, self.dest_address)))
-            self.svc.streams.close(self.request_id)
-        self.suspended = False
-        await self.runner.call(self.engine.drop_request, self.request_id)
+        self._to(S.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
+        next_index = len(state.output_token_ids)
+        await self.peer.commit(self.id, state)
+        # NOTE: from here to the end nothing awaits (no cancel can land): the
+        # destination owns the request. Tell the client's stream where to go
+        # on first (it is suspended here, no token can come between), then
+        # forget it here at the next step boundary.
+        self.out.commit_ack_ms = (time.perf_counter() - t_suspend) * 1000
         self.out.committed = True
+        stream = self.host.streams.get(self.request_id)
+        if stream is not None:
+            stream.push(Event(next_index, moved_to=(self.dest_id, self.dest_address)))
+            self.host.streams.close(self.request_id)
+        self.runner.submit(self._drop)
         self.m.to(S.DONE, blocks=self.out.blocks, bytes=self.out.bytes,
-                  downtime_ms=round(self.out.downtime_ms, 3))
+                  commit_ack_ms=round(self.out.commit_ack_ms, 3))
 
     def _suspend_and_export(self):
         """On the engine thread, between two steps: take the request out of
-        the batch; its state; its blocks not yet copied (the partial last
-        block included). Downtime starts here."""
+        the batch; its state (counted as migrated once more); its blocks not
+        yet copied (the partial last block included). Downtime starts here."""
         if not self.engine.suspend_request(self.request_id):
             return False, 0.0, None, []
         t = time.perf_counter()
         state = self.engine.export_state(self.request_id)
+        state.num_migrations += 1
         rest = self.engine.all_blocks(self.request_id)[self.sent:]
         return True, t, state, rest
 
+    def _drop(self) -> None:
+        """On the engine thread: forget the request after the commit."""
+        if self.engine.request_phase(self.request_id) is not None:
+            self.engine.drop_request(self.request_id)
+
+    def _resume_if_suspended(self) -> bool:
+        """On the engine thread. NOTE: runs after any suspend this migration
+        queued (commands run in order), so a suspend whose caller was
+        cancelled is undone too. Only this migration suspends its request."""
+        phase = self.engine.request_phase(self.request_id)
+        if phase is not None and phase[0] == "suspended":
+            self.engine.resume_request(self.request_id)
+            return True
+        return False
+
     async def _abort(self, reason: str) -> None:
         self.out.reason = reason
-        if self.suspended:
-            try:
-                await self.runner.call(self.engine.resume_request, self.request_id)
-            except Exception as e:  # noqa: BLE001 - aborted meanwhile (client gone)
-                log.info("request gone while suspended", request_id=self.request_id, error=str(e))
-            self.suspended = False
         if not self.m.terminal:
             self.m.to(S.ABORT, reason=reason)
         try:
-            await self.stub.AbortMigration(pb.AbortMigrationRequest(migration_id=self.id, reason=reason),
-                                           timeout=2.0)
-        except grpc.RpcError:
-            pass  # the destination's reservation deadline frees its blocks
+            await self.runner.call(self._resume_if_suspended)
+        except Exception as e:  # noqa: BLE001 - the engine died: its streams end anyway
+            log.warning("resume after abort failed", request_id=self.request_id, error=repr(e))
+        try:
+            await self.peer.abort(self.id, reason)
+        except Exception as e:  # noqa: BLE001 - the destination's deadline frees its blocks
+            log.info("abort not delivered to the destination", migration_id=self.id, error=repr(e))
+
+    async def _abort_to_the_end(self, reason: str) -> None:
+        task = asyncio.ensure_future(self._abort(reason))
+        cancelled = False
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True  # again: finish the abort first
+        if cancelled:
+            raise asyncio.CancelledError()
+        task.result()

@@ -51,7 +51,7 @@ _SOURCE_EDGES = {
     S.ABORT: set(),
 }
 _DEST_EDGES = {
-    D.NONE: {D.RESERVED, D.ABORTED},
+    D.NONE: {D.RESERVED, D.ABORTED, D.EXPIRED},  # expired: its first pre-allocate never returned
     D.RESERVED: {D.RESERVED, D.COMMITTED, D.ABORTED, D.EXPIRED},
     D.COMMITTED: {D.ABORTED},  # commit lost: the source aborts before anyone attached
     D.ABORTED: set(),

@@ -1,0 +1,135 @@
+"""The destination peer over gRPC, and the protobuf <-> domain conversions of
+the migration RPCs (used by the servicer too)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from ferry.pb import instance_pb2 as pb
+from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.common import convert
+from libs.common.types import RequestState
+from services.instance.engine.base import KvLayout
+from services.instance.migration.messages import (
+    KvChunk,
+    MigrateOutOrder,
+    OrderResult,
+    Outcome,
+    PeerError,
+    PreAllocate,
+)
+
+
+# --- conversions ----------------------------------------------------------------------
+def header_to_pb(layout: KvLayout) -> pb.KvHeader:
+    return pb.KvHeader(dtype=layout.dtype, block_size=layout.block_size, num_layers=layout.num_layers,
+                       num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+
+
+def layout_from_pb(h: pb.KvHeader) -> KvLayout:
+    return KvLayout(h.dtype, h.block_size, h.num_layers, h.num_kv_heads, h.head_dim)
+
+
+def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:
+    return pb.PreAllocateRequest(
+        migration_id=p.migration_id, request_id=p.request_id, num_blocks=p.num_blocks, stage=p.stage,
+        header=header_to_pb(p.layout), deadline_ms=p.deadline_ms, source_instance_id=p.source_instance_id,
+        spare_blocks=p.spare_blocks)
+
+
+def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
+    return PreAllocate(m.migration_id, m.request_id, m.stage, m.num_blocks, layout_from_pb(m.header),
+                       m.deadline_ms, m.source_instance_id, m.spare_blocks)
+
+
+def chunk_to_pb(c: KvChunk) -> pb.KvChunk:
+    return pb.KvChunk(migration_id=c.migration_id, stage=c.stage, num_blocks=c.num_blocks, offset=c.offset,
+                      data=bytes(c.data), total_bytes=c.total_bytes)
+
+
+def chunk_from_pb(m: pb.KvChunk) -> KvChunk:
+    return KvChunk(m.migration_id, m.stage, m.offset, m.data, m.num_blocks, m.total_bytes)
+
+
+async def chunks_from_pb(stream) -> AsyncIterator[KvChunk]:
+    async for m in stream:
+        yield chunk_from_pb(m)
+
+
+def order_from_pb(m: pb.MigrateOutRequest) -> MigrateOutOrder:
+    return MigrateOutOrder(m.dest_instance_id, m.dest_address, m.stop_when_freeness_above, m.max_requests,
+                           m.request_id, m.use_priorities, m.blocking)
+
+
+def outcome_to_pb(o: Outcome) -> pb.MigrationResult:
+    return pb.MigrationResult(
+        migration_id=o.migration_id, request_id=o.request_id, outcome="committed" if o.committed else "aborted",
+        reason=o.reason, stages=o.stages, blocks=o.blocks, bytes=o.bytes, duration_ms=o.duration_ms,
+        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms)
+
+
+def order_result_to_pb(r: OrderResult) -> pb.MigrateOutReply:
+    return pb.MigrateOutReply(started=r.started, committed=r.committed, aborted=r.aborted,
+                              results=[outcome_to_pb(o) for o in r.results])
+
+
+def _reason(e: grpc.RpcError) -> str:
+    details = e.details() if hasattr(e, "details") else ""
+    code = e.code().name if hasattr(e, "code") and e.code() else "UNKNOWN"
+    return f"{code}: {details}" if details else code
+
+
+# --- the peer ---------------------------------------------------------------------------
+class GrpcPeer:
+    """A destination instance behind a gRPC channel (made with the
+    project's credentials by libs.common.rpc)."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float):
+        self.stub = pb_grpc.InstanceStub(channel)
+        self.timeout_s = timeout_s
+
+    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
+        try:
+            reply = await self.stub.PreAllocate(pre_allocate_to_pb(p), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise PeerError(_reason(e)) from None
+        return reply.accepted, reply.reason
+
+    async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
+        async def pbs():
+            async for c in chunks:
+                yield chunk_to_pb(c)  # NOTE: bytes() copies: the source may reuse its buffer
+
+        try:
+            reply = await self.stub.TransferKv(pbs(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise PeerError(_reason(e)) from None
+        return reply.blocks_written
+
+    async def commit(self, migration_id: str, state: RequestState) -> None:
+        try:
+            reply = await self.stub.Commit(pb.CommitRequest(migration_id=migration_id,
+                                                            state=convert.state_to_pb(state)),
+                                           timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise PeerError(_reason(e)) from None
+        if not reply.ok:
+            raise PeerError(f"commit refused: {reply.reason}")
+
+    async def abort(self, migration_id: str, reason: str) -> None:
+        try:
+            await self.stub.AbortMigration(pb.AbortMigrationRequest(migration_id=migration_id, reason=reason),
+                                           timeout=2.0)
+        except grpc.RpcError:
+            pass  # the destination's reservation deadline frees its blocks
+
+    async def settled(self, migration_id: str, wait_ms: int) -> float | None:
+        try:
+            r = await self.stub.MigrationSettled(pb.MigrationSettledRequest(migration_id=migration_id,
+                                                                            wait_ms=wait_ms),
+                                                 timeout=wait_ms / 1000 + 2)
+        except grpc.RpcError:
+            return None
+        return r.after_commit_ms if r.stepped else None

@@ -1,0 +1,93 @@
+"""The migration protocol's messages as plain dataclasses (DESIGN §6). The
+state machines speak these; protobuf stays at the gRPC edge (grpc_peer.py,
+and the servicer in manager.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.instance.engine.base import KvLayout
+
+
+class MigrationAborted(Exception):
+    """A migration cannot go on; the source aborts it (the request stays)."""
+
+
+class PeerError(MigrationAborted):
+    """The destination could not be reached or failed a call."""
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    max_stages: int = 4
+    last_stage_max_blocks: int = 2
+    chunk_bytes: int = 4 << 20
+    max_migrate_out: int = 1
+    max_migrate_in: int = 2
+    deadline_ms: int = 3000
+    rpc_timeout_s: float = 10.0
+    # Most migrations out of this instance to one destination at once.
+    max_migrate_out_per_dest: int = 2
+    # Pre-copy stages (the request still decodes here) copy in smaller chunks
+    # and spend at most this fraction of wall time copying (gather + send),
+    # so that the source's decode steps barely slow down; the last stage (the
+    # request suspended) runs at full speed.
+    copy_duty: float = 0.25
+    precopy_chunk_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class PreAllocate:
+    migration_id: str
+    request_id: str
+    stage: int
+    num_blocks: int
+    layout: KvLayout
+    deadline_ms: int
+    source_instance_id: str
+    spare_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class KvChunk:
+    """Part of one stage's fused KV buffer, ``offset`` bytes into it."""
+
+    migration_id: str
+    stage: int
+    offset: int
+    data: bytes | memoryview
+    num_blocks: int = 0  # blocks in the whole stage
+    total_bytes: int = 0
+
+
+@dataclass
+class Outcome:
+    migration_id: str
+    request_id: str
+    committed: bool
+    reason: str = ""
+    stages: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    duration_ms: float = 0.0
+    downtime_ms: float = 0.0  # suspend -> its first step at the destination begins (0: unknown)
+    commit_ack_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class MigrateOutOrder:
+    dest_instance_id: str
+    dest_address: str
+    stop_when_freeness_above: float = 0.0
+    max_requests: int = 0
+    request_id: str = ""
+    use_priorities: bool = False
+    blocking: bool = False
+
+
+@dataclass
+class OrderResult:
+    started: int = 0
+    committed: int = 0
+    aborted: int = 0
+    results: list[Outcome] = field(default_factory=list)

@@ -1,0 +1,68 @@
+"""The destination as the source sees it: four protocol calls on domain
+types. Two implementations: in-process (a Destination object in this
+process: tests, the simulator) and gRPC (grpc_peer.py: chunking, protobuf,
+credentials)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from libs.common.types import RequestState
+from services.instance.migration.destination import Destination
+from services.instance.migration.messages import KvChunk, PreAllocate
+
+
+class DestinationPeer(Protocol):
+    """Every call raises PeerError (or another exception) when the
+    destination cannot be reached or fails; a refusal is a result."""
+
+    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
+        """(accepted, why not)."""
+
+    async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
+        """Stream one stage's chunks; returns the blocks the destination wrote."""
+
+    async def commit(self, migration_id: str, state: RequestState) -> None:
+        """Hand the request over; returns once the destination owns it."""
+
+    async def abort(self, migration_id: str, reason: str) -> None:
+        """Best effort: the reservation's deadline frees it otherwise."""
+
+    async def settled(self, migration_id: str, wait_ms: int) -> float | None:
+        """Commit acknowledged -> the request's first step there (ms), or None."""
+
+
+def copy_state(state: RequestState) -> RequestState:
+    """A state that shares no list with the source's (the destination's
+    engine appends to its request's token lists)."""
+    return dataclasses.replace(state, prompt_token_ids=list(state.prompt_token_ids),
+                               output_token_ids=list(state.output_token_ids), extra=dict(state.extra))
+
+
+class InProcessPeer:
+    """A Destination in this process, called directly."""
+
+    def __init__(self, dest: Destination):
+        self.dest = dest
+
+    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
+        return await self.dest.pre_allocate(p)
+
+    async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
+        async def copied():
+            async for c in chunks:  # the source's buffer is reused after a chunk goes
+                yield dataclasses.replace(c, data=bytes(c.data))
+
+        written, _ = await self.dest.transfer(copied())
+        return written
+
+    async def commit(self, migration_id: str, state: RequestState) -> None:
+        await self.dest.commit(migration_id, copy_state(state))
+
+    async def abort(self, migration_id: str, reason: str) -> None:
+        await self.dest.abort(migration_id, reason)
+
+    async def settled(self, migration_id: str, wait_ms: int) -> float | None:
+        return await self.dest.settle(migration_id, wait_ms)

@@ -1,0 +1,82 @@
+"""The migration protocol in one process between two native engines on the
+real default model (SmolLM2-135M): a migrated request emits exactly the
+tokens of an unmigrated run (greedy and seeded), across a cancel too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("torch")
+
+from services.instance.engine import create_engine
+from services.instance.engine.base import EngineConfig
+from tests.instance.migration.harness import Client, Cluster, order
+
+pytestmark = pytest.mark.model
+
+PROMPT = [100 + (i * 37) % 5000 for i in range(90)]
+N = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def native():
+    return create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=64, block_size=16,
+                                      max_model_len=512, dtype="float32",
+                                      extra={"share_weights": True, "warmup": False}))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return native(), native()
+
+
+@pytest.fixture
+async def two(engines):
+    c = Cluster()
+    c.add("a", engines[0])
+    c.add("b", engines[1])
+    yield c
+    await c.stop()
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+async def test_migrated_tokens_equal_the_unmigrated_run(two, sampling):
+    ref = Client(two, "ref")
+    want = await asyncio.wait_for(ref.run("a", PROMPT, N, **sampling), 120)
+    cl = Client(two, "r")
+    task = asyncio.create_task(cl.run("a", PROMPT, N, **sampling))
+    await cl.wait_tokens(5, timeout_s=60)
+    res = await two.nodes["a"].manager.migrate_out(order("b", "r"))
+    assert res.committed == 1, res
+    assert await asyncio.wait_for(task, 120) == want
+    assert cl.path == ["a", "b"]
+    for node in two.nodes.values():
+        await node.check_clean()
+
+
+async def test_cancel_after_suspend_resumes_with_the_same_tokens(two):
+    ref = Client(two, "ref")
+    want = await asyncio.wait_for(ref.run("a", PROMPT, N), 120)
+    cl = Client(two, "r")
+    task = asyncio.create_task(cl.run("a", PROMPT, N))
+    await cl.wait_tokens(5, timeout_s=60)
+    a = two.nodes["a"]
+    a.faults["source.pre_alloc_last"] = lambda: asyncio.current_task().cancel()
+    mig = asyncio.create_task(a.manager.migrate_one("r", "b", "b"))
+    with pytest.raises(asyncio.CancelledError):
+        await mig
+    assert await asyncio.wait_for(task, 120) == want
+    assert cl.path == ["a"]
+    for node in two.nodes.values():
+        await node.check_clean()

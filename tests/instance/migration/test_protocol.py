@@ -1,0 +1,382 @@
+"""The migration protocol in one process (fake engines, whose tokens are
+computed from what they read back from their KV caches): every edge of both
+state machines, cancellations at every source state, finishes, aborts and
+preemptions during a stage, lost replies, reservation expiry, refusals. Each
+test checks the client's tokens exactly (exactly once, in order) and that
+both block pools are whole afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.instance.engine import create_engine
+from services.instance.engine.base import EngineConfig
+from services.instance.engine.fake import fake_generate
+from services.instance.migration.messages import MigrationConfig, PreAllocate
+from services.instance.migration.states import DestState, SourceState
+from tests.instance.migration.harness import CONFIG, Client, Cluster, HookedPeer, order
+
+PROMPT = [97 + (i * 7) % 26 for i in range(100)]  # 6 full blocks of 16 and a partial one
+
+
+def fake(num_blocks=256, block_size=16, delay_ms=2.0):
+    return create_engine(EngineConfig(engine="fake", num_blocks=num_blocks, block_size=block_size,
+                                      token_delay_ms=delay_ms))
+
+
+@pytest.fixture
+async def two():
+    c = Cluster()
+    c.add("a", fake())
+    c.add("b", fake())
+    yield c
+    await c.stop()
+
+
+async def start(c: Cluster, rid="r", n=200, at=10, node="a", prompt=PROMPT) -> tuple[Client, asyncio.Task]:
+    cl = Client(c, rid)
+    task = asyncio.create_task(cl.run(node, prompt, n))
+    await cl.wait_tokens(at)
+    return cl, task
+
+
+async def finish(c: Cluster, cl: Client, task: asyncio.Task, n: int, prompt=PROMPT) -> None:
+    await asyncio.wait_for(task, 30)
+    assert cl.tokens == fake_generate(prompt, n)
+    for node in c.nodes.values():
+        await node.check_clean()
+
+
+async def test_commit_moves_the_request_with_exact_tokens(two):
+    cl, task = await start(two)
+    res = await two.nodes["a"].manager.migrate_out(order("b", "r"))
+    assert (res.started, res.committed) == (1, 1), res
+    out = res.results[0]
+    assert out.committed and out.blocks >= 6 and out.stages >= 2
+    assert 0 < out.commit_ack_ms <= out.downtime_ms  # downtime runs to the first step at b
+    await finish(two, cl, task, 200)
+    assert cl.path == ["a", "b"]
+    assert two.nodes["a"].manager.counters.committed_out == 1
+    assert two.nodes["b"].manager.counters.committed_in == 1
+
+
+async def test_three_migrations_back_and_forth(two):
+    cl, task = await start(two, n=300)
+    for dest in ("b", "a", "b"):
+        src = "a" if dest == "b" else "b"
+        res = await two.nodes[src].manager.migrate_out(order(dest, "r"))
+        assert res.committed == 1, res
+        await cl.wait_tokens(len(cl.tokens) + 5)
+    await finish(two, cl, task, 300)
+    assert cl.path == ["a", "b", "a", "b"]
+
+
+SOURCE_POINTS = ["pre_alloc", "copy", "verify", "suspend", "pre_alloc_last", "copy_last", "commit",
+                 "crash_mid_transfer"]
+
+
+@pytest.mark.parametrize("point", SOURCE_POINTS)
+async def test_cancel_at_every_source_state(two, point):
+    """A cancel at any state (the caller's deadline, the instance stopping):
+    the request runs on exactly one instance and its client gets every token
+    once."""
+    cl, task = await start(two)
+    a = two.nodes["a"]
+    hit = []
+
+    def cancel_me():
+        hit.append(point)
+        asyncio.current_task().cancel()  # lands at the migration's next await
+
+    a.faults[f"source.{point}"] = cancel_me
+    mig = asyncio.create_task(a.manager.migrate_one("r", "b", "b"))
+    if point == "commit":  # the in-process commit may complete before the cancel lands: either is fine
+        try:
+            await mig
+        except asyncio.CancelledError:
+            pass
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await mig
+    assert hit == [point]
+    await finish(two, cl, task, 200)
+    # Before the commit the request stays at a; a cancel that lands after the
+    # commit was applied still leaves it on one instance only.
+    assert cl.path in (["a"], ["a", "b"])
+    if point != "commit":
+        assert cl.path == ["a"]
+
+
+@pytest.mark.parametrize("point", SOURCE_POINTS)
+async def test_failure_at_every_source_state_aborts(two, point):
+    cl, task = await start(two)
+    a = two.nodes["a"]
+
+    def fail():
+        raise RuntimeError(f"injected at {point}")
+
+    a.faults[f"source.{point}"] = fail
+    out = await a.manager.migrate_one("r", "b", "b")
+    assert not out.committed and f"injected at {point}" in out.reason
+    await finish(two, cl, task, 200)
+    assert cl.path == ["a"]
+    assert a.manager.counters.aborted_out == 1
+
+
+async def test_the_callers_cancel_does_not_cancel_the_order(two):
+    """MigrateOut's caller goes away (its deadline): the order's migration in
+    flight goes on to its end, and no new one starts."""
+    cl, task = await start(two)
+    cl2, task2 = await start(two, rid="r2", node="a")
+    a = two.nodes["a"]
+    slow = asyncio.Event()
+
+    async def wait_then_go():
+        if not slow.is_set():  # the first transfer only
+            await asyncio.sleep(0.1)
+            slow.set()
+
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, before={"transfer": wait_then_go})
+    caller = asyncio.create_task(a.manager.migrate_out(order("b", stop_when_freeness_above=1e9,
+                                                             max_requests=1)))
+    await asyncio.sleep(0.03)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await slow.wait()
+    while a.manager.outgoing:
+        await asyncio.sleep(0.01)
+    await finish(two, cl, task, 200)
+    await finish(two, cl2, task2, 200)
+    assert sorted([cl.path, cl2.path]) == [["a"], ["a", "b"]]  # exactly one moved, to its end
+    assert a.manager.counters.committed_out == 1
+
+
+async def test_pre_allocate_cancelled_while_reserving_leaks_nothing(two):
+    """The engine thread reserves the blocks even when the caller is gone:
+    the reservation records them in the same step and expires."""
+    b = two.nodes["b"]
+    cl, task = await start(two, node="b")  # b's engine is busy stepping
+    free0 = b.engine.num_total_blocks
+    p = PreAllocate("m-cancel", "x", 0, 8, b.engine.kv_layout, 100, "a", spare_blocks=3)
+    call = asyncio.create_task(b.manager.dest.pre_allocate(p))
+    await asyncio.sleep(0)  # it waits on the engine thread now
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    res = b.manager.reservations["m-cancel"]
+    for _ in range(100):
+        if res.closed or res.held:
+            break
+        await asyncio.sleep(0.005)
+    await finish(two, cl, task, 200)  # waits for the expiry: every block back
+    assert res.machine.state is DestState.EXPIRED and b.engine.num_total_blocks == free0
+
+
+@pytest.mark.parametrize("what", ["finish", "abort"])
+async def test_request_ends_during_a_stage(two, what):
+    a = two.nodes["a"]
+    n = 40 if what == "finish" else 200
+    cl, task = await start(two, n=n, at=10)
+
+    async def during_copy():
+        if what == "finish":
+            await cl.wait_tokens(n)  # the request finishes while the stage copies
+        else:
+            await a.runner.call(a.engine.abort_request, "r")
+            a.host.end_stream("r", "abort")
+
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, after={"transfer": during_copy})
+    out = await a.manager.migrate_one("r", "b", "b")
+    assert not out.committed and "finished or was aborted" in out.reason, out
+    await asyncio.wait_for(task, 10)
+    if what == "finish":
+        assert cl.tokens == fake_generate(PROMPT, n)
+    else:
+        assert cl.finish_reason == "abort" and cl.tokens == fake_generate(PROMPT, len(cl.tokens))
+    for node in two.nodes.values():
+        await node.check_clean()
+
+
+async def test_request_preempted_during_a_stage():
+    """24 blocks at the source; two requests outgrow them, the later arrival
+    (the migrating one) is preempted while a stage waits: abort."""
+    c = Cluster()
+    a = c.add("a", fake(num_blocks=24, delay_ms=1.0))
+    c.add("b", fake())
+    try:
+        other, t_other = await start(c, rid="other", n=150, at=1, prompt=[121] * 100)
+        cl, task = await start(c, n=150, at=2)
+
+        async def until_preempted():
+            for _ in range(1000):
+                phase = await a.runner.call(a.engine.request_phase, "r")
+                if phase is None or phase[1] > 0:
+                    return
+                await asyncio.sleep(0.005)
+
+        c.peer_wrappers["b"] = lambda p: HookedPeer(p, after={"transfer": until_preempted})
+        out = await a.manager.migrate_one("r", "b", "b")
+        assert not out.committed and "preempted" in out.reason, out
+        await finish(c, cl, task, 150)
+        await finish(c, other, t_other, 150, prompt=[121] * 100)
+    finally:
+        await c.stop()
+
+
+async def test_commit_reply_lost_leaves_the_request_at_the_source(two):
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, lose={"commit"})
+    cl, task = await start(two)
+    out = await two.nodes["a"].manager.migrate_one("r", "b", "b")
+    assert not out.committed and "commit reply lost" in out.reason
+    await finish(two, cl, task, 200)
+    assert cl.path == ["a"]
+
+
+async def test_commit_reply_and_abort_lost_the_unattached_copy_is_dropped(two):
+    """The destination committed, the source never heard, and its abort is
+    lost too: the copy nobody attached to is dropped after the deadline."""
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, lose={"commit", "abort"})
+    cl, task = await start(two)
+    out = await two.nodes["a"].manager.migrate_one("r", "b", "b")
+    assert not out.committed
+    await finish(two, cl, task, 200)
+    assert cl.path == ["a"]
+
+
+@pytest.mark.parametrize("point", ["verify", "suspend", "copy_last"])
+async def test_source_gone_the_reservation_expires(two, point):
+    """The source stops talking mid-migration (its abort never arrives): the
+    destination frees the reservation at its deadline."""
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, lose={"abort"})
+    cl, task = await start(two)
+    a, b = two.nodes["a"], two.nodes["b"]
+
+    def die():
+        raise RuntimeError("source gone")
+
+    a.faults[f"source.{point}"] = die
+    out = await a.manager.migrate_one("r", "b", "b")
+    assert not out.committed
+    (res,) = b.manager.reservations.values()
+    assert res.held
+    await finish(two, cl, task, 200)  # waits for the expiry
+    assert res.machine.state is DestState.EXPIRED
+
+
+async def test_header_mismatch_is_refused():
+    c = Cluster()
+    c.add("a", fake())
+    c.add("b", fake(block_size=8))
+    try:
+        cl, task = await start(c)
+        out = await c.nodes["a"].manager.migrate_one("r", "b", "b")
+        assert not out.committed and "kv layout mismatch" in out.reason
+        await finish(c, cl, task, 200)
+    finally:
+        await c.stop()
+
+
+async def test_destination_full_is_refused():
+    c = Cluster()
+    c.add("a", fake())
+    c.add("b", fake(num_blocks=4))
+    try:
+        cl, task = await start(c)
+        res = await c.nodes["a"].manager.migrate_out(order("b", "r"))
+        assert res.aborted == 1 and "do not fit" in res.results[0].reason
+        await finish(c, cl, task, 200)
+    finally:
+        await c.stop()
+
+
+async def test_blocking_baseline_copies_everything_after_the_suspend(two):
+    cl, task = await start(two)
+    res = await two.nodes["a"].manager.migrate_out(order("b", "r", blocking=True))
+    assert res.committed == 1 and res.results[0].stages == 2  # an empty stage 0, then everything
+    await finish(two, cl, task, 200)
+
+
+async def test_several_migrations_at_once_choose_distinct_requests():
+    """An order with several slots: each slot chooses from the status without
+    the requests already leaving; every request moves at most once."""
+    c = Cluster()
+    c.add("a", fake(num_blocks=512))
+    c.add("b", fake(num_blocks=512))
+    try:
+        runs = [await start(c, rid=f"r{i}", n=150, at=3, prompt=PROMPT[: 40 + 10 * i]) for i in range(6)]
+        res = await c.nodes["a"].manager.migrate_out(order("b", stop_when_freeness_above=1e9, max_requests=4))
+        assert res.started == 4 and res.committed == 4, res
+        assert len({o.request_id for o in res.results}) == 4
+        for i, (cl, task) in enumerate(runs):
+            await finish(c, cl, task, 150, prompt=PROMPT[: 40 + 10 * i])
+        assert sum(cl.path == ["a", "b"] for cl, _ in runs) == 4
+    finally:
+        await c.stop()
+
+
+async def test_limits_per_instance_and_per_destination():
+    cfg = MigrationConfig(max_migrate_out=3, max_migrate_out_per_dest=1, last_stage_max_blocks=1)
+    c = Cluster()
+    c.add("a", fake(), cfg)
+    c.add("b", fake())
+    c.add("c", fake())
+    try:
+        runs = [await start(c, rid=f"r{i}", n=150, at=3) for i in range(3)]
+        gate = asyncio.Event()
+
+        async def hold():
+            await gate.wait()
+
+        c.peer_wrappers["b"] = c.peer_wrappers["c"] = lambda p: HookedPeer(p, before={"transfer": hold})
+        a = c.nodes["a"]
+        t1 = asyncio.create_task(a.manager.migrate_one("r0", "b", "b"))
+        await asyncio.sleep(0.02)
+        assert not a.manager.can_start("b") and a.manager.can_start("c")
+        t2 = asyncio.create_task(a.manager.migrate_one("r1", "c", "c"))
+        await asyncio.sleep(0.02)
+        gate.set()
+        assert [o.committed for o in await asyncio.gather(t1, t2)] == [True, True]
+        for cl, task in runs:
+            await finish(c, cl, task, 150)
+    finally:
+        await c.stop()
+
+
+async def test_close_aborts_migrations_in_flight(two):
+    cl, task = await start(two)
+    a = two.nodes["a"]
+    gate = asyncio.Event()
+
+    async def hold():
+        await gate.wait()
+
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, before={"commit": hold})
+    mig = asyncio.create_task(a.manager.migrate_out(order("b", "r")))
+    while not a.manager.outgoing or a.manager.outgoing["r"].m.state is not SourceState.COMMIT:
+        await asyncio.sleep(0.005)
+    # The instance stops its manager (shutdown): the suspended request resumes.
+    for t in list(a.manager._tasks):
+        t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await mig
+    await finish(two, cl, task, 200)
+    assert cl.path == ["a"]
+
+
+def test_load_without_leaving_requests():
+    from libs.common.types import Priority, RequestLoad
+    from services.instance.engine.base import EngineLoad
+    from services.instance.migration.selection import load_without
+
+    reqs = tuple(RequestLoad(f"r{i}", Priority.NORMAL, "running", 10, 150) for i in range(3))
+    load = EngineLoad(total_blocks=100, free_blocks=70, block_size=16, requests=reqs)
+    out = load_without(load, frozenset({"r1"}))
+    assert [r.request_id for r in out.requests] == ["r0", "r2"] and out.free_blocks == 80
+    assert load_without(load, frozenset()) is load
+
+
+def test_config_defaults_bound_concurrency():
+    assert CONFIG.max_migrate_out >= CONFIG.max_migrate_out_per_dest
