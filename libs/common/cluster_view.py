@@ -14,7 +14,7 @@ from libs.common import convert, rpc
 from libs.common.logging import get_logger
 from libs.common.pending import PENDING_TTL_S, PendingDispatches
 from libs.common.types import InstanceRecord
-from services.scheduler.policies import InstanceView  # a pure dataclass
+from libs.common.policies import InstanceView
 
 log = get_logger(__name__)
 
