@@ -108,18 +108,22 @@ class MigrationModel:
     delays: Delays
     transfer: TransferModel
     outcomes: list[Outcome] = field(default_factory=list)
+    # The destination's freeness floor for accepts_migration (None: it refuses
+    # only with a queue of its own; see the NOTE there).
+    dest_keep_freeness_above: float | None = None
 
     # --- destination (destination.py) ----------------------------------------------
     def _active_in(self, dst: SimInstance) -> int:
         return sum(1 for r in dst.reservations.values() if r.state is DestState.RESERVED)
 
     def pre_allocate(self, dst: SimInstance, mid: str, rid: str, stage: int, n: int, spare: int,
-                     keep_freeness_above: float | None = None):
+                     keep_freeness_above: float | None | bool = False):
+        """``keep_freeness_above`` False: no consent check (a later stage)."""
         res = dst.reservations.get(mid)
         if res is None:
             if dst.terminating:
                 return False, "destination is terminating"
-            if keep_freeness_above is not None:
+            if keep_freeness_above is not False:
                 ok, reason = accepts_migration(_current_status(dst), n + spare, keep_freeness_above)
                 if not ok:
                     return False, reason
@@ -177,7 +181,7 @@ class MigrationModel:
         return result
 
     # --- source (source.py) ------------------------------------------------------------
-    def migrate_one(self, src: SimInstance, dst: SimInstance, rid: str, keep_freeness_above: float | None = None):
+    def migrate_one(self, src: SimInstance, dst: SimInstance, rid: str):
         """One migration (manager.migrate_one + SourceMigration.run)."""
         mid = f"mig-{next(_ids)}"
         out = Outcome(rid)
@@ -201,7 +205,7 @@ class MigrationModel:
                     todo = []
                 spare = cfg.last_stage_max_blocks + 2 if stage == 0 else 0
                 ok, reason = yield from self._rpc(dst, self.pre_allocate(
-                    dst, mid, rid, stage, len(todo), spare, keep_freeness_above if stage == 0 else None))
+                    dst, mid, rid, stage, len(todo), spare, self.dest_keep_freeness_above if stage == 0 else False))
                 if not ok:
                     raise Aborted(f"destination refused: {reason}")
                 if todo:
@@ -261,7 +265,7 @@ class MigrationModel:
 
     # --- a migrate-out order (manager.migrate_out) --------------------------------------
     def migrate_out(self, src: SimInstance, dst: SimInstance, stop_when_freeness_above: float,
-                    use_priorities: bool, max_requests: int = 64, dest_keep_freeness_above: float | None = None):
+                    use_priorities: bool, max_requests: int = 64):
         """Returns (started, committed). Up to ``max_migrate_out`` migrations
         run at once; a refusal by the destination ends the order (the
         scheduler pairs again next round)."""
@@ -296,7 +300,7 @@ class MigrationModel:
                     tried.add(rid)
                     started += 1
                     inflight[rid] = next((r.physical_blocks for r in status.requests if r.request_id == rid), 0)
-                    src.k.spawn(self.migrate_one(src, dst, rid, dest_keep_freeness_above), finished)
+                    src.k.spawn(self.migrate_one(src, dst, rid), finished)
                 if not inflight and (stop or started >= max_requests or not done):
                     break
                 if inflight:

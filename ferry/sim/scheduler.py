@@ -85,8 +85,7 @@ class SimScheduler:
             yield Delay(rpc / 2)
             if not src.stopped and not dst.stopped:
                 yield from self.migration.migrate_out(src, dst, self.config.out_threshold,
-                                                      self.dispatcher.uses_priorities,
-                                                      dest_keep_freeness_above=self.config.in_threshold)
+                                                      self.dispatcher.uses_priorities)
             yield Delay(rpc / 2)
         finally:
             self.busy.discard(pair.source)
