@@ -74,7 +74,7 @@ def _with_inflight(status: InstanceStatus, blocks: int, n: int) -> InstanceStatu
 
 
 def _current_status(inst: SimInstance) -> InstanceStatus:
-    load = inst.published_load() or inst.engine.load()
+    load = inst.engine.load()  # the destination decides on its state now (pre-allocate runs between steps)
     return instance_status(inst.instance_id, inst.seq, inst.k.now, load, inst.headroom, inst.terminating,
                            inst.migrating_in, inst.migrating_out)
 
