@@ -180,3 +180,18 @@ def test_fit_key_orders_by_freeness_then_by_shortfall():
     assert fit_key(100, 101, 1) == (0, -1)
     assert fit_key(100, 100, 5) > fit_key(100, 101, 1) > fit_key(100, 150, 1)
     assert fit_key(100, 80, 1) > fit_key(100, 50, 5)  # freeness 20 > 10
+
+
+def test_an_instance_with_a_queue_is_never_a_destination():
+    src = view("s", freeness=-5, running=4)
+    queued = InstanceView("q", InstanceStatus("q", total_blocks=100, free_blocks=90, num_running=1, num_waiting=1,
+                                              head_of_line_demand_blocks=95, freeness=95.0))
+    assert pair_migrations([src, queued], 10, 60) == []
+    assert [(p.source, p.destination) for p in pair_migrations([src, queued, view("d", freeness=70)], 10, 60)] \
+        == [("s", "d")]
+
+
+def test_reserved_blocks_count_in_base_freeness():
+    # 20 blocks reserved for an incoming migration: free 50, used 30.
+    st = InstanceStatus("a", total_blocks=100, free_blocks=50, used_blocks=30, num_running=2)
+    assert base_freeness(InstanceView("a", st)) == (100 - 50) / 2
