@@ -97,7 +97,7 @@ def start_many(k, inst, n, n_prompt=400, n_out=400, prefix="r"):
 
 
 def test_a_destination_with_a_queue_of_its_own_refuses():
-    k, src, dst, tokens = pair(dst_blocks=40)
+    k, src, dst, _ = pair(dst_blocks=40)
     start(k, src)
     start_many(k, dst, 2, n_prompt=400, prefix="d")  # 25 blocks each: the second waits
     k.run(until=START + 0.6)
@@ -113,7 +113,7 @@ def test_a_destination_with_a_queue_of_its_own_refuses():
 
 
 def test_an_order_runs_up_to_max_migrate_out_migrations_at_once():
-    k, src, dst, tokens = pair()
+    k, src, dst, _ = pair()
     start_many(k, src, 6)
     k.run(until=START + 0.5)
     model = MigrationModel(MigrationConfig(max_migrate_out=3, max_migrate_in=8), DELAYS, TRANSFER)
