@@ -10,6 +10,7 @@ import click
 
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
 from libs.common import rpc
+from libs.common.policies import POLICY_NAMES
 from services.instance.engine import ENGINES
 
 
@@ -22,7 +23,7 @@ from services.instance.engine import ENGINES
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP address")
 @click.option("--model", default="smollm2", show_default=True, help="model name or local HF directory")
 @click.option("--dispatch", default="llumnix", show_default=True,
-              type=click.Choice(["llumnix", "llumnix_base", "infaas++", "round_robin"]))
+              type=click.Choice(POLICY_NAMES))
 @click.option("--grpc-port", type=click.IntRange(-1, 65535), default=-1, show_default=True,
               help="frontend gRPC Generate API port (-1 = off)")
 @click.option("--api-key", default="", help="require this Bearer token")

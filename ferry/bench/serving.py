@@ -33,8 +33,9 @@ import httpx
 from ferry.bench import client, metrics
 from ferry.bench import workload as wl
 from libs.common import rpc
+from libs.common.policies import POLICY_NAMES
 
-POLICIES = ("round_robin", "infaas++", "llumnix_base", "llumnix")
+POLICIES = POLICY_NAMES  # libs/common/policies: the one registry
 LAG_WARN_MS = 100.0  # send lag (wall) above this: the client could not keep up
 ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer's a..z
 

@@ -10,7 +10,10 @@ engine's next step boundary (EngineCall); every RPC is a round trip
 decisions (last stage at <= last_stage_max_blocks uncopied or after
 max_stages) and limits (max_migrate_out, max_migrate_in, the destination's
 watermark) are MigrationConfig's, the choice of requests is
-``next_to_migrate``. Failures (crashes, lost replies, deadlines) are not
+``next_to_migrate`` and the destination's consent ``accepts_migration``
+(services/instance/migration/policy.py). A migrate-out order runs up to
+``max_migrate_out`` migrations at once: while some are in flight, the status
+the order chooses from counts their blocks as freed already. Failures (crashes, lost replies, deadlines) are not
 modelled: nothing fails in a simulated run.
 """
 
@@ -21,18 +24,59 @@ from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 
 from ferry.sim.instance import SimInstance
-from ferry.sim.kernel import Delay
+from ferry.sim.kernel import Delay, Kernel, Wait
 from ferry.sim.params import Delays, TransferModel
-from libs.common.types import RequestState
-from services.instance.migration.policy import next_to_migrate
+from libs.common.types import InstanceStatus, RequestState
+from services.instance.migration.policy import accepts_migration, next_to_migrate
 from services.instance.migration.source import MigrationConfig
 from services.instance.migration.states import DestState
+from services.instance.status import instance_status
 
 _ids = itertools.count()
 
 
 class Aborted(Exception):
     pass
+
+
+class _Signal(Wait):
+    """Resumes the waiting process when ``fire`` is called (at most one waiter)."""
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self._resume = None
+        self._pending = False
+
+    def arm(self, kernel, resume, fail) -> None:
+        if self._pending:
+            self._pending = False
+            kernel.after(0.0, resume, None)
+        else:
+            self._resume = resume
+
+    def fire(self) -> None:
+        if self._resume is not None:
+            resume, self._resume = self._resume, None
+            self.kernel.after(0.0, resume, None)
+        else:
+            self._pending = True
+
+
+def _with_inflight(status: InstanceStatus, blocks: int, n: int) -> InstanceStatus:
+    """The source as it will be once ``n`` in-flight migrations holding
+    ``blocks`` blocks have left."""
+    if not n:
+        return status
+    usage = status.virtual_usage - blocks
+    running = max(0, status.num_running - n)
+    return replace(status, free_blocks=status.free_blocks + blocks, virtual_usage=usage, num_running=running,
+                   freeness=(status.total_blocks - usage) / max(1, running))
+
+
+def _current_status(inst: SimInstance) -> InstanceStatus:
+    load = inst.engine.load()  # the destination decides on its state now (pre-allocate runs between steps)
+    return instance_status(inst.instance_id, inst.seq, inst.k.now, load, inst.headroom, inst.terminating,
+                           inst.migrating_in, inst.migrating_out)
 
 
 @dataclass
@@ -64,16 +108,25 @@ class MigrationModel:
     delays: Delays
     transfer: TransferModel
     outcomes: list[Outcome] = field(default_factory=list)
+    # The destination's freeness floor for accepts_migration (None: it refuses
+    # only with a queue of its own; see the NOTE there).
+    dest_keep_freeness_above: float | None = None
 
     # --- destination (destination.py) ----------------------------------------------
     def _active_in(self, dst: SimInstance) -> int:
         return sum(1 for r in dst.reservations.values() if r.state is DestState.RESERVED)
 
-    def pre_allocate(self, dst: SimInstance, mid: str, rid: str, stage: int, n: int, spare: int):
+    def pre_allocate(self, dst: SimInstance, mid: str, rid: str, stage: int, n: int, spare: int,
+                     keep_freeness_above: float | None | bool = False):
+        """``keep_freeness_above`` False: no consent check (a later stage)."""
         res = dst.reservations.get(mid)
         if res is None:
             if dst.terminating:
                 return False, "destination is terminating"
+            if keep_freeness_above is not False:
+                ok, reason = accepts_migration(_current_status(dst), n + spare, keep_freeness_above)
+                if not ok:
+                    return False, reason
             if self._active_in(dst) >= self.config.max_migrate_in:
                 return False, f"migrate-in limit {self.config.max_migrate_in} reached"
             if rid in dst.engine.requests:
@@ -151,7 +204,8 @@ class MigrationModel:
                 if last:
                     todo = []
                 spare = cfg.last_stage_max_blocks + 2 if stage == 0 else 0
-                ok, reason = yield from self._rpc(dst, self.pre_allocate(dst, mid, rid, stage, len(todo), spare))
+                ok, reason = yield from self._rpc(dst, self.pre_allocate(
+                    dst, mid, rid, stage, len(todo), spare, self.dest_keep_freeness_above if stage == 0 else False))
                 if not ok:
                     raise Aborted(f"destination refused: {reason}")
                 if todo:
@@ -212,29 +266,53 @@ class MigrationModel:
     # --- a migrate-out order (manager.migrate_out) --------------------------------------
     def migrate_out(self, src: SimInstance, dst: SimInstance, stop_when_freeness_above: float,
                     use_priorities: bool, max_requests: int = 64):
-        """Returns (started, committed)."""
-        if src.migrating_out >= self.config.max_migrate_out:
+        """Returns (started, committed). Up to ``max_migrate_out`` migrations
+        run at once; a refusal by the destination ends the order (the
+        scheduler pairs again next round)."""
+        limit = self.config.max_migrate_out
+        if src.migrating_out >= limit:
             return 0, 0
         src.orders += 1
         started = committed = 0
         tried: set[str] = set()
+        inflight: dict[str, int] = {}  # request id -> its blocks
+        done: list[Outcome] = []
+        signal = _Signal(src.k)
+        stop = False
+
+        def finished(out: Outcome) -> None:
+            inflight.pop(out.request_id, None)
+            done.append(out)
+            signal.fire()
+
         try:
-            while started < max_requests:
-                status = src.status()
-                while status is None:  # the published load was not kept: read the next one
-                    yield src.call(lambda: None)
+            while True:
+                while not stop and len(inflight) < limit and src.migrating_out < limit and started < max_requests:
                     status = src.status()
-                rid = next_to_migrate(status, started, stop_when_freeness_above, use_priorities,
-                                      frozenset(tried))
-                if rid is None or dst.stopped:
+                    while status is None:  # the published load was not kept: read the next one
+                        yield src.call(lambda: None)
+                        status = src.status()
+                    view = _with_inflight(status, sum(inflight.values()), len(inflight))
+                    rid = next_to_migrate(view, started, stop_when_freeness_above, use_priorities, frozenset(tried))
+                    if rid is None or dst.stopped:
+                        stop = True
+                        break
+                    tried.add(rid)
+                    started += 1
+                    inflight[rid] = next((r.physical_blocks for r in status.requests if r.request_id == rid), 0)
+                    src.k.spawn(self.migrate_one(src, dst, rid), finished)
+                if not inflight and (stop or started >= max_requests or not done):
                     break
-                tried.add(rid)
-                started += 1
-                out = yield from self.migrate_one(src, dst, rid)
-                if out.committed:
-                    committed += 1
-                elif "refused" in out.reason:
-                    break  # the destination is full: ask the scheduler again
+                if inflight:
+                    yield signal
+                for out in done:
+                    if out.committed:
+                        committed += 1
+                    elif "refused" in out.reason:
+                        stop = True  # the destination is full: ask the scheduler again
+                done.clear()
+                if stop and not inflight:
+                    break
         finally:
             src.orders -= 1
         return started, committed

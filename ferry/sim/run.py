@@ -35,6 +35,7 @@ from libs.common.types import Priority, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
 from services.instance.engine.sim import SimProfile
 from services.instance.service import InstanceConfig
+from services.instance.status import high_priority_headroom
 from services.scheduler.service import SchedulerConfig
 
 WARMUP_S = 1.0  # the cluster is up and has reported before the first request
@@ -158,7 +159,8 @@ class Cluster:
     # --- instances -----------------------------------------------------------------------
     def add_instance(self) -> SimInstance:
         iid = f"inst-{len(self.instances):03d}"
-        inst = SimInstance(self.k, iid, self.profile, self.engine_config, {Priority.HIGH: self.icfg.headroom_high},
+        inst = SimInstance(self.k, iid, self.profile, self.engine_config,
+                           high_priority_headroom(self.icfg.headroom_high, self.profile, self.engine_config.num_blocks),
                            self.icfg.report_interval_s * self.wall, self.icfg.heartbeat_s * self.wall,
                            self.delays.hop_s, self._on_step, self._on_report)
         self.instances[iid] = inst

@@ -2,8 +2,9 @@
 status each instance reported, delivered after Delays.report_s, plus the
 pending dispatches of libs/common/pending.py), Dispatch by the live
 Dispatcher, and the rescheduling loop of services/scheduler/rescheduler.py
-(pair_migrations every migrate_interval_s, one migrate-out order per pair,
-both instances busy until its reply)."""
+(pair_migrations every migrate_interval_s on a fresh view, one migrate-out
+order per pair; the source is busy until its reply, the destination only
+refuses what it cannot take)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
 from libs.common.types import InstanceStatus, Priority
 from services.scheduler.policies import (
-    MIGRATION_FREENESS,
     Dispatcher,
     DispatchRequest,
     InstanceView,
@@ -32,9 +32,9 @@ class SimScheduler:
         self.migration = migration
         self.instances = instances
         self.migrate_interval_s = migrate_interval_s
-        self.dispatcher = Dispatcher(config.dispatch)
-        # As Rescheduler.__init__ chooses it.
-        self.freeness_of = MIGRATION_FREENESS["llumnix_base" if config.dispatch == "llumnix_base" else "llumnix"]
+        self.policy = config.policy
+        self.dispatcher = Dispatcher(self.policy)
+        self.freeness_of = self.policy.migration_freeness
         self.statuses: dict[str, InstanceStatus] = {}
         self.pending = PendingDispatches()
         self.busy: set[str] = set()
@@ -70,10 +70,10 @@ class SimScheduler:
             self.k.after(self.migrate_interval_s, self._tick)
 
     def _tick(self) -> None:
-        pairs = pair_migrations(self.views(), self.config.migrate_out_threshold, self.config.migrate_in_threshold,
+        pairs = pair_migrations(self.views(), self.config.out_threshold, self.config.in_threshold,
                                 self.freeness_of, frozenset(self.busy))
         for p in pairs:
-            self.busy.update((p.source, p.destination))
+            self.busy.add(p.source)
             self.migrations_ordered += 1
             self.k.spawn(self._order(p))
         self.k.after(self.migrate_interval_s, self._tick)
@@ -84,9 +84,8 @@ class SimScheduler:
         try:
             yield Delay(rpc / 2)
             if not src.stopped and not dst.stopped:
-                yield from self.migration.migrate_out(src, dst, self.config.migrate_out_threshold,
+                yield from self.migration.migrate_out(src, dst, self.config.out_threshold,
                                                       self.dispatcher.uses_priorities)
             yield Delay(rpc / 2)
         finally:
             self.busy.discard(pair.source)
-            self.busy.discard(pair.destination)

@@ -13,8 +13,8 @@ from ferry.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import convert, rpc
 from libs.common.logging import get_logger
 from libs.common.pending import PENDING_TTL_S, PendingDispatches
+from libs.common.policies import InstanceView
 from libs.common.types import InstanceRecord
-from services.scheduler.policies import InstanceView  # a pure dataclass
 
 log = get_logger(__name__)
 

@@ -21,6 +21,8 @@ class LoadSummary:
     freeness: float
     normal_freeness: float  # counting only normal-priority load (auto-scaling)
     num_running: int
+    normal_usage: float = 0.0
+    num_normal_running: int = 0
 
 
 def virtual_usages(requests: tuple[RequestLoad, ...], head_of_line_demand: int,
@@ -69,6 +71,8 @@ def summarize(total_blocks: int, requests: tuple[RequestLoad, ...], head_of_line
         freeness=freeness(total_blocks, usage, running),
         normal_freeness=freeness(total_blocks, normal_usage, normal_running),
         num_running=running,
+        normal_usage=normal_usage,
+        num_normal_running=normal_running,
     )
 
 

@@ -15,10 +15,10 @@ from libs.common import rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Unavailable, from_grpc, is_unavailable
 from libs.common.logging import get_logger
+from libs.common.policies import Dispatcher, DispatchRequest, blocks_for, get
 from libs.common.types import Priority
 from services.frontend import metrics
 from services.frontend.watchdog import StallWatchdog
-from services.scheduler.policies import Dispatcher, DispatchRequest, blocks_for
 
 log = get_logger(__name__)
 
@@ -30,8 +30,10 @@ class Router:
         self.dispatch_timeout_s = dispatch_timeout_s
         self.bypass_retry_s = bypass_retry_s
         self.view = ClusterView(meta_store, min_update_interval_s=status_interval_s)
-        self._local = Dispatcher("llumnix")
-        self._rr = Dispatcher("round_robin")
+        # Bypass dispatch runs Llumnix's own scoring (the scheduler's policy is
+        # not known here); round robin covers a view without statuses.
+        self._local = Dispatcher(get("llumnix"))
+        self._rr = Dispatcher(get("round_robin"))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, ipb_grpc.InstanceStub] = {}
         self._sched = spb_grpc.SchedulerStub(self.channel(scheduler))
@@ -111,7 +113,7 @@ class Router:
             ids = sorted(i for i in self.view.records if i not in exclude)
             if not ids:
                 raise Unavailable("no instance available (scheduler unreachable, none known)")
-            iid = ids[next(self._rr._rr) % len(ids)]
+            iid = ids[self._rr.next_round_robin(len(ids))]
         rec = self.view.records[iid]
         self.view.add_pending(iid, request_id, blocks_for(num_prompt_tokens, rec.info.block_size))
         return iid, rec.info.address, priority

@@ -25,12 +25,12 @@ from libs.common.errors import (
 )
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from libs.common.types import InstanceInfo, InstanceStatus, Priority, TokenOutput
+from libs.common.types import InstanceInfo, InstanceStatus, TokenOutput
 from services.instance.engine import ENGINES, create_engine
 from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineLoad, EngineRequest
 from services.instance.reporter import StatusReporter
 from services.instance.runner import EngineRunner
-from services.instance.status import instance_status, material
+from services.instance.status import high_priority_headroom, instance_status, material
 from services.instance.streams import Event, StreamTable
 
 log = get_logger(__name__)
@@ -63,7 +63,9 @@ class InstanceConfig(CommonConfig):
     token_delay_ms: float = opt(10.0, "fake engine: time per step (ms)", min=0.0)
     profile: str = opt("llama-7b-a10", "sim engine: latency profile name or JSON path")
     seed: int = opt(0, "engine seed", min=0)
-    headroom_high: int = opt(0, "virtual-usage headroom (blocks) for high-priority requests", min=0)
+    headroom_high: int | None = opt(None, "virtual-usage headroom (blocks) for high-priority requests (default: "
+                                    "derived from the sim profile: the memory that keeps one decoding at its ideal "
+                                    "speed; 0 for engines without a profile)", min=0)
     report_interval_s: float = opt(0.05, "least time between two status reports", min=0.0)
     heartbeat_s: float = opt(0.5, "status report at least this often", min=0.01)
     metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
@@ -145,7 +147,8 @@ class InstanceService(Service):
         self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(config.engine_config())
         self.streams = StreamTable()
-        self.headroom = {Priority.HIGH: config.headroom_high}
+        self.headroom = high_priority_headroom(config.headroom_high, getattr(self.engine, "profile", None),
+                                               self.engine.load().total_blocks)
         self.terminating = False
         self.dead = False  # the engine thread died: this instance is stopping
         self.seq = 0

@@ -1,7 +1,9 @@
 """The rescheduling loop (DESIGN §5): every interval, pair migration sources
 with destinations by the pure policy and order each source's llumlet to
 migrate out. The llumlet chooses the requests and stops when it is no longer
-a source."""
+a source or its blocked head of line is admitted. Pairs are made afresh every
+round; an instance with an order running is not paired again until it ends,
+a destination only while its order runs (it refuses what it cannot take)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.logging import get_logger
-from services.scheduler.policies import MIGRATION_FREENESS, MigrationPair, pair_migrations
+from services.scheduler.policies import MigrationPair, pair_migrations
 
 log = get_logger(__name__)
 
@@ -24,8 +26,8 @@ class Rescheduler:
         self.config = svc.config
         self._task: asyncio.Task | None = None
         self._busy: dict[str, asyncio.Task] = {}  # instance id -> its migrate-out order
-        self.freeness_of = MIGRATION_FREENESS[
-            "llumnix_base" if svc.config.dispatch == "llumnix_base" else "llumnix"]
+        self.policy = svc.config.policy
+        self.freeness_of = self.policy.migration_freeness
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -48,8 +50,8 @@ class Rescheduler:
 
     def tick(self) -> list[MigrationPair]:
         busy = frozenset(self._busy)
-        pairs = pair_migrations(self.svc.view.views(), self.config.migrate_out_threshold,
-                                self.config.migrate_in_threshold, self.freeness_of, busy)
+        pairs = pair_migrations(self.svc.view.views(), self.config.out_threshold,
+                                self.config.in_threshold, self.freeness_of, busy)
         for p in pairs:
             self._busy[p.source] = asyncio.create_task(self._order(p))
             self._busy[p.destination] = self._busy[p.source]
@@ -68,8 +70,8 @@ class Rescheduler:
             async with rpc.channel(src) as ch:
                 reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
                     dest_instance_id=pair.destination, dest_address=dst,
-                    stop_when_freeness_above=self.config.migrate_out_threshold,
-                    use_priorities=self.config.dispatch == "llumnix"), timeout=60)
+                    stop_when_freeness_above=self.config.out_threshold,
+                    use_priorities=self.policy.uses_priorities), timeout=60)
             if reply.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,
                          committed=reply.committed, aborted=reply.aborted)

@@ -16,9 +16,9 @@ from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import FailedPrecondition, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
+from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
 from libs.common.server import Service
 from libs.common.types import Priority
-from services.scheduler.policies import DISPATCH_POLICIES, Dispatcher, DispatchRequest, blocks_for
 
 log = get_logger(__name__)
 
@@ -27,14 +27,16 @@ log = get_logger(__name__)
 class SchedulerConfig(CommonConfig):
     port: int = opt(7001, "port to listen on", min=0, max=65535)
     meta_store: str = opt("127.0.0.1:7000", "meta store address host:port")
-    dispatch: str = opt("llumnix", "dispatch policy", choices=tuple(DISPATCH_POLICIES))
+    dispatch: str = opt("llumnix", "dispatch policy (libs/common/policies)", choices=POLICY_NAMES)
     migrate_interval_s: float = opt(0.1, "rescheduling loop interval (s)", min=0.005)
     # Freeness is free blocks per running request. 10 / 20 are the values of the
     # measured sim runs in docs/results (16 x llama-7b-a10, 851 blocks each): at
     # 20, an instance running 20 requests with 400 free blocks can receive; the
     # earlier 60 admitted only near-idle instances.
-    migrate_out_threshold: float = opt(10.0, "instances with freeness below this are migration sources")
-    migrate_in_threshold: float = opt(20.0, "instances with freeness above this are destinations")
+    migrate_out_threshold: float | None = opt(None, "instances with freeness below this are migration sources "
+                                                    "(default: the policy's, 10)")
+    migrate_in_threshold: float | None = opt(None, "instances with freeness above this are destinations "
+                                                   "(default: the policy's, 20)")
     migration: bool = opt(True, "run the rescheduling loop (for policies that migrate)")
     # Launcher and auto-scaling (services/scheduler/launcher.py, autoscaler.py).
     launch_args: str = opt("", "instance arguments (shell-quoted) for instances the scheduler launches; "
@@ -48,6 +50,21 @@ class SchedulerConfig(CommonConfig):
     min_instances: int = opt(1, "auto-scaling: fewest live instances", min=0)
     max_instances: int = opt(8, "auto-scaling: most live instances", min=1)
     autoscale_interval_s: float = opt(0.5, "auto-scaling: sampling interval (s)", min=0.01)
+
+    @property
+    def policy(self) -> Policy:
+        return get(self.dispatch)
+
+    @property
+    def out_threshold(self) -> float:
+        """The migration-source threshold in force: the flag, else the policy's."""
+        t = self.migrate_out_threshold
+        return self.policy.migrate_out_threshold if t is None else t
+
+    @property
+    def in_threshold(self) -> float:
+        t = self.migrate_in_threshold
+        return self.policy.migrate_in_threshold if t is None else t
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -95,7 +112,7 @@ class SchedulerService(Service):
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.dispatcher = Dispatcher(config.dispatch)
+        self.dispatcher = Dispatcher(config.policy)
         self.view = ClusterView(config.meta_store)
         self.migrations_ordered = 0
         self.rescheduler = None

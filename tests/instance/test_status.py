@@ -5,7 +5,7 @@ import pytest
 
 from libs.common.types import InstanceStatus, Priority, RequestLoad
 from services.instance.engine.base import EngineLoad
-from services.instance.migration.policy import next_to_migrate
+from services.instance.migration.policy import accepts_migration, head_of_line_shortfall, next_to_migrate
 from services.instance.status import instance_status, material
 
 LOAD = EngineLoad(total_blocks=100, free_blocks=50, block_size=16, requests=(
@@ -21,9 +21,10 @@ def test_status_counts_virtual_usage_headroom_and_reserved_blocks():
     assert (s.instance_id, s.seq, s.timestamp) == ("i", 7, 123.0)
     assert (s.num_running, s.num_waiting, s.num_preemptions) == (2, 2, 3)
     assert s.used_blocks == 100 - 50 - 5  # blocks reserved for incoming migrations are not "used"
-    # V: 20 + (10 + 20 headroom) + 4 (head of line) + 0 = 54; F = (100 - 54) / 2 running
-    assert s.virtual_usage == pytest.approx(54) and s.freeness == pytest.approx(23)
-    assert s.normal_freeness == pytest.approx((100 - 24) / 1)
+    # V: 20 + (10 + 20 headroom) + 4 (head of line) + 0 + 5 reserved for a
+    # migration in = 59; F = (100 - 59) / 2 running
+    assert s.virtual_usage == pytest.approx(59) and s.freeness == pytest.approx(20.5)
+    assert s.normal_freeness == pytest.approx((100 - 24 - 5) / 1)
     assert (s.migrating_in, s.migrating_out, s.terminating) == (1, 2, False)
     assert [r.virtual_usage for r in s.requests] == [20, 30, 4, 0]
     assert instance_status("i", 1, 0.0, LOAD, {}, terminating=True).freeness < -1e9
@@ -48,10 +49,59 @@ def status(freeness: float, terminating: bool = False) -> InstanceStatus:
 def test_next_to_migrate_moves_the_cheapest_until_no_longer_a_source():
     assert next_to_migrate(status(2.0), 0, 10.0, use_priorities=False) == "high"
     assert next_to_migrate(status(2.0), 0, 10.0, use_priorities=True) == "short"  # normal before high
-    assert next_to_migrate(status(2.0), 1, 10.0, False, frozenset({"high"})) == "short"
+    # An overloaded source (F < 0) keeps going; one that is not, and has no
+    # blocked head of line, stops after one (the scheduler pairs it again).
+    assert next_to_migrate(status(-2.0), 1, 10.0, False, frozenset({"high"})) == "short"
+    assert next_to_migrate(status(2.0), 1, 10.0, False, frozenset({"high"})) is None
     # The first migration always starts; later ones stop once freeness is above the threshold...
     assert next_to_migrate(status(12.0), 0, 10.0, False) == "high"
     assert next_to_migrate(status(12.0), 1, 10.0, False) is None
     # ...unless the instance is terminating (it drains).
     assert next_to_migrate(status(12.0, terminating=True), 1, 10.0, False) == "high"
-    assert next_to_migrate(status(2.0), 3, 10.0, False, frozenset({"high", "short", "long"})) is None
+    assert next_to_migrate(status(-2.0), 3, 10.0, False, frozenset({"high", "short", "long"})) is None
+
+
+def blocked(free: int, head: int, freeness: float = 2.0, terminating: bool = False) -> InstanceStatus:
+    """A source whose head of line needs ``head`` blocks with ``free`` free."""
+    reqs = (RequestLoad("r40", Priority.NORMAL, "running", 40, 640),
+            RequestLoad("r25", Priority.NORMAL, "running", 25, 400),
+            RequestLoad("r10", Priority.NORMAL, "running", 10, 160),
+            RequestLoad("h30", Priority.HIGH, "running", 30, 480),
+            RequestLoad("head", Priority.NORMAL, "waiting", 0, 16 * head))
+    return InstanceStatus("i", total_blocks=200, free_blocks=free, num_running=4, num_waiting=1,
+                          head_of_line_demand_blocks=head, freeness=freeness, terminating=terminating,
+                          requests=reqs)
+
+
+def test_defragmentation_moves_the_smallest_request_that_covers_the_shortfall():
+    assert head_of_line_shortfall(blocked(free=5, head=25)) == 20
+    assert next_to_migrate(blocked(5, 25), 0, 10.0, False) == "r25"  # not the shortest (r10), not r30
+    assert next_to_migrate(blocked(5, 14), 0, 10.0, False) == "r10"
+    # Priorities: a high-priority request moves only when no normal one is left.
+    assert next_to_migrate(blocked(5, 35), 0, 10.0, False) == "h30"
+    assert next_to_migrate(blocked(5, 35), 0, 10.0, True) == "r40"
+
+
+def test_defragmentation_moves_the_largest_first_when_none_covers_alone():
+    assert next_to_migrate(blocked(5, 80), 0, 10.0, True) == "r40"
+    assert next_to_migrate(blocked(5, 80), 1, 10.0, True, frozenset({"r40"})) == "r25"
+
+
+def test_order_stops_once_the_head_fits_or_freeness_is_above_the_threshold():
+    assert next_to_migrate(blocked(5, 25), 1, 10.0, False, frozenset({"r10"})) == "r25"  # still blocked
+    assert next_to_migrate(blocked(30, 25), 1, 10.0, False, frozenset({"r25"})) is None  # the head fits now
+    assert next_to_migrate(blocked(5, 25, freeness=12.0), 1, 10.0, False) is None  # no longer a source
+    # The first migration of an order always starts (the scheduler saw a source).
+    assert next_to_migrate(blocked(30, 25), 0, 10.0, False) == "r10"  # nothing blocked: the cheapest
+    # Terminating: drain regardless.
+    assert next_to_migrate(blocked(30, 25, freeness=50.0, terminating=True), 1, 10.0, False) == "r10"
+
+
+def test_destination_refuses_with_a_queue_or_below_its_threshold():
+    free = InstanceStatus("d", total_blocks=200, num_running=4, virtual_usage=100.0)
+    assert accepts_migration(free, 20, 10.0) == (True, "")  # (200 - 120) / 5 = 16
+    ok, reason = accepts_migration(free, 60, 10.0)  # (200 - 160) / 5 = 8
+    assert not ok and "freeness" in reason
+    queued = InstanceStatus("d", total_blocks=200, num_running=4, num_waiting=1, virtual_usage=100.0)
+    ok, reason = accepts_migration(queued, 1, 10.0)
+    assert not ok and "queue" in reason

@@ -61,7 +61,7 @@ def test_terminating_and_excluded_instances_are_skipped():
 
 
 def test_unknown_policy_lists_supported_names():
-    with pytest.raises(ValueError, match="llumnix.*round_robin"):
+    with pytest.raises(ValueError, match=r"round_robin, infaas\+\+, llumnix_base, llumnix"):
         Dispatcher("best")
 
 
@@ -129,3 +129,69 @@ def test_llumnix_dispatch_sees_the_whole_queue_not_only_its_head():
     assert (100 - 70 - 2 - 2) / 2 > (100 - 80 - 2) / 5  # head of line only, new request added: 13 > 3.6
     for policy in ("llumnix", "llumnix_base"):
         assert Dispatcher(policy).choose(views, REQ) == "steady", policy
+
+
+# --- Dispatch when memory is short (DESIGN §8, issue 16) -------------------------------------
+
+def short_view(iid, total, used, running, waiting=0, waiting_demand=0):
+    """An instance with ``waiting`` queued requests of ``waiting_demand`` blocks in all."""
+    hol = waiting_demand if waiting == 1 else 0
+    st = InstanceStatus(iid, total_blocks=total, free_blocks=total - used, num_running=running,
+                        num_waiting=waiting, head_of_line_demand_blocks=hol, waiting_demand_blocks=waiting_demand,
+                        used_blocks=used, freeness=(total - used - hol) / max(1, running))
+    return InstanceView(iid, st)
+
+
+@pytest.mark.parametrize("policy", ["llumnix", "llumnix_base", "infaas++"])
+def test_when_nothing_fits_the_smallest_shortfall_wins_not_the_longest_queue(policy):
+    # Q: 40 queued, 104 blocks short with the new request; S: 1 queued, 54 short.
+    # Dividing the negative room by the load (-104/51 > -54/12) picked Q.
+    q = short_view("q", total=100, used=100, running=10, waiting=40, waiting_demand=102)
+    s = short_view("s", total=100, used=100, running=10, waiting=1, waiting_demand=52)
+    assert Dispatcher(policy).choose([q, s], REQ) == "s"
+
+
+@pytest.mark.parametrize("policy", ["llumnix", "llumnix_base"])
+def test_a_prompt_that_fits_nowhere_goes_where_the_shortfall_is_smallest(policy):
+    # 5,915 tokens = 370 blocks. A: 340 free, 10 running (30 short); B: 250 free,
+    # 60 running (120 short). -30/11 < -120/61 picked B, the busier one.
+    a = short_view("a", total=851, used=511, running=10)
+    b = short_view("b", total=851, used=601, running=60)
+    assert Dispatcher(policy).choose([a, b], DispatchRequest("long", 5915, Priority.NORMAL)) == "a"
+
+
+@pytest.mark.parametrize("policy", ["llumnix", "llumnix_base"])
+def test_fitting_exactly_beats_one_block_short(policy):
+    # 2 blocks asked. "exact": room 0 after it (freeness 0, a big batch);
+    # "short": one block short but an almost empty batch.
+    exact = short_view("exact", total=100, used=98, running=40)
+    short = short_view("short", total=100, used=99, running=1)
+    assert Dispatcher(policy).choose([exact, short], REQ) == "exact"
+    assert Dispatcher(policy).choose([short, exact], REQ) == "exact"
+    # Among instances where it fits, the highest freeness, as before.
+    roomy = short_view("roomy", total=100, used=60, running=2)
+    assert Dispatcher(policy).choose([exact, short, roomy], REQ) == "roomy"
+
+
+def test_fit_key_orders_by_freeness_then_by_shortfall():
+    from libs.common.policies import fit_key
+
+    assert fit_key(100, 100, 5) == (1, 0.0)
+    assert fit_key(100, 101, 1) == (0, -1)
+    assert fit_key(100, 100, 5) > fit_key(100, 101, 1) > fit_key(100, 150, 1)
+    assert fit_key(100, 80, 1) > fit_key(100, 50, 5)  # freeness 20 > 10
+
+
+def test_an_instance_with_a_queue_is_never_a_destination():
+    src = view("s", freeness=-5, running=4)
+    queued = InstanceView("q", InstanceStatus("q", total_blocks=100, free_blocks=90, num_running=1, num_waiting=1,
+                                              head_of_line_demand_blocks=95, freeness=95.0))
+    assert pair_migrations([src, queued], 10, 60) == []
+    assert [(p.source, p.destination) for p in pair_migrations([src, queued, view("d", freeness=70)], 10, 60)] \
+        == [("s", "d")]
+
+
+def test_reserved_blocks_count_in_base_freeness():
+    # 20 blocks reserved for an incoming migration: free 50, used 30.
+    st = InstanceStatus("a", total_blocks=100, free_blocks=50, used_blocks=30, num_running=2)
+    assert base_freeness(InstanceView("a", st)) == (100 - 50) / 2

@@ -87,3 +87,49 @@ def test_transfer_time_is_bytes_over_bandwidth_plus_stage_overhead():
     assert t.bytes_per_block == bpb
     assert t.seconds(0) == 0.0
     assert t.seconds(10) == pytest.approx(0.001 + 10 * bpb / (PROFILE.migration_bandwidth_gbps * 1e9 / 8))
+
+
+def start_many(k, inst, n, n_prompt=400, n_out=400, prefix="r"):
+    for i in range(n):
+        r = EngineRequest(f"{prefix}{i}", (3,) * n_prompt,
+                          SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True), arrival_time=k.now)
+        inst.submit(inst.engine.add_request, r)
+
+
+def test_a_destination_with_a_queue_of_its_own_refuses():
+    k, src, dst, _ = pair(dst_blocks=40)
+    start(k, src)
+    start_many(k, dst, 2, n_prompt=400, prefix="d")  # 25 blocks each: the second waits
+    k.run(until=START + 0.6)
+    assert sum(r.state == "waiting" for r in dst.engine.load().requests) == 1
+    model = MigrationModel(MigrationConfig(), DELAYS, TRANSFER)
+    proc = k.spawn(model.migrate_out(src, dst, stop_when_freeness_above=10.0, use_priorities=False))
+    k.run(until=START + 1.0)
+    assert proc.result == (1, 0)
+    (out,) = model.outcomes
+    assert "queue" in out.reason
+    src.engine.check_integrity()
+    dst.engine.check_integrity()
+
+
+def test_an_order_runs_up_to_max_migrate_out_migrations_at_once():
+    k, src, dst, _ = pair()
+    start_many(k, src, 6)
+    k.run(until=START + 0.5)
+    model = MigrationModel(MigrationConfig(max_migrate_out=3, max_migrate_in=8), DELAYS, TRANSFER)
+    seen: list[int] = []
+
+    def watch():
+        seen.append(src.migrating_out)
+        if not proc.done:
+            k.after(0.001, watch)
+
+    src.set_terminating(True)  # a draining source moves everything
+    proc = k.spawn(model.migrate_out(src, dst, stop_when_freeness_above=10.0, use_priorities=False, max_requests=6))
+    k.after(0.0, watch)
+    k.run(until=START + 60)
+    assert max(seen) == 3  # never more than the bound, and it is reached
+    assert proc.result[1] == sum(o.committed for o in model.outcomes) > 0
+    for inst in (src, dst):
+        inst.engine.check_integrity()
+        assert not inst.reservations and inst.migrating_in == inst.migrating_out == 0

@@ -1,0 +1,122 @@
+"""What a dispatch policy is and what it sees (DESIGN §5, §8): pure code over
+snapshots, shared by the scheduler, the frontend's bypass and the simulator.
+No I/O, no threads, no imports from services/."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from libs.common.types import InstanceStatus, Priority
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """What a policy sees of one instance: its last status plus what the
+    scheduler dispatched there since (not yet visible in a report)."""
+
+    instance_id: str
+    status: InstanceStatus
+    pending_blocks: int = 0  # demand of requests dispatched but not yet reported
+    pending_requests: int = 0
+    migratable: bool = True  # False: the instance said it cannot live-migrate (InstanceInfo.no_migration)
+
+    @property
+    def schedulable(self) -> bool:
+        return not self.status.terminating
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    request_id: str
+    num_prompt_tokens: int
+    priority: Priority = Priority.NORMAL
+    exclude: frozenset[str] = field(default_factory=frozenset)
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // max(1, block_size))
+
+
+def fit_key(total_blocks: float, usage: float, batch: int) -> tuple[int, float]:
+    """Dispatch order once ``usage`` counts the new request (DESIGN §8):
+    where it fits now (usage <= total), the highest freeness; where it fits
+    nowhere, the smallest shortfall in blocks. The shortfall is never divided
+    by a load: a negative count divided by a larger batch moves towards zero
+    and would reward the busiest instance. A larger key is better."""
+    room = total_blocks - usage
+    if room >= 0:
+        return 1, room / max(1, batch)
+    return 0, room
+
+
+# A dispatch score: (instance, the new request's prompt blocks there) -> a
+# sortable key, larger is better.
+Score = Callable[[InstanceView, int], tuple]
+# The rescheduling loop's freeness: an instance as it is, nothing added.
+Freeness = Callable[[InstanceView], float]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One scheduling policy, everything the services and tools need to know
+    about it. ``score`` None: round robin (the Dispatcher's cursor)."""
+
+    name: str
+    summary: str
+    score: Score | None
+    migrates: bool = False
+    uses_priorities: bool = False  # dispatch by priority and run requests at their own priority
+    migration_freeness: Freeness | None = None  # the rescheduling loop's (when it migrates)
+    migrate_out_threshold: float = 10.0  # freeness below: a migration source
+    migrate_in_threshold: float = 20.0  # freeness above: a destination
+
+
+def candidates(views: list[InstanceView], req: DispatchRequest) -> list[InstanceView]:
+    c = [v for v in views if v.schedulable and v.instance_id not in req.exclude]
+    if not c:  # every instance terminating or excluded: better anywhere than nowhere
+        c = [v for v in views if v.instance_id not in req.exclude]
+    return c
+
+
+class Dispatcher:
+    """A policy's dispatch: highest score, ties to the lowest id. Round robin
+    keeps a cursor; the others are stateless."""
+
+    def __init__(self, policy: Policy | str):
+        if isinstance(policy, str):
+            from libs.common.policies import get
+
+            policy = get(policy)
+        self.policy = policy
+        self._rr = itertools.count()
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    @property
+    def migrates(self) -> bool:
+        return self.policy.migrates
+
+    @property
+    def uses_priorities(self) -> bool:
+        return self.policy.uses_priorities
+
+    def next_round_robin(self, n: int) -> int:
+        return next(self._rr) % n
+
+    def choose(self, views: list[InstanceView], req: DispatchRequest) -> str | None:
+        cands = sorted(candidates(views, req), key=lambda v: v.instance_id)
+        if not cands:
+            return None
+        score = self.policy.score
+        if score is None:
+            return cands[self.next_round_robin(len(cands))].instance_id
+        best, best_key = None, None
+        for v in cands:  # sorted by id: the first of equals wins
+            key = score(v, blocks_for(req.num_prompt_tokens, v.status.block_size))
+            if best_key is None or key > best_key:
+                best, best_key = v, key
+        return best.instance_id
