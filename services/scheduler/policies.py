@@ -116,9 +116,11 @@ class Dispatcher:
         if self.name == "round_robin":
             return cands[next(self._rr) % len(cands)].instance_id
         score: Callable[[InstanceView, int], float] = DISPATCH_POLICIES[self.name]
-        # Highest score wins; ties go to the lowest id for determinism.
-        return max(cands, key=lambda v: (score(v, blocks_for(req.num_prompt_tokens, v.status.block_size)),
-                                         -cands.index(v))).instance_id
+        # Highest score wins; ties go to the lowest id for determinism. (The
+        # position comes from enumerate: list.index compared whole views, O(N^2).)
+        return max(enumerate(cands), key=lambda iv: (score(iv[1], blocks_for(req.num_prompt_tokens,
+                                                                                iv[1].status.block_size)),
+                                                     -iv[0]))[1].instance_id
 
 
 # Dispatch scores (instance, the new request's prompt blocks there). The
