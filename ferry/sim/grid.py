@@ -128,9 +128,9 @@ def verdicts(results: list[dict], baseline: str) -> str:
     names = [n for n in (list(results[0]["policies"]) if results else []) if n != baseline]
     metrics = [m for m in REPORTED if m[0] in JUDGED]
     out = [f"### Against {baseline}: win / tie / lose per metric (median per-seed ratio)\n",
-           "Rule: win when the median per-seed ratio is <= 0.90 and its 90th percentile < 1; lose when the median "
-           "is >= 1.10 and its 10th percentile > 1; else tie. A 0/0 ratio (e.g. no preemption in either run) "
-           "counts as 1.\n",
+           ("Rule: win when the median per-seed ratio is <= 0.90 and its 90th percentile < 1; lose when the median "
+            "is >= 1.10 and its 10th percentile > 1; else tie. A 0/0 ratio (e.g. no preemption in either run) "
+            "counts as 1.\n"),
            "| cell | seeds | policy | " + " | ".join(m[0] for m in metrics) + " |",
            "|---|---|---|" + "---|" * len(metrics)]
     for r in results:
