@@ -118,8 +118,14 @@ def verdict(ratios: list[float | None], margin: float = 0.10) -> str | None:
 def _ratios(r: dict, name: str, baseline: str, key: str, sub: str | None, unit: str) -> list[float | None]:
     a = [_value(s, key, sub, unit) for s in r["per_seed"][name]]
     b = [_value(s, key, sub, unit) for s in r["per_seed"][baseline]]
-    return [x / y if x is not None and y is not None and y > 0 else (1.0 if x == y == 0 else None)
-            for x, y in zip(a, b)]
+    def ratio(x, y):
+        if x is None or y is None:
+            return None
+        if y > 0:
+            return x / y
+        return 1.0 if x == 0 else float("inf")  # 0/0: the same; x/0: worse than any ratio
+
+    return [ratio(x, y) for x, y in zip(a, b)]
 
 
 def verdicts(results: list[dict], baseline: str) -> str:
@@ -130,7 +136,7 @@ def verdicts(results: list[dict], baseline: str) -> str:
     out = [f"### Against {baseline}: win / tie / lose per metric (median per-seed ratio)\n",
            ("Rule: win when the median per-seed ratio is <= 0.90 and its 90th percentile < 1; lose when the median "
             "is >= 1.10 and its 10th percentile > 1; else tie. A 0/0 ratio (e.g. no preemption in either run) "
-            "counts as 1.\n"),
+            "counts as 1, x/0 as infinite.\n"),
            "| cell | seeds | policy | " + " | ".join(m[0] for m in metrics) + " |",
            "|---|---|---|" + "---|" * len(metrics)]
     for r in results:

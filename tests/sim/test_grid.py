@@ -48,6 +48,7 @@ def test_verdict_needs_a_margin_and_nearly_every_seed():
     assert verdict([0.95, 0.97, 0.99]) == TIE  # better on every seed, but within the margin
     assert verdict([2.0, 3.0, 1.5]) == LOSE
     assert verdict([None, None]) is None
+    assert verdict([float("inf"), 2.0, 3.0]) == LOSE  # e.g. preemption loss where the baseline had none
 
 
 def test_verdicts_table_judges_each_policy_against_the_baseline():
