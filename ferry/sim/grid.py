@@ -105,7 +105,7 @@ def verdict(ratios: list[float | None], margin: float = 0.10) -> str | None:
     most 1 - margin and the 90th percentile is below 1 (nearly every seed
     better), ``lose`` when the median is at least 1 + margin and the 10th
     percentile above 1, else ``tie``. None without a ratio."""
-    s = stats.spread(ratios)
+    s = stats.spread([min(r, 1e12) if r is not None else None for r in ratios])  # inf - inf would be nan
     if s["median"] is None:
         return None
     if s["median"] <= 1 - margin and s["p90"] < 1:

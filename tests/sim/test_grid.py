@@ -49,6 +49,7 @@ def test_verdict_needs_a_margin_and_nearly_every_seed():
     assert verdict([2.0, 3.0, 1.5]) == LOSE
     assert verdict([None, None]) is None
     assert verdict([float("inf"), 2.0, 3.0]) == LOSE  # e.g. preemption loss where the baseline had none
+    assert verdict([float("inf"), float("inf"), 3.0]) == LOSE
 
 
 def test_verdicts_table_judges_each_policy_against_the_baseline():
