@@ -147,8 +147,8 @@ def verdicts(results: list[dict], baseline: str) -> str:
             cells = []
             for label, key, sub, unit in metrics:
                 rat = _ratios(r, n, baseline, key, sub, unit)
-                v, med = verdict(rat), stats.spread(rat)["median"]
-                cells.append("-" if v is None else f"{v} ({med:.2f}x)")
+                v, med = verdict(rat), stats.spread([min(x, 1e12) if x is not None else None for x in rat])["median"]
+                cells.append("-" if v is None else f"{v} ({'x/0' if med >= 1e12 else f'{med:.2f}x'})")
             out.append(f"| {w['lengths']} {w['arrivals']} n={w['num_requests']} | {len(r['seeds'])} | {n} | "
                        + " | ".join(cells) + " |")
     out.append("")
