@@ -117,7 +117,7 @@ def run_compare(kw: dict, names: list[str], seeds: list[int], records: bool = Tr
             wall = run.pop("_wall_s")
             click.echo(f"[{name} seed {seed}] {run['summary']['completed']}/{run['summary']['requests']} in "
                        f"{wall:.1f} s wall, {run['sim']['model_s']:.0f} s simulated "
-                       f"({run['sim']['model_s'] / wall:.0f} sim-s per wall-s)", err=True)
+                       f"({run['sim']['model_s'] / wall:.3g} sim-s per wall-s)", err=True)
             per_seed[name].append(run["summary"])
             if seed == seeds[0]:
                 if not records:

@@ -94,6 +94,67 @@ def report(results: list[dict], baseline: str) -> str:
     return "\n".join(out)
 
 
+# Metrics judged by ``verdicts`` (lower is better for each).
+JUDGED = ("P99 TTFT", "mean TTFT", "P99 decode", "preemption loss")
+WIN, TIE, LOSE = "win", "tie", "lose"
+
+
+def verdict(ratios: list[float | None], margin: float = 0.10) -> str | None:
+    """A policy against the baseline on one metric, from the per-seed ratios
+    policy / baseline (lower is better): ``win`` when the median ratio is at
+    most 1 - margin and the 90th percentile is below 1 (nearly every seed
+    better), ``lose`` when the median is at least 1 + margin and the 10th
+    percentile above 1, else ``tie``. None without a ratio."""
+    s = stats.spread([min(r, 1e12) if r is not None else None for r in ratios])  # inf - inf would be nan
+    if s["median"] is None:
+        return None
+    if s["median"] <= 1 - margin and s["p90"] < 1:
+        return WIN
+    if s["median"] >= 1 + margin and s["p10"] > 1:
+        return LOSE
+    return TIE
+
+
+def _ratios(r: dict, name: str, baseline: str, key: str, sub: str | None, unit: str) -> list[float | None]:
+    a = [_value(s, key, sub, unit) for s in r["per_seed"][name]]
+    b = [_value(s, key, sub, unit) for s in r["per_seed"][baseline]]
+    def ratio(x, y):
+        if x is None or y is None:
+            return None
+        if y > 0:
+            return x / y
+        return 1.0 if x == 0 else float("inf")  # 0/0: the same; x/0: worse than any ratio
+
+    return [ratio(x, y) for x, y in zip(a, b)]
+
+
+def verdicts(results: list[dict], baseline: str) -> str:
+    """Markdown: per cell and policy, win/tie/lose against the baseline on
+    each judged metric (see ``verdict``), with the median per-seed ratio."""
+    names = [n for n in (list(results[0]["policies"]) if results else []) if n != baseline]
+    metrics = [m for m in REPORTED if m[0] in JUDGED]
+    out = [f"### Against {baseline}: win / tie / lose per metric (median per-seed ratio)\n",
+           ("Rule: win when the median per-seed ratio is <= 0.90 and its 90th percentile < 1; lose when the median "
+            "is >= 1.10 and its 10th percentile > 1; else tie. A 0/0 ratio (e.g. no preemption in either run) "
+            "counts as 1, x/0 as infinite.\n"),
+           "| cell | seeds | policy | " + " | ".join(m[0] for m in metrics) + " |",
+           "|---|---|---|" + "---|" * len(metrics)]
+    for r in results:
+        w = r["workload"]
+        if baseline not in r["per_seed"]:
+            continue
+        for n in names:
+            cells = []
+            for label, key, sub, unit in metrics:
+                rat = _ratios(r, n, baseline, key, sub, unit)
+                v, med = verdict(rat), stats.spread([min(x, 1e12) if x is not None else None for x in rat])["median"]
+                cells.append("-" if v is None else f"{v} ({'x/0' if med >= 1e12 else f'{med:.2f}x'})")
+            out.append(f"| {w['lengths']} {w['arrivals']} n={w['num_requests']} | {len(r['seeds'])} | {n} | "
+                       + " | ".join(cells) + " |")
+    out.append("")
+    return "\n".join(out)
+
+
 def plot(results: list[dict], folder: str) -> list[str]:
     """One PNG per metric: a bar per policy and cell at the median over
     seeds, whiskers from the 10th to the 90th percentile."""
@@ -151,7 +212,7 @@ def grid(cells, policies, baseline, out_dir, seed, seeds, json_path, plots_dir, 
         path = os.path.join(out_dir, f"{slug(lengths, arrivals)}.json")
         results.append(run_cell({**kw, "lengths": lengths, "arrivals": arrivals}, names, seed_list, path))
         click.echo(f"[{lengths} {arrivals}] {time.perf_counter() - t:.0f} s wall", err=True)
-    text = report(results, baseline)
+    text = report(results, baseline) + "\n" + verdicts(results, baseline)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(text)
     click.echo(text)

@@ -277,7 +277,8 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
 
     def progress(done: int, sim_s: float) -> None:
         bar.n = done
-        bar.set_postfix_str(f"{sim_s / max(1e-9, time.perf_counter() - t_wall):.0f} sim-s/s", refresh=False)
+        bar.set_postfix_str(f"{sim_s:.0f} sim-s, {sim_s / max(1e-9, time.perf_counter() - t_wall):.3g} sim-s/s",
+                            refresh=False)
         bar.refresh()
 
     try:
