@@ -301,9 +301,11 @@ async def test_blocking_baseline_copies_everything_after_the_suspend(two):
 
 async def test_several_migrations_at_once_choose_distinct_requests():
     """An order with several slots: each slot chooses from the status without
-    the requests already leaving; every request moves at most once."""
+    the requests already leaving; every request moves at most once. The
+    source drains (terminating): a load-balancing order with no blocked head
+    of line stops after its first migration (policy.next_to_migrate)."""
     c = Cluster()
-    c.add("a", fake(num_blocks=512))
+    c.add("a", fake(num_blocks=512)).host.is_terminating = lambda: True
     c.add("b", fake(num_blocks=512))
     try:
         runs = [await start(c, rid=f"r{i}", n=150, at=3, prompt=PROMPT[: 40 + 10 * i]) for i in range(6)]
