@@ -21,8 +21,6 @@ class LoadSummary:
     freeness: float
     normal_freeness: float  # counting only normal-priority load (auto-scaling)
     num_running: int
-    normal_usage: float = 0.0
-    num_normal_running: int = 0
 
 
 def virtual_usages(requests: tuple[RequestLoad, ...], head_of_line_demand: int,
@@ -56,10 +54,14 @@ def freeness(total_blocks: int, usage: float, batch_size: int) -> float:
 
 
 def summarize(total_blocks: int, requests: tuple[RequestLoad, ...], head_of_line_demand: int,
-              headroom: dict[Priority, int], terminating: bool = False) -> LoadSummary:
+              headroom: dict[Priority, int], terminating: bool = False,
+              reserved_blocks: int = 0) -> LoadSummary:
+    """reserved_blocks: blocks held for incoming migrations. They are spoken
+    for, so they count in the usage; otherwise a destination looks freer than
+    it is and is filled past what it can hold (DESIGN §4)."""
     reqs = virtual_usages(requests, head_of_line_demand, headroom)
-    usage = sum(r.virtual_usage for r in reqs)
-    normal_usage = sum(r.virtual_usage for r in reqs if r.priority == Priority.NORMAL)
+    usage = sum(r.virtual_usage for r in reqs) + reserved_blocks
+    normal_usage = sum(r.virtual_usage for r in reqs if r.priority == Priority.NORMAL) + reserved_blocks
     if terminating:
         usage += TERMINATING_USAGE
         normal_usage += TERMINATING_USAGE
@@ -71,8 +73,6 @@ def summarize(total_blocks: int, requests: tuple[RequestLoad, ...], head_of_line
         freeness=freeness(total_blocks, usage, running),
         normal_freeness=freeness(total_blocks, normal_usage, normal_running),
         num_running=running,
-        normal_usage=normal_usage,
-        num_normal_running=normal_running,
     )
 
 

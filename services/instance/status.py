@@ -4,7 +4,7 @@ the meta store and what the discrete-event simulator reports for it."""
 
 from __future__ import annotations
 
-from libs.common.load import freeness, summarize
+from libs.common.load import summarize
 from libs.common.policies.headroom import profile_headroom
 from libs.common.types import InstanceStatus, Priority
 from services.instance.engine.base import EngineLoad
@@ -13,20 +13,16 @@ from services.instance.engine.base import EngineLoad
 def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLoad,
                     headroom: dict[Priority, int], terminating: bool = False, migrating_in: int = 0,
                     migrating_out: int = 0, engine_steps: int = 0) -> InstanceStatus:
-    summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks, headroom, terminating)
-    # NOTE: blocks reserved for incoming migrations are spoken for: they count
-    # in the virtual usage, or a destination looks freer than it is and is
-    # filled past what it can hold (DESIGN §4; issue 16).
-    usage = summary.virtual_usage + load.reserved_blocks
-    normal_usage = summary.normal_usage + load.reserved_blocks
+    summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks, headroom, terminating,
+                        reserved_blocks=load.reserved_blocks)
     waiting = sum(1 for r in load.requests if r.state == "waiting")
     return InstanceStatus(
         instance_id=instance_id, seq=seq, timestamp=timestamp,
         total_blocks=load.total_blocks, free_blocks=load.free_blocks, block_size=load.block_size,
         num_running=summary.num_running, num_waiting=waiting,
         head_of_line_demand_blocks=load.head_of_line_demand_blocks,
-        virtual_usage=usage, freeness=freeness(load.total_blocks, usage, summary.num_running),
-        normal_freeness=freeness(load.total_blocks, normal_usage, summary.num_normal_running),
+        virtual_usage=summary.virtual_usage, freeness=summary.freeness,
+        normal_freeness=summary.normal_freeness,
         terminating=terminating,
         num_preemptions=load.num_preemptions, migrating_in=migrating_in,
         migrating_out=migrating_out, requests=summary.requests,
