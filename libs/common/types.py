@@ -26,6 +26,36 @@ class Priority(enum.IntEnum):
             raise ValueError(f"unknown priority {value!r}; expected one of: {names}") from None
 
 
+class Role(str, enum.Enum):
+    """What an instance runs (Splitwise, DESIGN §5): ``mixed`` runs a request
+    from prompt to end; ``prefill`` runs prompts and hands each request's KV to
+    a ``decode`` instance on the migration path once its first token is out."""
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+    @classmethod
+    def parse(cls, value: "str | Role | None") -> "Role":
+        if value is None or value == "":
+            return cls.MIXED
+        if isinstance(value, Role):
+            return value
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            names = ", ".join(r.value for r in cls)
+            raise ValueError(f"unknown instance role {value!r}; expected one of: {names}") from None
+
+    @property
+    def prefills(self) -> bool:
+        return self is not Role.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -110,6 +140,7 @@ class InstanceStatus:
     used_blocks: int = 0
     waiting_demand_blocks: int = 0
     engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
+    role: Role = Role.MIXED  # Splitwise: which phases this instance runs
 
 
 @dataclass(frozen=True)

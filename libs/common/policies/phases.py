@@ -1,0 +1,66 @@
+"""Splitwise's two-step dispatch (DESIGN §5): pure code over snapshots, shared
+by the scheduler and the simulator.
+
+A new request goes to an instance that prefills (role ``prefill`` or
+``mixed``), chosen by the policy's own score among those. When its prompt is
+done it decodes on an instance that decodes (``decode`` or ``mixed``), again by
+the policy's score; where that is the instance it is on, nothing moves.
+Otherwise its KV goes over on the migration protocol, serialized after the
+prompt for short prompts and layer by layer while the prompt computes for long
+ones (``handoff_mode``)."""
+
+from __future__ import annotations
+
+import enum
+
+from libs.common.policies.base import Dispatcher, DispatchRequest, InstanceView
+from libs.common.types import Role
+
+# Splitwise (ISCA'24, §4.3): serialized transfer is cheaper below about 512
+# prompt tokens; above, per-layer transfer hides the copy behind the prompt's
+# later layers. The live threshold is measured per machine (``ferry bench
+# splitwise``); this is the paper's value, the default where none was measured.
+DEFAULT_PER_LAYER_THRESHOLD = 512
+
+
+class Phase(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class HandoffMode(str, enum.Enum):
+    SERIALIZED = "serialized"
+    PER_LAYER = "per_layer"
+
+
+def serves(role: Role, phase: Phase) -> bool:
+    return role.prefills if phase is Phase.PREFILL else role.decodes
+
+
+def phase_views(views: list[InstanceView], phase: Phase) -> list[InstanceView]:
+    """The instances that run ``phase``. A cluster with no instance of the
+    phase's roles (all prefill, say) keeps every instance: better a request
+    served colocated than refused."""
+    own = [v for v in views if serves(v.status.role, phase)]
+    return own or list(views)
+
+
+def choose_for_phase(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchRequest,
+                     phase: Phase) -> str | None:
+    return dispatcher.choose(phase_views(views, phase), req)
+
+
+def is_split(views: list[InstanceView]) -> bool:
+    """Whether any instance is not mixed: only then does dispatch have two steps."""
+    return any(v.status.role is not Role.MIXED for v in views)
+
+
+def needs_handoff(role: Role) -> bool:
+    """A request prefilled on an instance of this role must move to decode."""
+    return not role.decodes
+
+
+def handoff_mode(num_prompt_tokens: int, per_layer_threshold: int = DEFAULT_PER_LAYER_THRESHOLD) -> HandoffMode:
+    if per_layer_threshold > 0 and num_prompt_tokens >= per_layer_threshold:
+        return HandoffMode.PER_LAYER
+    return HandoffMode.SERIALIZED

@@ -1,0 +1,63 @@
+"""Splitwise's two-step dispatch over snapshots (libs/common/policies/phases.py)."""
+
+import pytest
+
+from libs.common.policies import Dispatcher, DispatchRequest, InstanceView
+from libs.common.policies.phases import (
+    HandoffMode,
+    Phase,
+    choose_for_phase,
+    handoff_mode,
+    is_split,
+    needs_handoff,
+    phase_views,
+)
+from libs.common.types import InstanceStatus, Role
+
+
+def view(iid: str, role: Role, free: int, total: int = 100) -> InstanceView:
+    st = InstanceStatus(instance_id=iid, total_blocks=total, free_blocks=free, block_size=16, role=role,
+                        virtual_usage=total - free, freeness=float(free))
+    return InstanceView(iid, st)
+
+
+def test_role_parse():
+    assert Role.parse(None) is Role.MIXED
+    assert Role.parse(" Prefill ") is Role.PREFILL
+    assert Role.parse(Role.DECODE) is Role.DECODE
+    with pytest.raises(ValueError, match="unknown instance role 'both'"):
+        Role.parse("both")
+    assert Role.PREFILL.prefills and not Role.PREFILL.decodes
+    assert Role.DECODE.decodes and not Role.DECODE.prefills
+    assert Role.MIXED.prefills and Role.MIXED.decodes
+
+
+def test_prefill_goes_to_prefill_pool_even_when_decode_is_freer():
+    views = [view("p0", Role.PREFILL, 10), view("d0", Role.DECODE, 90)]
+    d = Dispatcher("infaas++")
+    req = DispatchRequest("r", num_prompt_tokens=64)
+    assert choose_for_phase(d, views, req, Phase.PREFILL) == "p0"
+    assert choose_for_phase(d, views, req, Phase.DECODE) == "d0"
+
+
+def test_mixed_instances_serve_both_phases_by_score():
+    views = [view("p0", Role.PREFILL, 10), view("m0", Role.MIXED, 50), view("d0", Role.DECODE, 30)]
+    d = Dispatcher("infaas++")
+    req = DispatchRequest("r", num_prompt_tokens=64)
+    assert choose_for_phase(d, views, req, Phase.PREFILL) == "m0"
+    assert choose_for_phase(d, views, req, Phase.DECODE) == "m0"
+
+
+def test_no_instance_of_the_phase_keeps_everyone():
+    views = [view("p0", Role.PREFILL, 10), view("p1", Role.PREFILL, 20)]
+    assert [v.instance_id for v in phase_views(views, Phase.DECODE)] == ["p0", "p1"]
+    assert not is_split([view("m0", Role.MIXED, 1)])
+    assert is_split(views)
+
+
+def test_handoff_rules():
+    assert needs_handoff(Role.PREFILL)
+    assert not needs_handoff(Role.MIXED) and not needs_handoff(Role.DECODE)
+    assert handoff_mode(100, 512) is HandoffMode.SERIALIZED
+    assert handoff_mode(512, 512) is HandoffMode.PER_LAYER
+    assert handoff_mode(4096, 0) is HandoffMode.SERIALIZED  # threshold 0: per-layer off
