@@ -109,8 +109,11 @@ class StallWatchdog:
             return f"instance {w.instance_id} does not hold the request"
         if w.steps_seen is not None and st.engine_steps == w.steps_seen:
             return f"instance {w.instance_id}'s engine made no step for {self.stall_s:g}s"
-        first = w.steps_seen is None
         w.steps_seen = st.engine_steps
-        # First look: check again one interval on; after that, once a period.
-        w.last_event = time.monotonic() - (self.stall_s - self.interval_s if first else 0.0)
+        # Look again a whole period on: one step may be long (a long prompt's
+        # chunk on a loaded CPU), and a step in progress does not count yet.
+        # NOTE: checking again one interval on declared engines dead in the
+        # middle of a 5-second step (an 8,000-token prompt, `ferry bench
+        # migration`); a dead engine is now found after two periods.
+        w.last_event = time.monotonic()
         return None

@@ -58,6 +58,24 @@ async def test_a_request_waiting_while_the_engine_steps_is_not_stalled():
     assert not call.cancelled and w.stalled is None
 
 
+async def test_steps_longer_than_the_check_interval_are_not_a_stall():
+    """An engine whose steps take longer than the watchdog's interval (but
+    less than its period) is slow, not dead."""
+    inst = FakeInstance()
+    dog = StallWatchdog(lambda address: inst, stall_s=0.2, interval_s=0.05)
+    call = FakeCall()
+    w = dog.watch("r", "i0", "addr", call)
+    dog.start()
+    try:
+        for i in range(24):
+            await asyncio.sleep(0.05)
+            if i % 3 == 2:  # a step every 0.15 s
+                inst.steps += 1
+    finally:
+        await dog.stop()
+    assert not call.cancelled and w.stalled is None
+
+
 async def test_a_request_on_an_engine_that_makes_no_step_is_stalled():
     w, call = await watch_for(FakeInstance(steps=5), 0.8)
     assert call.cancelled and "made no step" in w.stalled
