@@ -28,6 +28,7 @@ from ferry.sim.kernel import Delay, Kernel, Wait
 from ferry.sim.params import Delays, TransferModel
 from libs.common.types import InstanceStatus, RequestState
 from services.instance.migration.policy import accepts_migration, next_to_migrate
+from services.instance.migration.selection import status_without
 from services.instance.migration.source import MigrationConfig
 from services.instance.migration.states import DestState
 from services.instance.status import instance_status
@@ -60,17 +61,6 @@ class _Signal(Wait):
             self.kernel.after(0.0, resume, None)
         else:
             self._pending = True
-
-
-def _with_inflight(status: InstanceStatus, blocks: int, n: int) -> InstanceStatus:
-    """The source as it will be once ``n`` in-flight migrations holding
-    ``blocks`` blocks have left."""
-    if not n:
-        return status
-    usage = status.virtual_usage - blocks
-    running = max(0, status.num_running - n)
-    return replace(status, free_blocks=status.free_blocks + blocks, virtual_usage=usage, num_running=running,
-                   freeness=(status.total_blocks - usage) / max(1, running))
 
 
 def _current_status(inst: SimInstance) -> InstanceStatus:
@@ -288,18 +278,20 @@ class MigrationModel:
         try:
             while True:
                 while not stop and len(inflight) < limit and src.migrating_out < limit and started < max_requests:
-                    status = src.status()
-                    while status is None:  # the published load was not kept: read the next one
+                    load = src.published_load()
+                    while load is None:  # the published load was not kept: read the next one
                         yield src.call(lambda: None)
-                        status = src.status()
-                    view = _with_inflight(status, sum(inflight.values()), len(inflight))
+                        load = src.published_load()
+                    # As the live manager's order_status: the requests already leaving excluded.
+                    view = status_without(src.instance_id, load, src.headroom, src.terminating,
+                                          frozenset(inflight))
                     rid = next_to_migrate(view, started, stop_when_freeness_above, use_priorities, frozenset(tried))
                     if rid is None or dst.stopped:
                         stop = True
                         break
                     tried.add(rid)
                     started += 1
-                    inflight[rid] = next((r.physical_blocks for r in status.requests if r.request_id == rid), 0)
+                    inflight[rid] = next((r.physical_blocks for r in load.requests if r.request_id == rid), 0)
                     src.k.spawn(self.migrate_one(src, dst, rid), finished)
                 if not inflight and (stop or started >= max_requests or not done):
                     break

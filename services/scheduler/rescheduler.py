@@ -2,8 +2,11 @@
 with destinations by the pure policy and order each source's llumlet to
 migrate out. The llumlet chooses the requests and stops when it is no longer
 a source or its blocked head of line is admitted. Pairs are made afresh every
-round; an instance with an order running is not paired again until it ends,
-a destination only while its order runs (it refuses what it cannot take)."""
+round; a source with an order running is not paired again until the order
+ends, while a destination may be paired again next round by another source
+and guards itself (it refuses with a queue of its own or at its migrate-in
+limit: accepts_migration). The simulator's rescheduler (ferry/sim/scheduler.py)
+does the same."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ class Rescheduler:
         self.svc = svc
         self.config = svc.config
         self._task: asyncio.Task | None = None
-        self._busy: dict[str, asyncio.Task] = {}  # instance id -> its migrate-out order
+        self._busy: dict[str, asyncio.Task] = {}  # source instance id -> its migrate-out order
         self.policy = svc.config.policy
         self.freeness_of = self.policy.migration_freeness
 
@@ -54,7 +57,6 @@ class Rescheduler:
                                 self.config.in_threshold, self.freeness_of, busy)
         for p in pairs:
             self._busy[p.source] = asyncio.create_task(self._order(p))
-            self._busy[p.destination] = self._busy[p.source]
         return pairs
 
     async def _order(self, pair: MigrationPair) -> None:
@@ -80,4 +82,3 @@ class Rescheduler:
                       details=e.details())
         finally:
             self._busy.pop(pair.source, None)
-            self._busy.pop(pair.destination, None)

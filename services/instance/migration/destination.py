@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 
 from libs.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from libs.common.logging import get_logger
-from libs.common.types import RequestState
+from libs.common.types import InstanceStatus, RequestState
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.messages import KvChunk, PreAllocate
 from services.instance.migration.metrics import MigrationCounters
+from services.instance.migration.policy import accepts_migration
 from services.instance.migration.states import DestState, Machine
+from services.instance.status import instance_status
 
 log = get_logger("migration")
 
@@ -156,6 +158,9 @@ class Destination:
                 return False, f"no reservation for migration {p.migration_id!r} (expired or aborted)"
             if self.host.is_terminating():
                 return False, "destination is terminating"
+            ok, reason = accepts_migration(self._status(), p.num_blocks + p.spare_blocks)
+            if not ok:
+                return False, reason
             if self.active >= self.max_migrate_in:
                 return False, f"migrate-in limit {self.max_migrate_in} reached"
             if p.request_id in self.host.streams:
@@ -190,6 +195,12 @@ class Destination:
                        total_blocks=len(res.blocks))
         self.host.changed()
         return True, ""
+
+    def _status(self) -> InstanceStatus:
+        """This instance as the consent rule sees it: the latest published
+        load (reserved blocks included), as the simulated destination does."""
+        return instance_status(self.host.instance_id, 0, time.time(), self.host.current_load(), self.host.headroom,
+                               self.host.is_terminating(), self.active)
 
     async def transfer(self, chunks: AsyncIterable[KvChunk]) -> tuple[int, int]:
         """Consume one stage's chunks; scatter each into its blocks."""

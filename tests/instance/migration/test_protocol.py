@@ -292,6 +292,31 @@ async def test_destination_full_is_refused():
         await c.stop()
 
 
+async def test_destination_with_a_queue_refuses():
+    """A destination whose own head of line is blocked keeps its blocks for
+    it (accepts_migration, as the simulated destination)."""
+    c = Cluster()
+    c.add("a", fake())
+    b = c.add("b", fake(num_blocks=16))
+    try:
+        cl, task = await start(c)
+        busy, busy_task = await start(c, rid="busy", n=120, at=1, node="b")
+        queued = Client(c, "queued")
+        queued_task = asyncio.create_task(queued.run("b", PROMPT + PROMPT[:60], 4))  # 10 blocks: waits
+        while not any(r.state == "waiting" for r in b.load.requests):
+            await asyncio.sleep(0.005)
+        res = await c.nodes["a"].manager.migrate_out(order("b", "r"))
+        assert res.aborted == 1 and "destination has a queue" in res.results[0].reason, res
+        await finish(c, cl, task, 200)
+        await asyncio.wait_for(asyncio.gather(busy_task, queued_task), 30)
+        assert busy.tokens == fake_generate(PROMPT, 120)
+        assert queued.tokens == fake_generate(PROMPT + PROMPT[:60], 4)
+        for node in c.nodes.values():
+            await node.check_clean()
+    finally:
+        await c.stop()
+
+
 async def test_blocking_baseline_copies_everything_after_the_suspend(two):
     cl, task = await start(two)
     res = await two.nodes["a"].manager.migrate_out(order("b", "r", blocking=True))
