@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -27,26 +28,40 @@ from libs.common import rpc
 
 class Background:
     """Requests decoding on one instance through its own gRPC stream; their
-    inter-token gaps measure that instance's decode step time."""
+    inter-token gaps measure that instance's decode step time. Each slot
+    re-issues a request of ``tokens`` output tokens when the last one ends,
+    so the load stays the same from the first length to the last.
 
-    def __init__(self, address: str, n: int, prompt_len: int, vocab: int):
-        self.address, self.n, self.prompt_len, self.vocab = address, n, prompt_len, vocab
-        self.times: list[float] = []  # arrival time of every background token
+    NOTE: one endless request per slot grew to thousands of tokens of
+    context by the last length, so later lengths ran against a heavier
+    batch than earlier ones."""
+
+    def __init__(self, address: str, n: int, prompt_len: int, vocab: int, tokens: int = 256):
+        self.address, self.n, self.prompt_len, self.vocab, self.tokens = address, n, prompt_len, vocab, tokens
+        self.times: list[float | None] = []  # arrival time of every background token (None: a new request)
         self.tasks: list[asyncio.Task] = []
 
     async def _one(self, i: int):
         rng = random.Random(i)
         async with rpc.channel(self.address) as ch:
-            call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
-                request_id=f"bg-{uuid.uuid4().hex[:8]}",
-                prompt_token_ids=[rng.randrange(100, self.vocab) for _ in range(self.prompt_len)],
-                sampling=cpb.SamplingParams(max_tokens=100_000, ignore_eos=True)))
-            try:
-                async for ev in call:
-                    if ev.token_ids and i == 0:  # one stream is enough to time steps
-                        self.times.append(time.perf_counter())
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
-                pass
+            while True:
+                call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
+                    request_id=f"bg-{uuid.uuid4().hex[:8]}",
+                    prompt_token_ids=[rng.randrange(100, self.vocab) for _ in range(self.prompt_len)],
+                    sampling=cpb.SamplingParams(max_tokens=self.tokens, ignore_eos=True)))
+                try:
+                    first = True
+                    async for ev in call:
+                        if ev.token_ids and i == 0:  # one stream is enough to time steps
+                            now = time.perf_counter()
+                            if first and self.times:  # the gap across a new request's prefill is no step
+                                self.times.append(None)
+                            self.times.append(now)
+                            first = False
+                except grpc.aio.AioRpcError:
+                    return
+                except asyncio.CancelledError:
+                    return
 
     def start(self):
         self.tasks = [asyncio.create_task(self._one(i)) for i in range(self.n)]
@@ -57,7 +72,8 @@ class Background:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     def step_ms(self, t0: float, t1: float, inside: bool) -> float | None:
-        gaps = [(b - a) * 1000 for a, b in zip(self.times, self.times[1:]) if (t0 <= b <= t1) == inside]
+        gaps = [(b - a) * 1000 for a, b in zip(self.times, self.times[1:])
+                if a is not None and b is not None and (t0 <= b <= t1) == inside]
         return statistics.median(gaps) if gaps else None
 
 
@@ -107,7 +123,24 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     rng = random.Random(length)
     prompt = [rng.randrange(100, vocab) for _ in range(length)]
     body = {"prompt": prompt, "max_tokens": out_tokens, "ignore_eos": True, "temperature": 0}
-    reference, _, _ = await _stream(http, body)
+    # The reference run (no migration) also gives the source's step time
+    # with this request decoding there: the baseline of the slowdown. Without
+    # it, the steps outside the migration window mix steps with and without
+    # the long request (it has left after the window) and read a slowdown
+    # that is the request's own attention, not the migration.
+    ref = {}
+
+    async def ref_at(n, rid):
+        if n == at_token and "task" not in ref:
+            ref["t0"] = time.perf_counter()
+
+            async def find():
+                ref["holder"] = await _holder(cluster, rid)
+            ref["task"] = asyncio.create_task(find())
+
+    reference, ref_times, _ = await _stream(http, body, ref_at)
+    await ref["task"]
+    baseline_step = bgs[ref["holder"].name].step_ms(ref["t0"], ref_times[-1], True)
     rows = []
     for _ in range(runs):
         info = {}
@@ -137,7 +170,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
             "stall_ms": stall, "itl_ms": itl,
             "tokens_match": text == reference and final["migrations"] == 1,
             "step_ms_during": bg.step_ms(info["t0"], info["t1"], True),
-            "step_ms_outside": bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
+            "step_ms_outside": bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),  # mixed; not the baseline
             "dest_step_ms": dst_bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
         })
     # Baseline 1: blocking copy = suspend, then copy every block (no pre-copy).
@@ -174,7 +207,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         vals = [r[key] for r in ok if r[key] is not None]
         return statistics.median(vals) if vals else None
 
-    during, outside = med("step_ms_during"), med("step_ms_outside")
+    during, outside = med("step_ms_during"), baseline_step
     return {
         "downtime_ms": med("downtime_ms"), "commit_ack_ms": med("commit_ack_ms"), "stall_ms": med("stall_ms"),
         "stall_max_ms": max((r["stall_ms"] for r in ok if r["stall_ms"] is not None), default=None),
@@ -182,6 +215,8 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         "dest_step_ms": med("dest_step_ms"), "stages": med("stages"), "bytes": med("bytes"),
         "total_ms": med("total_ms"),
         "tokens_match": bool(rows) and all(r["tokens_match"] for r in rows),
+        # The source's background step: with the request decoding there and no migration (the
+        # reference run), and during the migration.
         "decode_step_ms": {"without_migration": outside, "during_migration": during,
                            "slowdown": (during / outside - 1) if during and outside else None},
         # Baselines: blocking copy (downtime to the first destination step, and the client's stall);
@@ -261,7 +296,8 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
     spec = ClusterSpec(instances=2, engine=engine, model=model, port=free_port(), dispatch="round_robin",
                        instance_args=args, scheduler_args=["--no-migration"], log_level="warning")
     config = {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
-              "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token}
+              "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token,
+              "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
 
     def on_length(results: dict) -> None:
         # Print and save each length as it completes: long lengths take minutes on a CPU.
@@ -269,6 +305,7 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
             click.echo("".join(f"{h:>11s}" for h in HEADER))
         length = list(results)[-1]
         click.echo(_row(length, results[length]))
+        config["loadavg_at_end"] = os.getloadavg()  # other work on the machine skews every number
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(_summary(results, config), f, indent=2)

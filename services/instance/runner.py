@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ class EngineRunner:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
+        self.last_step_s = 0.0  # wall time of the latest step
         self.error: BaseException | None = None
         self.dead = False
 
@@ -108,7 +110,9 @@ class EngineRunner:
                 if self.engine.has_work():
                     if die_after is not None and self.steps >= int(die_after):
                         raise EngineBroken(f"failpoint: engine.die_after_steps={die_after}")
+                    t = time.perf_counter()
                     outputs = self.engine.step()
+                    self.last_step_s = time.perf_counter() - t
                     self.steps += 1
                     self._publish(outputs)
                     continue

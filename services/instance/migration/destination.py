@@ -173,6 +173,8 @@ class Destination:
             self.reservations[p.migration_id] = res
         elif res.machine.state is not DestState.RESERVED:
             return False, f"migration is {res.machine.state.value}"
+        else:
+            res.deadline_s = max(0.05, p.deadline_ms / 1000)  # the source's steps may have grown longer
         if p.stage in res.stages:
             return False, f"stage {p.stage} already reserved"
         res.renew()

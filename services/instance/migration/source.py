@@ -35,6 +35,8 @@ from services.instance.streams import Event
 
 log = get_logger("migration")
 S = SourceState
+# A reservation outlives this many of the source's engine steps unrenewed.
+STEPS_PER_DEADLINE = 10
 Fault = Callable[[str], None]
 
 __all__ = ["MigrationAborted", "MigrationConfig", "Outcome", "SourceMigration", "failpoint_faults"]
@@ -82,9 +84,19 @@ class SourceMigration:
         the suspend waits for the step boundary."""
         return self.config.last_stage_max_blocks + 2
 
+    @property
+    def deadline_ms(self) -> int:
+        """How long the destination keeps an unrenewed reservation: the
+        configured deadline, or longer when this engine's steps are long.
+        Between two calls to the destination the source waits on its engine
+        (a call runs at a step boundary) a few times: with 1.2-second steps
+        (a 4,096-token request on a loaded CPU) a 3-second deadline expired
+        mid-migration (`ferry bench migration`)."""
+        return max(self.config.deadline_ms, int(STEPS_PER_DEADLINE * 1000 * self.runner.last_step_s))
+
     async def _pre_allocate(self, stage: int, n: int, spare: int = 0) -> None:
         ok, reason = await self.peer.pre_allocate(PreAllocate(
-            self.id, self.request_id, stage, n, self.engine.kv_layout, self.config.deadline_ms,
+            self.id, self.request_id, stage, n, self.engine.kv_layout, self.deadline_ms,
             self.host.instance_id, spare))
         if not ok:
             self.dest_failed = True

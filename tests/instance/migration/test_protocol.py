@@ -317,6 +317,37 @@ async def test_destination_with_a_queue_refuses():
         await c.stop()
 
 
+async def test_reservation_deadline_grows_with_the_sources_steps():
+    """A source with long steps (each call it makes on its engine waits for
+    one) asks for a deadline of several steps, so a live migration does not
+    expire between two of its calls."""
+    c = Cluster()
+    c.add("a", fake(delay_ms=60.0))
+    c.add("b", fake())
+    asked: list[int] = []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def pre_allocate(self, p: PreAllocate):
+            asked.append(p.deadline_ms)
+            return await self.inner.pre_allocate(p)
+
+    c.peer_wrappers["b"] = Recording
+    try:
+        cl, task = await start(c, n=40, at=3)
+        res = await c.nodes["a"].manager.migrate_out(order("b", "r"))
+        assert res.committed == 1, res
+        assert asked and min(asked) > CONFIG.deadline_ms, asked  # 10 steps of ~60 ms > 300 ms
+        await finish(c, cl, task, 40)
+    finally:
+        await c.stop()
+
+
 async def test_blocking_baseline_copies_everything_after_the_suspend(two):
     cl, task = await start(two)
     res = await two.nodes["a"].manager.migrate_out(order("b", "r", blocking=True))
