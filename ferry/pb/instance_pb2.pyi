@@ -107,6 +107,22 @@ class SetInstanceTerminatingReply(_message.Message):
     ok: bool
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_to")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TO_FIELD_NUMBER: _ClassVar[int]
+    role: _common_pb2.Role
+    drain_to: _containers.RepeatedCompositeFieldContainer[Handoff]
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., drain_to: _Optional[_Iterable[_Union[Handoff, _Mapping]]] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("previous", "draining")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    previous: _common_pb2.Role
+    draining: int
+    def __init__(self, previous: _Optional[_Union[_common_pb2.Role, str]] = ..., draining: _Optional[int] = ...) -> None: ...
+
 class CheckIntegrityRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

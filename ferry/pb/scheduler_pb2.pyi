@@ -62,3 +62,19 @@ class SetTerminatingReply(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class SetInstanceRoleRequest(_message.Message):
+    __slots__ = ("instance_id", "role")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: _common_pb2.Role
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+
+class SetInstanceRoleReply(_message.Message):
+    __slots__ = ("previous", "draining")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    previous: _common_pb2.Role
+    draining: int
+    def __init__(self, previous: _Optional[_Union[_common_pb2.Role, str]] = ..., draining: _Optional[int] = ...) -> None: ...

@@ -155,6 +155,9 @@ class InstanceService(Service):
             failpoints.configure(config.failpoints)
         self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(config.engine_config())
+        if Role.parse(config.role) is Role.PREFILL and self.engine.no_migration:
+            raise ValueError(f"--role prefill needs live migration to hand requests over, and this "
+                             f"{self.engine.name} engine cannot migrate: {self.engine.no_migration}")
         self.streams = StreamTable()
         self.headroom = high_priority_headroom(config.headroom_high, getattr(self.engine, "profile", None),
                                                self.engine.load().total_blocks)
@@ -187,7 +190,8 @@ class InstanceService(Service):
         from services.instance.migration.servicer import MigrationRpcs
 
         host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
-                             load=lambda: self.load, headroom=self.headroom, changed=self._poke)
+                             load=lambda: self.load, headroom=self.headroom, changed=self._poke,
+                             decodes=lambda: self.role.decodes)
         self.migration = MigrationManager(host, self.config.migration_config())
         self.migration_rpcs = MigrationRpcs(self.migration)
         if self.config.metrics_port >= 0:
@@ -377,6 +381,33 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if self.svc.reporter:
             self.svc.reporter.poke()
         return pb.SetInstanceTerminatingReply(ok=True)
+
+    async def SetRole(self, request, context):
+        """Splitwise: what this instance runs from now on. Becoming prefill
+        drains the requests decoding here to ``drain_to`` by live migration."""
+        from services.instance.migration.drain import decoding_here
+
+        svc = self.svc
+        role = convert.role_from_pb(request.role)
+        targets = [(h.instance_id, h.address) for h in request.drain_to
+                   if h.instance_id and h.instance_id != svc.instance_id]
+        if any(h.instance_id and not h.address for h in request.drain_to):
+            raise InvalidArgument("drain_to names an instance without its address", param="drain_to")
+        draining = 0
+        if role is Role.PREFILL:
+            if svc.engine.no_migration:
+                raise FailedPrecondition(f"this instance cannot hand requests over: {svc.engine.no_migration}")
+            ready, waiting = decoding_here(svc.migration)
+            if (ready or waiting) and not targets:
+                raise FailedPrecondition(f"{len(ready) + waiting} requests would decode here and no drain_to "
+                                         "instance was given")
+            draining = len(ready)
+        previous, svc.role = svc.role, role
+        log.info("role changed", role=role.value, previous=previous.value, draining=draining)
+        svc._poke()
+        if role is Role.PREFILL and targets:
+            svc.migration.start_drain(targets, still=lambda: svc.role is Role.PREFILL)
+        return pb.SetRoleReply(previous=convert.role_to_pb(previous), draining=draining)
 
     async def CheckIntegrity(self, request, context):
         svc = self.svc

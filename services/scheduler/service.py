@@ -26,7 +26,7 @@ from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
 from libs.common.policies.phases import place
 from libs.common.server import Service
-from libs.common.types import Priority
+from libs.common.types import Priority, Role
 
 log = get_logger(__name__)
 
@@ -119,6 +119,33 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except grpc.RpcError as e:
             await abort_with(context, FailedPrecondition(f"instance unreachable: {e.details()}"))
         return pb.SetTerminatingReply(ok=True)
+
+
+    async def SetRole(self, request, context):
+        """Change an instance's role (Splitwise's mixed pool). Becoming
+        prefill, its decoding requests drain to the other instances that
+        decode, freest first."""
+        view = self.svc.view
+        role = convert.role_from_pb(request.role)
+        address = view.address(request.instance_id)
+        if address is None:
+            raise NotFound(f"unknown instance {request.instance_id!r}")
+        drain_to = []
+        if role is Role.PREFILL:
+            others = sorted((v for v in view.views() if v.instance_id != request.instance_id and v.schedulable
+                             and v.status.role.decodes), key=lambda v: (-v.status.freeness, v.instance_id))
+            if not others:
+                raise FailedPrecondition(f"no other instance decodes: {request.instance_id} cannot become prefill")
+            drain_to = [ipb.Handoff(instance_id=v.instance_id, address=view.address(v.instance_id)) for v in others]
+        try:
+            async with rpc.channel(address) as ch:
+                reply = await ipb_grpc.InstanceStub(ch).SetRole(
+                    ipb.SetRoleRequest(role=request.role, drain_to=drain_to), timeout=5)
+        except grpc.RpcError as e:
+            raise FailedPrecondition(f"instance {request.instance_id} did not change role: "
+                                     f"{e.code().name}: {e.details()}") from None
+        log.info("role change", instance_id=request.instance_id, role=role.value, draining=reply.draining)
+        return pb.SetInstanceRoleReply(previous=reply.previous, draining=reply.draining)
 
 
 class SchedulerService(Service):

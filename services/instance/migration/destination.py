@@ -167,6 +167,8 @@ class Destination:
                 return False, f"no reservation for migration {p.migration_id!r} (expired or aborted)"
             if self.host.is_terminating():
                 return False, "destination is terminating"
+            if not self.host.decodes():  # its role changed since the source chose it
+                return False, "destination does not decode (role prefill)"
             if p.handoff and self._active(True) >= self.max_handoff_in:
                 return False, f"handoff-in limit {self.max_handoff_in} reached"
             if not p.handoff and self._active(False) >= self.max_migrate_in:

@@ -47,6 +47,7 @@ class MigrationManager:
         self._tasks: set[asyncio.Task] = set()  # orders and their migrations
         self._expiry = asyncio.create_task(self._expire_forever(expire_interval_s))
         self.handoffs = Handoffs(self, config.handoff_per_layer_threshold)
+        self._drain: asyncio.Task | None = None  # a role change's drain (drain.py)
 
     @property
     def reservations(self):
@@ -142,6 +143,16 @@ class MigrationManager:
         self.outgoing[request_id] = mig
         self.host.changed()
         return self._spawn(self._run(mig))
+
+    def start_drain(self, targets: list[tuple[str, str]], still: Callable[[], bool]) -> asyncio.Task:
+        """Move the requests decoding here to ``targets`` (drain.py), as a
+        task of this manager; a drain already running is superseded."""
+        from services.instance.migration.drain import drain
+
+        if self._drain is not None:
+            self._drain.cancel()
+        self._drain = self._spawn(drain(self, targets, still))
+        return self._drain
 
     async def migrate_one(self, request_id: str, dest_id: str, dest_address: str, blocking: bool = False) -> Outcome:
         return await self._run(self._start(request_id, dest_id, dest_address, blocking))

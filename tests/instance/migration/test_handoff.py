@@ -197,3 +197,13 @@ async def _until(cond, timeout_s: float = 10.0) -> None:
     while not cond():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.005)
+
+
+async def test_a_destination_that_became_prefill_refuses(pd):
+    """The decode instance's role changed after the dispatch chose it: it
+    refuses, and the request decodes where it prefilled."""
+    pd.nodes["d"].host.decodes = lambda: False
+    cl = Client(pd, "r")
+    assert await asyncio.wait_for(cl.run("p", prompt_of(40), 20, handoff="d"), 30) == fake_generate(prompt_of(40), 20)
+    assert cl.path == ["p"] and handoffs(pd.nodes["p"]) == (0, 1)
+    await clean(pd)
