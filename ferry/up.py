@@ -45,13 +45,6 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
-    real = engine in ("native", "vllm")
-    if real:
-        from libs.common.models import KNOWN_MODELS, ensure_model
-
-        if engine == "native" or model in KNOWN_MODELS:  # vLLM also takes hub names and loads them itself
-            click.echo(f"ferry up: preparing model {model} …", err=True)
-            ensure_model(model)
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
@@ -61,6 +54,13 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
         spec.check_roles()
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    real = engine in ("native", "vllm")
+    if real:
+        from libs.common.models import KNOWN_MODELS, ensure_model
+
+        if engine == "native" or model in KNOWN_MODELS:  # vLLM also takes hub names and loads them itself
+            click.echo(f"ferry up: preparing model {model} …", err=True)
+            ensure_model(model)
     threads = spec.instance_threads()
     if threads:
         click.echo(f"ferry up: {usable_cores()} cores, {instances} native instances: {threads} torch thread(s) "
