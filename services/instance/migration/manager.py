@@ -158,9 +158,11 @@ class MigrationManager:
         return await self._run(self._start(request_id, dest_id, dest_address, blocking))
 
     def order_status(self):
-        """The status an order chooses from: requests already leaving excluded."""
+        """The status an order chooses from: requests already leaving (or
+        planned to leave by a handoff once their prompt is done) excluded."""
+        leaving = frozenset(self.outgoing) | frozenset(self.handoffs.plans)
         return status_without(self.host.instance_id, self.host.current_load(), self.host.headroom,
-                              self.host.is_terminating(), frozenset(self.outgoing))
+                              self.host.is_terminating(), leaving)
 
     async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
         """Run an order to its end; if the caller is cancelled meanwhile the
