@@ -91,6 +91,20 @@ def test_one_token_request_finishes_on_the_prefill_instance(client):
     assert r.model_extra["ferry"]["instances"] == ["instance-0"]
 
 
+async def test_scheduler_down_the_bypass_places_both_steps(cluster):
+    """NOTE: the last test on the module's cluster (its scheduler stays down).
+    The frontend dispatches by itself and still hands requests off."""
+    cluster.kill("scheduler")
+    prompts = [f"bypass {i} " * 3 for i in range(4)]
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+        results = await asyncio.gather(*(stream_completion(http, {"prompt": p, "max_tokens": 20}) for p in prompts))
+        metrics = (await http.get("/metrics")).text
+    assert [t for t, _ in results] == [expected_fake_text(p, 20) for p in prompts]
+    assert all(f["instances"] == ["instance-0", "instance-1"] for _, f in results)
+    assert "ferry_dispatch_bypass 1.0" in metrics
+    assert_clean([i.address for i in cluster.instances()])
+
+
 async def test_decode_instance_killed_mid_handoff(tmp_path_factory):
     """The decode instance dies with the KV half sent: the handoff aborts and
     the request decodes on the prefill instance, the client none the wiser."""
