@@ -105,6 +105,10 @@ class ClusterSpec:
     dispatch: str = "llumnix"
     instance_args: list[str] = field(default_factory=list)
     per_instance_args: dict[int, list[str]] = field(default_factory=dict)  # by instance index
+    # Splitwise: the first ``prefill`` instances prefill only, the next
+    # ``decode`` decode only, the rest are mixed (instances counts them all).
+    prefill: int = 0
+    decode: int = 0
     scheduler_args: list[str] = field(default_factory=list)
     frontend_args: list[str] = field(default_factory=list)
     meta_store_args: list[str] = field(default_factory=list)
@@ -130,6 +134,27 @@ class ClusterSpec:
     # torch intra-op threads per native instance (None: cores // instances, see
     # threads_per_instance; a --torch-threads in instance_args wins)
     torch_threads: int | None = None
+
+    def role_of(self, index: int) -> str:
+        """The --role of the index-th instance started with the cluster."""
+        if index < self.prefill:
+            return "prefill"
+        if index < self.prefill + self.decode:
+            return "decode"
+        return "mixed"
+
+    def check_roles(self) -> None:
+        """Raise ValueError for a split that cannot serve."""
+        if self.prefill < 0 or self.decode < 0:
+            raise ValueError("--prefill and --decode cannot be negative")
+        if self.prefill + self.decode > self.instances:
+            raise ValueError(f"{self.prefill} prefill + {self.decode} decode instances are more than "
+                             f"--instances {self.instances}")
+        mixed = self.instances - self.prefill - self.decode
+        if self.prefill and not (self.decode or mixed):
+            raise ValueError("prefill instances need a decode or mixed instance to hand requests to")
+        if self.decode and not (self.prefill or mixed):
+            raise ValueError("decode instances need a prefill or mixed instance to take new requests")
 
     def instance_threads(self) -> int | None:
         """The --torch-threads this cluster gives its instances, or None."""
@@ -232,6 +257,7 @@ class LocalCluster:
                      ["--port", str(port), "--instance-id", f"instance-{i}", "--meta-store", self.meta_store,
                       "--engine", self.spec.engine, "--model", self.spec.model,
                       *(["--torch-threads", str(t)] if (t := self.spec.instance_threads()) else []),
+                      *(["--role", r] if (r := self.spec.role_of(i)) != "mixed" else []),
                       *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
     def frontend_child(self) -> Child:
@@ -244,6 +270,7 @@ class LocalCluster:
     def start(self, timeout_s: float = 120.0) -> None:
         """Start every service and wait until all are healthy. On failure,
         stop everything and raise StartupError naming the culprit."""
+        self.spec.check_roles()
         try:
             self.children = [self.meta_store_child(), self.scheduler_child()]
             self.children += [self.instance_child() for _ in range(self.spec.instances)]

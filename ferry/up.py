@@ -18,7 +18,13 @@ from services.instance.engine import ENGINES
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="native", show_default=True,
               help="engine of every instance (vllm: pip install -e '.[vllm]'; vLLM's engine arguments go in "
                    "--instance-arg, e.g. --instance-arg=--vllm-args='--enforce-eager')")
-@click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--instances", type=click.IntRange(1, 64), default=None,
+              help="instances in all [default: 2, or --prefill + --decode when either is given]")
+@click.option("--prefill", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Splitwise: instances that run prompts only and hand each request's KV to a decode instance")
+@click.option("--decode", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Splitwise: instances that decode requests handed over by prefill instances "
+                   "(the rest of --instances are mixed)")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="HTTP port")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP address")
 @click.option("--model", default="smollm2", show_default=True, help="model name or local HF directory")
@@ -34,9 +40,20 @@ from services.instance.engine import ENGINES
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, instance_args, cluster_token,
-       log_format, log_level) -> None:
+def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
+       cluster_token, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
+    if instances is None:
+        instances = prefill + decode if prefill or decode else 2
+    spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
+                       dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
+                       frontend_args=["--api-key", api_key] if api_key else [],
+                       log_format=log_format, log_level=log_level,
+                       cluster_token=rpc.new_token() if cluster_token else "", prefill=prefill, decode=decode)
+    try:
+        spec.check_roles()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     real = engine in ("native", "vllm")
     if real:
         from libs.common.models import KNOWN_MODELS, ensure_model
@@ -44,11 +61,6 @@ def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, insta
         if engine == "native" or model in KNOWN_MODELS:  # vLLM also takes hub names and loads them itself
             click.echo(f"ferry up: preparing model {model} …", err=True)
             ensure_model(model)
-    spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
-                       dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
-                       frontend_args=["--api-key", api_key] if api_key else [],
-                       log_format=log_format, log_level=log_level,
-                       cluster_token=rpc.new_token() if cluster_token else "")
     threads = spec.instance_threads()
     if threads:
         click.echo(f"ferry up: {usable_cores()} cores, {instances} native instances: {threads} torch thread(s) "
@@ -70,8 +82,9 @@ def up(engine, instances, port, host, model, dispatch, grpc_port, api_key, insta
     if stopping:
         cluster.stop()
         sys.exit(0)
-    click.echo(f"ferry up: ready at {cluster.url}/v1 (model {model if real else 'fake'}, {instances} {engine} instances, "
-               f"dispatch {dispatch}); Ctrl-C to stop", err=True)
+    split = f": {prefill} prefill, {decode} decode, {instances - prefill - decode} mixed" if prefill or decode else ""
+    click.echo(f"ferry up: ready at {cluster.url}/v1 (model {model if real else 'fake'}, {instances} {engine} instances"
+               f"{split}, dispatch {dispatch}); Ctrl-C to stop", err=True)
     print(f"{cluster.url}/v1", flush=True)
     reported: set[str] = set()
     while not stopping:

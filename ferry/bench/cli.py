@@ -15,6 +15,7 @@ from ferry.cli import LazyGroup
         "chaos": "ferry.bench.chaos:chaos",
         "compare": "ferry.bench.compare:compare",
         "engine": "ferry.bench.engine:engine",
+        "handoff": "ferry.bench.handoff:handoff",
         "migration": "ferry.bench.migration:migration",
         "overhead": "ferry.bench.overhead:overhead",
         "serving": "ferry.bench.serving:serving",

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class GenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +24,16 @@ class GenerateRequest(_message.Message):
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     frontend_address: str
     flush_interval_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ..., flush_interval_ms: _Optional[int] = ...) -> None: ...
+    handoff: Handoff
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ..., flush_interval_ms: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
+
+class Handoff(_message.Message):
+    __slots__ = ("instance_id", "address")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class MovedTo(_message.Message):
     __slots__ = ("instance_id", "address", "next_index")
@@ -96,6 +106,22 @@ class SetInstanceTerminatingReply(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_to")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TO_FIELD_NUMBER: _ClassVar[int]
+    role: _common_pb2.Role
+    drain_to: _containers.RepeatedCompositeFieldContainer[Handoff]
+    def __init__(self, role: _Optional[_Union[_common_pb2.Role, str]] = ..., drain_to: _Optional[_Iterable[_Union[Handoff, _Mapping]]] = ...) -> None: ...
+
+class SetRoleReply(_message.Message):
+    __slots__ = ("previous", "draining")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    previous: _common_pb2.Role
+    draining: int
+    def __init__(self, previous: _Optional[_Union[_common_pb2.Role, str]] = ..., draining: _Optional[int] = ...) -> None: ...
 
 class CheckIntegrityRequest(_message.Message):
     __slots__ = ()
@@ -186,7 +212,7 @@ class KvHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks")
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +221,7 @@ class PreAllocateRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SPARE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     num_blocks: int
@@ -203,7 +230,8 @@ class PreAllocateRequest(_message.Message):
     deadline_ms: int
     source_instance_id: str
     spare_blocks: int
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ...) -> None: ...
+    handoff: bool
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ...) -> None: ...
 
 class PreAllocateReply(_message.Message):
     __slots__ = ("accepted", "reason")

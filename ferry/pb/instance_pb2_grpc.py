@@ -62,6 +62,11 @@ class InstanceStub:
                 request_serializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/ferry.v1.Instance/SetRole',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.SetRoleReply.FromString,
+                _registered_method=True)
         self.CheckIntegrity = channel.unary_unary(
                 '/ferry.v1.Instance/CheckIntegrity',
                 request_serializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
@@ -132,6 +137,15 @@ class InstanceServicer:
 
     def SetTerminating(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRole(self, request, context):
+        """Splitwise: change what this instance runs. Becoming PREFILL moves every
+        request decoding here to the drain_to instances by live migration (one
+        that no instance takes stays and decodes here: never dropped).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -208,6 +222,11 @@ def add_InstanceServicer_to_server(servicer, server):
                     servicer.SetTerminating,
                     request_deserializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.SetRoleRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.SetRoleReply.SerializeToString,
             ),
             'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckIntegrity,
@@ -382,6 +401,33 @@ class Instance:
             '/ferry.v1.Instance/SetTerminating',
             ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.SerializeToString,
             ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Instance/SetRole',
+            ferry_dot_pb_dot_instance__pb2.SetRoleRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.SetRoleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,16 +20,20 @@ class DispatchRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
-    __slots__ = ("instance_id", "address", "policy", "run_priority")
+    __slots__ = ("instance_id", "address", "policy", "run_priority", "decode_instance_id", "decode_address")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     RUN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     policy: str
     run_priority: _common_pb2.Priority
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., policy: _Optional[str] = ..., run_priority: _Optional[_Union[_common_pb2.Priority, str]] = ...) -> None: ...
+    decode_instance_id: str
+    decode_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., policy: _Optional[str] = ..., run_priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
 class ClusterViewRequest(_message.Message):
     __slots__ = ()
@@ -58,3 +62,19 @@ class SetTerminatingReply(_message.Message):
     OK_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class SetInstanceRoleRequest(_message.Message):
+    __slots__ = ("instance_id", "role")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: _common_pb2.Role
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+
+class SetInstanceRoleReply(_message.Message):
+    __slots__ = ("previous", "draining")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    previous: _common_pb2.Role
+    draining: int
+    def __init__(self, previous: _Optional[_Union[_common_pb2.Role, str]] = ..., draining: _Optional[int] = ...) -> None: ...

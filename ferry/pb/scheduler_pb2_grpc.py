@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingReply.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/ferry.v1.Scheduler/SetRole',
+                request_serializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -76,6 +81,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Splitwise: change an instance's role at run time (a mixed pool that
+        absorbs load swings). Becoming PREFILL drains its decoding requests by
+        live migration to instances that decode; refused when no other
+        instance decodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +108,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.SetTerminating,
                     request_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingReply.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +197,33 @@ class Scheduler:
             '/ferry.v1.Scheduler/SetTerminating',
             ferry_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.SerializeToString,
             ferry_dot_pb_dot_scheduler__pb2.SetTerminatingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Scheduler/SetRole',
+            ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
+            ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,12 +13,28 @@ from libs.common.types import (
     Priority,
     RequestLoad,
     RequestState,
+    Role,
     SamplingParams,
 )
 
 _STATES = {"waiting": pb.RequestLoad.WAITING, "running": pb.RequestLoad.RUNNING,
            "migrating": pb.RequestLoad.MIGRATING}
 _STATE_NAMES = {v: k for k, v in _STATES.items()}
+_ROLES = {Role.MIXED: pb.ROLE_MIXED, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
+_ROLE_OF = {v: k for k, v in _ROLES.items()}
+
+
+def role_to_pb(r: Role) -> int:
+    return _ROLES[r]
+
+
+def role_from_pb(value: int) -> Role:
+    """A wire role; an unknown value is the caller's mistake (INVALID_ARGUMENT)."""
+    try:
+        return _ROLE_OF[value]
+    except KeyError:
+        known = ", ".join(f"{int(v)} ({r.value})" for r, v in _ROLES.items())
+        raise InvalidArgument(f"unknown instance role {value}; known: {known}", param="role") from None
 
 
 def priority_from_pb(value: int) -> Priority:
@@ -85,7 +101,7 @@ _STATUS_SCALARS = (
 
 
 def status_to_pb(s: InstanceStatus) -> pb.InstanceStatus:
-    m = pb.InstanceStatus(**{k: getattr(s, k) for k in _STATUS_SCALARS})
+    m = pb.InstanceStatus(**{k: getattr(s, k) for k in _STATUS_SCALARS}, role=role_to_pb(s.role))
     m.requests.extend(load_to_pb(r) for r in s.requests)
     return m
 
@@ -94,6 +110,7 @@ def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
     return InstanceStatus(
         **{k: getattr(m, k) for k in _STATUS_SCALARS},
         requests=tuple(load_from_pb(r) for r in m.requests),
+        role=_ROLE_OF.get(m.role, Role.MIXED),  # a role from a newer peer: treated as mixed
     )
 
 

@@ -52,6 +52,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
     address = None
     instance_id = None
     attach = False
+    handoff = None
     last_token_at = None
 
     def resume_elsewhere(why: str, error: BaseException | None = None) -> None:
@@ -69,8 +70,13 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
 
     while True:
         if address is None:
-            instance_id, address, run_priority = await router.dispatch(
+            placed = await router.dispatch(
                 gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude))
+            instance_id, address, run_priority = placed.instance_id, placed.address, placed.run_priority
+            # Splitwise: the decode instance goes with the request; its stream ends
+            # with `moved` there once the prompt is done, followed like a migration.
+            handoff = ipb.Handoff(instance_id=placed.decode_instance_id, address=placed.decode_address) \
+                if placed.decode_instance_id else None
             metrics.PER_INSTANCE.labels(instance_id).inc()
             gen.instances.append(instance_id)
             attach = False
@@ -82,7 +88,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
             call = stub.Generate(ipb.GenerateRequest(
                 request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
                 sampling=convert.sampling_to_pb(gen.sampling), priority=int(run_priority),
-                resume_token_ids=gen.delivered, flush_interval_ms=gen.flush_interval_ms))
+                resume_token_ids=gen.delivered, flush_interval_ms=gen.flush_interval_ms, handoff=handoff))
         watched = router.watchdog.watch(gen.request_id, instance_id, address, call)
         moved = None
         try:

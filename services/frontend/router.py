@@ -5,6 +5,7 @@ scheduler when it returns."""
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import grpc
 
@@ -16,11 +17,23 @@ from libs.common.cluster_view import ClusterView
 from libs.common.errors import Unavailable, from_grpc, is_unavailable
 from libs.common.logging import get_logger
 from libs.common.policies import Dispatcher, DispatchRequest, blocks_for, get
+from libs.common.policies.phases import place
 from libs.common.types import Priority
 from services.frontend import metrics
 from services.frontend.watchdog import StallWatchdog
 
 log = get_logger(__name__)
+
+
+class Dispatched(NamedTuple):
+    """Where a request goes, and (Splitwise) where it decodes: an instance
+    that receives its KV once the prompt is done ("" = it stays)."""
+
+    instance_id: str
+    address: str
+    run_priority: Priority
+    decode_instance_id: str = ""
+    decode_address: str = ""
 
 
 class Router:
@@ -78,10 +91,10 @@ class Router:
         return min(sizes) if sizes else default
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
-                       exclude: frozenset[str] = frozenset()) -> tuple[str, str, Priority]:
-        """(instance_id, address, the priority to run it at) for a new
-        request. The scheduler's policy decides the last; in bypass mode the
-        request keeps its own."""
+                       exclude: frozenset[str] = frozenset()) -> Dispatched:
+        """Where a new request goes and the priority to run it at. The
+        scheduler's policy decides the last; in bypass mode the request keeps
+        its own."""
         if time.monotonic() >= self._bypass_until:
             try:
                 reply = await self._sched.Dispatch(
@@ -92,7 +105,8 @@ class Router:
                     log.info("scheduler is back; leaving bypass mode")
                     self.bypass = False
                     metrics.BYPASS.set(0)
-                return reply.instance_id, reply.address, Priority(reply.run_priority)
+                return Dispatched(reply.instance_id, reply.address, Priority(reply.run_priority),
+                                  reply.decode_instance_id, reply.decode_address)
             except grpc.RpcError as e:
                 if not is_unavailable(e):
                     raise from_grpc(e) from e
@@ -104,11 +118,12 @@ class Router:
                 self._bypass_until = time.monotonic() + self.bypass_retry_s
         return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude)
 
-    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> tuple[str, str, Priority]:
+    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> Dispatched:
         metrics.BYPASS_DISPATCHES.inc()
         req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude)
         views = self.view.views()
-        iid = self._local.choose(views, req) if views else None
+        placed = place(self._local, views, req) if views else None
+        iid, decode = (placed.prefill, placed.decode) if placed else (None, None)
         if iid is None:  # no status known yet: round robin over registered instances
             ids = sorted(i for i in self.view.records if i not in exclude)
             if not ids:
@@ -116,4 +131,8 @@ class Router:
             iid = ids[self._rr.next_round_robin(len(ids))]
         rec = self.view.records[iid]
         self.view.add_pending(iid, request_id, blocks_for(num_prompt_tokens, rec.info.block_size))
-        return iid, rec.info.address, priority
+        if decode is None:
+            return Dispatched(iid, rec.info.address, priority)
+        drec = self.view.records[decode]
+        self.view.add_pending(decode, request_id, blocks_for(num_prompt_tokens + 1, drec.info.block_size))
+        return Dispatched(iid, rec.info.address, priority, decode, drec.info.address)

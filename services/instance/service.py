@@ -25,7 +25,7 @@ from libs.common.errors import (
 )
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from libs.common.types import InstanceInfo, InstanceStatus, TokenOutput
+from libs.common.types import InstanceInfo, InstanceStatus, Role, TokenOutput
 from services.instance.engine import ENGINES, create_engine
 from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineLoad, EngineRequest
 from services.instance.reporter import StatusReporter
@@ -47,6 +47,10 @@ class InstanceConfig(CommonConfig):
     advertise_host: str = opt("", "host other services use to reach this one (default: --host)")
     meta_store: str = opt("127.0.0.1:7000", "meta store address host:port")
     engine: str = opt("fake", "engine", choices=tuple(ENGINES))
+    role: str = opt("mixed", "Splitwise role: mixed runs requests from prompt to end; prefill runs prompts and hands "
+                    "each request's KV to the decode instance the scheduler chose; decode takes handed-off requests "
+                    "(and any the scheduler sends when no prefill instance can)",
+                    choices=tuple(r.value for r in Role))
     model: str = opt("smollm2", "model name or Hugging Face directory (native, vllm; vllm also takes hub names)")
     num_blocks: int | None = opt(None, "KV cache blocks (default: from --kv-cache-gb or the engine)", min=1)
     kv_cache_gb: float | None = opt(None, "KV cache memory budget in GiB", min=0.001)
@@ -80,6 +84,10 @@ class InstanceConfig(CommonConfig):
     max_migrate_out_per_dest: int = opt(2, "migration: concurrent migrations out of this instance to one "
                                         "destination", min=1)
     max_migrate_in: int = opt(2, "migration: concurrent migrations into this instance", min=1)
+    max_handoff_in: int = opt(16, "Splitwise: concurrent prefill->decode handoffs into this instance", min=1)
+    handoff_per_layer_threshold: int = opt(0, "Splitwise: prompts at least this long are planned as per-layer "
+                                           "handoffs (0 = always serialized; per-layer runs serialized until the "
+                                           "layer-by-layer path lands)", min=0)
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
@@ -93,7 +101,8 @@ class InstanceConfig(CommonConfig):
             chunk_bytes=int(self.migration_chunk_mb * (1 << 20)), max_migrate_out=self.max_migrate_out,
             max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms,
             max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
-            precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)))
+            precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)), max_handoff_in=self.max_handoff_in,
+            handoff_per_layer_threshold=self.handoff_per_layer_threshold)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -146,10 +155,14 @@ class InstanceService(Service):
             failpoints.configure(config.failpoints)
         self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
         self.engine = create_engine(config.engine_config())
+        if Role.parse(config.role) is Role.PREFILL and self.engine.no_migration:
+            raise ValueError(f"--role prefill needs live migration to hand requests over, and this "
+                             f"{self.engine.name} engine cannot migrate: {self.engine.no_migration}")
         self.streams = StreamTable()
         self.headroom = high_priority_headroom(config.headroom_high, getattr(self.engine, "profile", None),
                                                self.engine.load().total_blocks)
         self.terminating = False
+        self.role = Role.parse(config.role)
         self.dead = False  # the engine thread died: this instance is stopping
         self.seq = 0
         self.load: EngineLoad = self.engine.load()
@@ -177,7 +190,8 @@ class InstanceService(Service):
         from services.instance.migration.servicer import MigrationRpcs
 
         host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
-                             load=lambda: self.load, headroom=self.headroom, changed=self._poke)
+                             load=lambda: self.load, headroom=self.headroom, changed=self._poke,
+                             decodes=lambda: self.role.decodes)
         self.migration = MigrationManager(host, self.config.migration_config())
         self.migration_rpcs = MigrationRpcs(self.migration)
         if self.config.metrics_port >= 0:
@@ -217,6 +231,8 @@ class InstanceService(Service):
                 # NOTE: a migrated-in request that finishes before its client
                 # re-attached keeps its stream until Attach drains it.
                 self.streams.close(out.request_id)
+            if self.migration is not None:
+                self.migration.handoffs.on_output(out)  # after the stream has the token: `moved` comes next
         if load is None:
             self._engine_died()
             return
@@ -257,7 +273,7 @@ class InstanceService(Service):
         m = self.migration
         return instance_status(self.instance_id, self.seq, time.time(), self.load, self.headroom,
                                self.terminating, m.migrating_in if m else 0, m.migrating_out if m else 0,
-                               engine_steps=self.runner.steps if self.runner else 0)
+                               engine_steps=self.runner.steps if self.runner else 0, role=self.role)
 
 
 class InstanceServicer(pb_grpc.InstanceServicer):
@@ -276,22 +292,37 @@ class InstanceServicer(pb_grpc.InstanceServicer):
             await abort_with(context, InvalidArgument("prompt_token_ids is empty"))
         if sampling.max_tokens < 1:
             await abort_with(context, InvalidArgument("max_tokens must be >= 1"))
+        if request.handoff.instance_id and not request.handoff.address:
+            await abort_with(context, InvalidArgument("handoff names an instance without its address", param="handoff"))
         resume = tuple(request.resume_token_ids)
+        plan = self._plan_handoff(rid, request)
         ereq = EngineRequest(rid, tuple(request.prompt_token_ids), sampling, convert.priority_from_pb(request.priority),
-                             time.time(), resume)
+                             time.time(), resume, hold_after_prefill=plan is not None)
         stream = svc.streams.open(rid, next_index=len(resume))
         try:
             if not failpoints.enabled("instance.lose_requests"):  # tests: a request that never runs
                 await svc.runner.call(svc.engine.add_request, ereq)
         except EngineBroken as e:
             svc.streams.close(rid)
+            svc.migration.handoffs.forget(rid)
             await abort_with(context, Unavailable(str(e)))
         except EngineError as e:
             svc.streams.close(rid)
+            svc.migration.handoffs.forget(rid)
             await abort_with(context, InvalidArgument(str(e)))
         async for m in self._follow(stream, rid, len(resume), len(request.prompt_token_ids),
                                     request.flush_interval_ms):
             yield m
+
+    def _plan_handoff(self, rid: str, request):
+        """Splitwise: the decode instance the scheduler chose for this request
+        (None: it decodes here). Planned before the engine sees the request,
+        so that its first token finds the plan."""
+        target = request.handoff
+        if not target.instance_id or target.instance_id == self.svc.instance_id:
+            return None
+        n = len(request.prompt_token_ids) + len(request.resume_token_ids)
+        return self.svc.migration.handoffs.plan(rid, target.instance_id, target.address, n)
 
     async def Attach(self, request, context):
         stream = self.svc.streams.get(request.request_id)
@@ -331,10 +362,12 @@ class InstanceServicer(pb_grpc.InstanceServicer):
             if self.svc.streams.get(rid) is stream:
                 self.svc.streams.close(rid)
             if not final:  # the client went away: abort and free the blocks
+                self.svc.migration.handoffs.forget(rid)
                 self.svc.runner.submit(self.svc.engine.abort_request, rid)
                 log.info("client gone; request aborted", request_id=rid)
 
     async def Abort(self, request, context):
+        self.svc.migration.handoffs.forget(request.request_id)
         found = await self.svc.runner.call(self.svc.engine.abort_request, request.request_id)
         self.svc._end_stream(request.request_id, "abort")
         return pb.AbortReply(found=bool(found))
@@ -348,6 +381,33 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if self.svc.reporter:
             self.svc.reporter.poke()
         return pb.SetInstanceTerminatingReply(ok=True)
+
+    async def SetRole(self, request, context):
+        """Splitwise: what this instance runs from now on. Becoming prefill
+        drains the requests decoding here to ``drain_to`` by live migration."""
+        from services.instance.migration.drain import decoding_here
+
+        svc = self.svc
+        role = convert.role_from_pb(request.role)
+        targets = [(h.instance_id, h.address) for h in request.drain_to
+                   if h.instance_id and h.instance_id != svc.instance_id]
+        if any(h.instance_id and not h.address for h in request.drain_to):
+            raise InvalidArgument("drain_to names an instance without its address", param="drain_to")
+        draining = 0
+        if role is Role.PREFILL:
+            if svc.engine.no_migration:
+                raise FailedPrecondition(f"this instance cannot hand requests over: {svc.engine.no_migration}")
+            ready, waiting = decoding_here(svc.migration)
+            if (ready or waiting) and not targets:
+                raise FailedPrecondition(f"{len(ready) + waiting} requests would decode here and no drain_to "
+                                         "instance was given")
+            draining = len(ready)
+        previous, svc.role = svc.role, role
+        log.info("role changed", role=role.value, previous=previous.value, draining=draining)
+        svc._poke()
+        if role is Role.PREFILL and targets:
+            svc.migration.start_drain(targets, still=lambda: svc.role is Role.PREFILL)
+        return pb.SetRoleReply(previous=convert.role_to_pb(previous), draining=draining)
 
     async def CheckIntegrity(self, request, context):
         svc = self.svc

@@ -51,9 +51,11 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
     sources = sorted((v for v in live if f(v) < out_threshold and
                       (v.status.num_running > 0 or v.status.terminating)), key=f)
     # NOTE: an instance with a queue is never a destination: migrating in
-    # would take the blocks its own head of line waits for.
+    # would take the blocks its own head of line waits for. Nor is one that
+    # does not decode (Splitwise prefill): a running request decodes.
     dests = sorted((v for v in live if not v.status.terminating and f(v) > in_threshold
-                    and v.status.num_waiting == 0 and v.pending_requests == 0), key=f, reverse=True)
+                    and v.status.num_waiting == 0 and v.pending_requests == 0 and v.status.role.decodes),
+                   key=f, reverse=True)
     pairs = []
     for src, dst in zip(sources, dests):
         if src.instance_id == dst.instance_id:

@@ -1,5 +1,12 @@
 """The global scheduler: Dispatch, the cluster view, terminating marks, and
-(when the policy migrates) the rescheduling loop."""
+(when the policy migrates) the rescheduling loop.
+
+Splitwise (prefill and decode instances): Dispatch makes both choices at once
+(libs/common/policies/phases.place) and answers the prefill instance and the
+decode instance; the frontend passes the decode instance on with the request
+and the prefill instance hands the request over when its prompt is done. So
+the handoff never waits for a scheduler round trip, and a scheduler that is
+down (frontend bypass) does not stop it: the bypass places the same way."""
 
 from __future__ import annotations
 
@@ -17,8 +24,9 @@ from libs.common.config import CommonConfig, opt
 from libs.common.errors import FailedPrecondition, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
+from libs.common.policies.phases import place
 from libs.common.server import Service
-from libs.common.types import Priority
+from libs.common.types import Priority, Role
 
 log = get_logger(__name__)
 
@@ -77,14 +85,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await abort_with(context, Unavailable("scheduler has no cluster view yet"))
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids))
-        iid = self.svc.dispatcher.choose(view.views(), req)
-        if iid is None:
+        placed = place(self.svc.dispatcher, view.views(), req)
+        if placed is None:
             await abort_with(context, Unavailable("no live instance to dispatch to"))
-        rec = view.records[iid]
-        view.add_pending(iid, request.request_id, blocks_for(request.num_prompt_tokens, rec.info.block_size))
+        rec = view.records[placed.prefill]
+        view.add_pending(placed.prefill, request.request_id, blocks_for(request.num_prompt_tokens, rec.info.block_size))
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
-        return pb.DispatchReply(instance_id=iid, address=rec.info.address, policy=self.svc.dispatcher.name,
-                                run_priority=int(run))
+        reply = pb.DispatchReply(instance_id=placed.prefill, address=rec.info.address,
+                                 policy=self.svc.dispatcher.name, run_priority=int(run))
+        if placed.decode is not None:
+            drec = view.records[placed.decode]
+            # Its KV lands there within a prompt's time: count it now, as a dispatch.
+            view.add_pending(placed.decode, request.request_id,
+                             blocks_for(request.num_prompt_tokens + 1, drec.info.block_size))
+            reply.decode_instance_id, reply.decode_address = placed.decode, drec.info.address
+        return reply
 
     async def GetClusterView(self, request, context):
         return pb.ClusterViewReply(
@@ -104,6 +119,33 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except grpc.RpcError as e:
             await abort_with(context, FailedPrecondition(f"instance unreachable: {e.details()}"))
         return pb.SetTerminatingReply(ok=True)
+
+
+    async def SetRole(self, request, context):
+        """Change an instance's role (Splitwise's mixed pool). Becoming
+        prefill, its decoding requests drain to the other instances that
+        decode, freest first."""
+        view = self.svc.view
+        role = convert.role_from_pb(request.role)
+        address = view.address(request.instance_id)
+        if address is None:
+            raise NotFound(f"unknown instance {request.instance_id!r}")
+        drain_to = []
+        if role is Role.PREFILL:
+            others = sorted((v for v in view.views() if v.instance_id != request.instance_id and v.schedulable
+                             and v.status.role.decodes), key=lambda v: (-v.status.freeness, v.instance_id))
+            if not others:
+                raise FailedPrecondition(f"no other instance decodes: {request.instance_id} cannot become prefill")
+            drain_to = [ipb.Handoff(instance_id=v.instance_id, address=view.address(v.instance_id)) for v in others]
+        try:
+            async with rpc.channel(address) as ch:
+                reply = await ipb_grpc.InstanceStub(ch).SetRole(
+                    ipb.SetRoleRequest(role=request.role, drain_to=drain_to), timeout=5)
+        except grpc.RpcError as e:
+            raise FailedPrecondition(f"instance {request.instance_id} did not change role: "
+                                     f"{e.code().name}: {e.details()}") from None
+        log.info("role change", instance_id=request.instance_id, role=role.value, draining=reply.draining)
+        return pb.SetInstanceRoleReply(previous=reply.previous, draining=reply.draining)
 
 
 class SchedulerService(Service):

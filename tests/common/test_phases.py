@@ -61,3 +61,49 @@ def test_handoff_rules():
     assert handoff_mode(100, 512) is HandoffMode.SERIALIZED
     assert handoff_mode(512, 512) is HandoffMode.PER_LAYER
     assert handoff_mode(4096, 0) is HandoffMode.SERIALIZED  # threshold 0: per-layer off
+
+
+def test_place_both_steps_at_dispatch():
+    from libs.common.policies.phases import Placement, place
+
+    views = [view("p0", Role.PREFILL, 10), view("p1", Role.PREFILL, 40), view("d0", Role.DECODE, 30),
+             view("d1", Role.DECODE, 80)]
+    d = Dispatcher("llumnix")
+    assert place(d, views, DispatchRequest("r", 64)) == Placement("p1", "d1")
+    # The request failed on p1 (resume after a crash): the other prefill instance.
+    assert place(d, views, DispatchRequest("r", 64, exclude=frozenset({"p1"}))) == Placement("p0", "d1")
+
+
+def test_place_without_a_split_is_the_one_step_choice():
+    from libs.common.policies.phases import Placement, place
+
+    views = [view("m0", Role.MIXED, 10), view("m1", Role.MIXED, 50)]
+    assert place(Dispatcher("llumnix"), views, DispatchRequest("r", 64)) == Placement("m1", None)
+    assert place(Dispatcher("llumnix"), [], DispatchRequest("r", 64)) is None
+
+
+def test_place_on_a_mixed_or_decode_instance_needs_no_handoff():
+    from libs.common.policies.phases import Placement, place
+
+    views = [view("p0", Role.PREFILL, 10), view("m0", Role.MIXED, 60), view("d0", Role.DECODE, 90)]
+    assert place(Dispatcher("llumnix"), views, DispatchRequest("r", 64)) == Placement("m0", None)
+
+
+def test_place_every_prefill_instance_excluded_falls_back_to_the_others():
+    """The only prefill instance died with the request: it resumes on a
+    decode instance (colocated) rather than nowhere."""
+    from libs.common.policies.phases import Placement, place
+
+    views = [view("p0", Role.PREFILL, 10), view("d0", Role.DECODE, 90)]
+    assert place(Dispatcher("llumnix"), views, DispatchRequest("r", 64, exclude=frozenset({"p0"}))) == \
+        Placement("d0", None)
+
+
+def test_place_no_decode_instance_left_decodes_where_it_prefills():
+    from libs.common.policies.phases import Placement, place
+
+    views = [view("p0", Role.PREFILL, 10), view("d0", Role.DECODE, 90)]
+    assert place(Dispatcher("llumnix"), views, DispatchRequest("r", 64, exclude=frozenset({"d0"}))) == \
+        Placement("p0", None)
+    views = [view("p0", Role.PREFILL, 10), view("p1", Role.PREFILL, 20)]
+    assert place(Dispatcher("llumnix"), views, DispatchRequest("r", 64)) == Placement("p1", None)

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 
 from ferry.cluster import free_port
 from tests.helpers import expected_fake_text
@@ -81,3 +82,25 @@ def test_children_die_with_a_killed_parent():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prefill", "2"], "need a decode or mixed instance"),
+    (["--decode", "1"], "need a prefill or mixed instance"),
+    (["--instances", "1", "--prefill", "1", "--decode", "1"], "more than --instances 1"),
+])
+def test_up_refuses_a_split_that_cannot_serve(args, message):
+    from click.testing import CliRunner
+
+    from ferry.up import up
+
+    r = CliRunner().invoke(up, ["--engine", "fake", *args])
+    assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_cluster_spec_roles():
+    from ferry.cluster import ClusterSpec
+
+    spec = ClusterSpec(instances=4, prefill=1, decode=2)
+    assert [spec.role_of(i) for i in range(4)] == ["prefill", "decode", "decode", "mixed"]
+    spec.check_roles()

@@ -7,10 +7,15 @@ done it decodes on an instance that decodes (``decode`` or ``mixed``), again by
 the policy's score; where that is the instance it is on, nothing moves.
 Otherwise its KV goes over on the migration protocol, serialized after the
 prompt for short prompts and layer by layer while the prompt computes for long
-ones (``handoff_mode``)."""
+ones (``handoff_mode``).
+
+``place`` makes both choices at dispatch: the live scheduler (and the
+frontend's bypass) hand the decode instance to the prefill instance with the
+request, so nothing asks the scheduler again when the prompt is done."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from libs.common.policies.base import Dispatcher, DispatchRequest, InstanceView
@@ -64,3 +69,37 @@ def handoff_mode(num_prompt_tokens: int, per_layer_threshold: int = DEFAULT_PER_
     if per_layer_threshold > 0 and num_prompt_tokens >= per_layer_threshold:
         return HandoffMode.PER_LAYER
     return HandoffMode.SERIALIZED
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a request runs: ``prefill`` takes it now; ``decode``, when set,
+    receives its KV once the prompt is done (None: it decodes where it
+    prefilled)."""
+
+    prefill: str
+    decode: str | None = None
+
+
+def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchRequest) -> Placement | None:
+    """Both steps of the dispatch at once (None: no instance at all). With
+    only mixed instances this is the policy's one-step choice. The decode
+    instance is chosen among instances that decode, by the same score, for
+    the prompt plus its first token, never the prefill instance itself; where
+    none can take it the request decodes where it prefills."""
+    if not is_split(views):
+        iid = dispatcher.choose(views, req)
+        return None if iid is None else Placement(iid)
+    first = choose_for_phase(dispatcher, views, req, Phase.PREFILL)
+    if first is None:  # every prefilling instance excluded (the request failed there): anywhere else
+        first = dispatcher.choose(views, req)
+        if first is None:
+            return None
+    role = next(v.status.role for v in views if v.instance_id == first)
+    if not needs_handoff(role):
+        return Placement(first)
+    decoders = [v for v in views if serves(v.status.role, Phase.DECODE) and v.instance_id != first]
+    then = dataclasses.replace(req, num_prompt_tokens=req.num_prompt_tokens + 1, exclude=req.exclude | {first})
+    if not [v for v in decoders if v.instance_id not in then.exclude]:
+        return Placement(first)
+    return Placement(first, dispatcher.choose(decoders, then))

@@ -35,6 +35,12 @@ class EngineRequest:
     # they extend the context, count against max_tokens, and the first new
     # token has index len(resume_token_ids).
     resume_token_ids: tuple[int, ...] = ()
+    # Splitwise serialized handoff: once the step that produces the first new
+    # token has run (the prompt is done), take the request out of the batch
+    # as suspend_request would, so that it decodes nowhere until its handoff
+    # commits (drop_request) or aborts (resume_request). An engine that cannot
+    # hold leaves it running; the handoff then suspends it itself.
+    hold_after_prefill: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,11 @@ class Reservation:
     lock: threading.Lock = field(default_factory=threading.Lock)
     writers: int = 0  # scatters in flight
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    handoff: bool = False  # Splitwise handoff: counted against max_handoff_in
+
+    @property
+    def open(self) -> bool:
+        return self.machine.state in (DestState.NONE, DestState.RESERVED)
 
     @property
     def blocks(self) -> list[int]:
@@ -62,19 +67,25 @@ class Reservation:
 
 
 class Destination:
-    def __init__(self, host: MigrationHost, max_migrate_in: int, counters: MigrationCounters | None = None):
+    def __init__(self, host: MigrationHost, max_migrate_in: int, counters: MigrationCounters | None = None,
+                 max_handoff_in: int = 16):
         self.host = host
         self.counters = counters or MigrationCounters()
         self.engine = host.engine
         self.runner = host.runner
         self.max_migrate_in = max_migrate_in
+        self.max_handoff_in = max_handoff_in
         self.reservations: dict[str, Reservation] = {}
         self.settled: OrderedDict[str, float] = OrderedDict()  # migration id -> commit ack -> first step (ms)
         self._committed: dict[str, Reservation] = {}  # migration id -> committed, until settled
 
     @property
     def active(self) -> int:
-        return sum(1 for r in self.reservations.values() if r.machine.state in (DestState.NONE, DestState.RESERVED))
+        """Migrations and handoffs coming in now."""
+        return sum(1 for r in self.reservations.values() if r.open)
+
+    def _active(self, handoff: bool) -> int:
+        return sum(1 for r in self.reservations.values() if r.open and r.handoff == handoff)
 
     def _get(self, migration_id: str, state: DestState = DestState.RESERVED) -> Reservation:
         res = self.reservations.get(migration_id)
@@ -158,16 +169,21 @@ class Destination:
                 return False, f"no reservation for migration {p.migration_id!r} (expired or aborted)"
             if self.host.is_terminating():
                 return False, "destination is terminating"
-            ok, reason = accepts_migration(self._status(), p.num_blocks + p.spare_blocks)
-            if not ok:
-                return False, reason
-            if self.active >= self.max_migrate_in:
+            if not self.host.decodes():  # its role changed since the source chose it
+                return False, "destination does not decode (role prefill)"
+            if not p.handoff:  # a handoff is the decode instance's own work, queue or not
+                ok, reason = accepts_migration(self._status(), p.num_blocks + p.spare_blocks)
+                if not ok:
+                    return False, reason
+            if p.handoff and self._active(True) >= self.max_handoff_in:
+                return False, f"handoff-in limit {self.max_handoff_in} reached"
+            if not p.handoff and self._active(False) >= self.max_migrate_in:
                 return False, f"migrate-in limit {self.max_migrate_in} reached"
             if p.request_id in self.host.streams:
                 return False, f"request {p.request_id!r} already lives here"
             deadline_s = max(0.05, p.deadline_ms / 1000)
             res = Reservation(Machine("destination", p.migration_id, p.request_id, DestState.NONE),
-                              p.source_instance_id, time.monotonic() + deadline_s, deadline_s)
+                              p.source_instance_id, time.monotonic() + deadline_s, deadline_s, handoff=p.handoff)
             # NOTE: recorded before any block is taken: the expiry sees it
             # whatever happens to this call.
             self.reservations[p.migration_id] = res

@@ -1,8 +1,9 @@
 """What migration may see of the instance that hosts it: the engine (through
 its runner thread), the client streams, identity, the terminating mark, the
-load, and a signal that the instance's status changed. Both state machines
-and the manager take this instead of the whole instance service, so the
-protocol runs in one process in tests and in the simulator."""
+load, whether it decodes (its role), and a signal that the instance's status
+changed. Both state machines and the manager take this instead of the whole
+instance service, so the protocol runs in one process in tests and in the
+simulator."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class MigrationHost:
     load: Callable[[], EngineLoad] | None = None  # latest engine load (default: ask the engine)
     headroom: dict[Priority, int] = field(default_factory=dict)
     changed: Callable[[], None] = _nothing  # the instance's status changed (report soon)
+    decodes: Callable[[], bool] = lambda: True  # Splitwise: False while the instance's role is prefill
 
     @property
     def engine(self) -> Engine:

@@ -18,6 +18,7 @@ from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
 from services.instance.migration.destination import Destination
 from services.instance.migration.grpc_peer import GrpcPeer
+from services.instance.migration.handoff import Handoffs
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.messages import MigrateOutOrder, MigrationConfig, OrderResult, Outcome
 from services.instance.migration.metrics import MigrationCounters
@@ -37,7 +38,7 @@ class MigrationManager:
         self.host = host
         self.config = config
         self.counters = MigrationCounters()
-        self.dest = Destination(host, config.max_migrate_in, self.counters)
+        self.dest = Destination(host, config.max_migrate_in, self.counters, max_handoff_in=config.max_handoff_in)
         self.outgoing: dict[str, SourceMigration] = {}  # request id -> migration in flight
         self.fault = fault
         self._peers = peers or self._grpc_peer
@@ -45,6 +46,8 @@ class MigrationManager:
         self._channels = []
         self._tasks: set[asyncio.Task] = set()  # orders and their migrations
         self._expiry = asyncio.create_task(self._expire_forever(expire_interval_s))
+        self.handoffs = Handoffs(self, config.handoff_per_layer_threshold)
+        self._drain: asyncio.Task | None = None  # a role change's drain (drain.py)
 
     @property
     def reservations(self):
@@ -92,10 +95,13 @@ class MigrationManager:
 
     # --- source ------------------------------------------------------------------
     def _to_dest(self, dest_id: str) -> int:
-        return sum(1 for m in self.outgoing.values() if m.dest_id == dest_id)
+        return sum(1 for m in self.outgoing.values() if m.dest_id == dest_id and not m.handoff)
 
     def can_start(self, dest_id: str) -> bool:
-        return (len(self.outgoing) < self.config.max_migrate_out
+        """Whether a load-balancing migration may start (handoffs have their
+        own limit, at the destination: max_handoff_in)."""
+        migrating = sum(1 for m in self.outgoing.values() if not m.handoff)
+        return (migrating < self.config.max_migrate_out
                 and self._to_dest(dest_id) < self.config.max_migrate_out_per_dest)
 
     def _start(self, request_id: str, dest_id: str, dest_address: str, blocking: bool) -> SourceMigration:
@@ -119,16 +125,44 @@ class MigrationManager:
         finally:
             self.outgoing.pop(mig.request_id, None)
             self.host.changed()
-        self.counters.source_done(out)
+        if mig.handoff:
+            self.counters.handoff_done(out)
+        else:
+            self.counters.source_done(out)
         return out
+
+    def hand_off(self, request_id: str, dest_id: str, dest_address: str) -> asyncio.Task:
+        """Start a Splitwise handoff (serialized: one last stage) of a request
+        whose prompt is done; a task of this manager, so that it outlives
+        whoever started it. Raises ResourceExhausted if the request is
+        migrating already."""
+        if request_id in self.outgoing:
+            raise ResourceExhausted(f"request {request_id!r} is already migrating")
+        mig = SourceMigration(self.host, request_id, dest_id, dest_address, self._peers(dest_address), self.config,
+                              self.fault, handoff=True)
+        self.outgoing[request_id] = mig
+        self.host.changed()
+        return self._spawn(self._run(mig))
+
+    def start_drain(self, targets: list[tuple[str, str]], still: Callable[[], bool]) -> asyncio.Task:
+        """Move the requests decoding here to ``targets`` (drain.py), as a
+        task of this manager; a drain already running is superseded."""
+        from services.instance.migration.drain import drain
+
+        if self._drain is not None:
+            self._drain.cancel()
+        self._drain = self._spawn(drain(self, targets, still))
+        return self._drain
 
     async def migrate_one(self, request_id: str, dest_id: str, dest_address: str, blocking: bool = False) -> Outcome:
         return await self._run(self._start(request_id, dest_id, dest_address, blocking))
 
     def order_status(self):
-        """The status an order chooses from: requests already leaving excluded."""
+        """The status an order chooses from: requests already leaving (or
+        planned to leave by a handoff once their prompt is done) excluded."""
+        leaving = frozenset(self.outgoing) | frozenset(self.handoffs.plans)
         return status_without(self.host.instance_id, self.host.current_load(), self.host.headroom,
-                              self.host.is_terminating(), frozenset(self.outgoing))
+                              self.host.is_terminating(), leaving)
 
     async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
         """Run an order to its end; if the caller is cancelled meanwhile the

@@ -34,6 +34,12 @@ class MigrationConfig:
     # request suspended) runs at full speed.
     copy_duty: float = 0.25
     precopy_chunk_bytes: int = 1 << 20
+    # Splitwise handoffs into this instance at once (counted apart from
+    # max_migrate_in: a burst of prompts finishing together hands off together).
+    max_handoff_in: int = 16
+    # Prompts at least this long are planned as per-layer handoffs
+    # (phases.handoff_mode); 0: every handoff is serialized.
+    handoff_per_layer_threshold: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class PreAllocate:
     deadline_ms: int
     source_instance_id: str
     spare_blocks: int = 0
+    handoff: bool = False  # a prefill->decode handoff, not a load-balancing migration
 
 
 @dataclass(frozen=True)

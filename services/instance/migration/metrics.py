@@ -18,6 +18,11 @@ DOWNTIME = Histogram("ferry_migration_downtime_seconds", "Suspend to the first s
                      buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
 COMMIT_ACK = Histogram("ferry_migration_commit_ack_seconds", "Suspend to commit acknowledged",
                        buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+HANDOFFS = Counter("ferry_handoffs_total", "Splitwise prefill->decode handoffs (source side) by outcome",
+                   ["outcome"])
+HANDOFF_DOWNTIME = Histogram("ferry_handoff_downtime_seconds",
+                             "Handoff: export at the prefill instance to the first step on the decode instance",
+                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
 
 
 class MigrationCounters:
@@ -27,6 +32,20 @@ class MigrationCounters:
         self.committed_out = 0
         self.aborted_out = 0
         self.committed_in = 0
+        self.handed_off = 0
+        self.handoffs_aborted = 0
+
+    def handoff_done(self, out: Outcome) -> None:
+        """A handoff is not a load-balancing migration: counted apart."""
+        if out.committed:
+            self.handed_off += 1
+        else:
+            self.handoffs_aborted += 1
+        HANDOFFS.labels("committed" if out.committed else "aborted").inc()
+        BLOCKS.inc(out.blocks)
+        BYTES.inc(out.bytes)
+        if out.committed and out.downtime_ms:
+            HANDOFF_DOWNTIME.observe(out.downtime_ms / 1000)
 
     def source_done(self, out: Outcome) -> None:
         if out.committed:

@@ -8,7 +8,14 @@ NOTE: cancellation-safe. A cancel (the order's caller went away, the
 instance stops) at any await aborts like a failure, and the abort itself runs
 to its end even if cancelled again: the request runs on exactly one instance.
 After the commit acknowledgement nothing awaits until the request is handed
-over (``moved`` pushed, the local copy dropped at the next step boundary)."""
+over (``moved`` pushed, the local copy dropped at the next step boundary).
+
+A Splitwise handoff (``handoff=True``, serialized mode) is the same protocol
+without pre-copy: SELECT -> SUSPEND -> PRE_ALLOC_LAST -> COPY_LAST -> COMMIT.
+The engine held the request right after the step that produced its first
+token (EngineRequest.hold_after_prefill), so the whole prompt KV goes in one
+last stage; an engine that cannot hold leaves it running and the suspend
+takes it out of the batch as for a migration."""
 
 from __future__ import annotations
 
@@ -55,7 +62,8 @@ def failpoint_faults(name: str) -> None:
 
 class SourceMigration:
     def __init__(self, host: MigrationHost, request_id: str, dest_id: str, dest_address: str,
-                 peer: DestinationPeer, config: MigrationConfig, fault: Fault = failpoint_faults):
+                 peer: DestinationPeer, config: MigrationConfig, fault: Fault = failpoint_faults,
+                 handoff: bool = False):
         self.host = host
         self.engine = host.engine
         self.runner = host.runner
@@ -71,6 +79,7 @@ class SourceMigration:
         self.sent = 0  # blocks already copied
         self.preemptions = 0
         self.dest_failed = False  # the destination could not be reached or refused
+        self.handoff = handoff
 
     # --- helpers ---------------------------------------------------------------
     def _to(self, state: SourceState, **fields) -> None:
@@ -97,7 +106,7 @@ class SourceMigration:
     async def _pre_allocate(self, stage: int, n: int, spare: int = 0) -> None:
         ok, reason = await self.peer.pre_allocate(PreAllocate(
             self.id, self.request_id, stage, n, self.engine.kv_layout, self.deadline_ms,
-            self.host.instance_id, spare))
+            self.host.instance_id, spare, handoff=self.handoff))
         if not ok:
             self.dest_failed = True
             raise MigrationAborted(f"destination refused: {reason}")
@@ -169,6 +178,9 @@ class SourceMigration:
         return self.out
 
     async def _run(self) -> None:
+        if self.handoff:
+            await self._last_stage(0)
+            return
         phase = await self.runner.call(self.engine.request_phase, self.request_id)
         if phase is None or phase[0] != "running":
             raise MigrationAborted("request is not running")
@@ -201,7 +213,10 @@ class SourceMigration:
             stage += 1
             if last:
                 break
+        await self._last_stage(stage)
 
+    async def _last_stage(self, stage: int) -> None:
+        """Suspend, copy what is left, commit, hand the client's stream over."""
         self._to(S.SUSPEND, stage=stage)
         # One engine-thread call at a step boundary: suspend, export, and list
         # what is left to copy (a second call would wait a whole step).
@@ -234,8 +249,12 @@ class SourceMigration:
     def _suspend_and_export(self):
         """On the engine thread, between two steps: take the request out of
         the batch; its state (counted as migrated once more); its blocks not
-        yet copied (the partial last block included). Downtime starts here."""
-        if not self.engine.suspend_request(self.request_id):
+        yet copied (the partial last block included). Downtime starts here.
+        A handoff's request may be suspended already: held by the engine
+        after its prompt, for this handoff."""
+        phase = self.engine.request_phase(self.request_id)
+        held = self.handoff and phase is not None and phase[0] == "suspended"
+        if not held and not self.engine.suspend_request(self.request_id):
             return False, 0.0, None, []
         t = time.perf_counter()
         state = self.engine.export_state(self.request_id)

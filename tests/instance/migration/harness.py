@@ -49,6 +49,7 @@ class Node:
             stream.push(Event(out.index, out.token_id, reason))
             if reason and stream.attached:
                 self.streams.close(out.request_id)
+            self.manager.handoffs.on_output(out)
         if load is not None:
             self.load = load
 
@@ -101,19 +102,25 @@ class Client:
     path: list[str] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     first_token: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    moved_at: list[int] = dataclasses.field(default_factory=list)  # token index of each `moved`
 
     @property
     def where(self) -> str:
         return self.path[-1]
 
-    async def run(self, node: str, prompt: list[int], max_tokens: int, **sampling) -> list[int]:
+    async def run(self, node: str, prompt: list[int], max_tokens: int, handoff: str | None = None,
+                  **sampling) -> list[int]:
+        """``handoff``: a node to hand the request to once its prompt is done
+        (Splitwise), planned as the instance agent plans it at Generate."""
         n = self.cluster.nodes[node]
         stream = n.streams.open(self.request_id)
         stream.attached = True
         self.path.append(node)
+        if handoff is not None:
+            n.manager.handoffs.plan(self.request_id, handoff, handoff, len(prompt))
         await n.runner.call(n.engine.add_request, EngineRequest(
             self.request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), 0,
-            time.time()))
+            time.time(), hold_after_prefill=handoff is not None))
         while True:
             ev = None
             async for ev in stream.events(len(self.tokens)):
@@ -127,6 +134,7 @@ class Client:
                 self.finish_reason = ev.finish_reason
                 return self.tokens
             assert ev.index == len(self.tokens), "moved at an index the client has not reached"
+            self.moved_at.append(ev.index)
             n = self.cluster.nodes[ev.moved_to[0]]
             stream = n.streams.get(self.request_id)
             assert stream is not None and not stream.attached, "nothing to attach to at the destination"

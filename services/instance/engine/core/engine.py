@@ -100,6 +100,7 @@ class CoreEngine(Engine):
         self._seq += 1
         req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)
+        req.hold_after_prefill = request.hold_after_prefill
         self.executor.init_request(req)
         self.requests[rid] = req
         self.scheduler.add_waiting(req)
@@ -137,7 +138,17 @@ class CoreEngine(Engine):
             outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, int(tok), reason, stats))
             if reason is not None:
                 self._finish(req, reason)
+            elif req.hold_after_prefill:
+                self._hold(req)
         return outputs
+
+    def _hold(self, req: Request) -> None:
+        """Its prompt is done: out of the batch until its handoff ends
+        (EngineRequest.hold_after_prefill). Held once: a handoff that aborts
+        resumes it and it decodes here."""
+        req.hold_after_prefill = False
+        self.scheduler.remove(req)
+        req.status = RequestStatus.SUSPENDED
 
     @staticmethod
     def _final_stats(req: Request) -> dict:

@@ -46,6 +46,7 @@ class Request:
         self.preemption_loss_ms = 0.0
         self.num_migrations = 0
         self.extra: dict = {}
+        self.hold_after_prefill = False  # Splitwise: suspend after the first new token (EngineRequest)
         self._preempted_at = 0.0
         self._recompute_target = 0
         self.finish_reason: FinishReason | None = None

@@ -1,0 +1,111 @@
+"""Splitwise's prefill->decode handoff on the instance that prefills
+(DESIGN §8): the request's KV moves to a decode instance on the migration
+protocol once its prompt is done, and its client stream follows it with a
+`moved` event exactly as across a migration.
+
+Where the decode instance is chosen: by the scheduler, at dispatch, with the
+prefill instance (libs/common/policies/phases.place, by the same load rules);
+the frontend passes it with the request (GenerateRequest.handoff). Nothing
+asks the scheduler when the prompt is done, so the handoff adds no round trip
+and goes on in the frontend's bypass mode. The price: the choice is as old
+as the prompt's computation; a decode instance that filled up meanwhile
+refuses the pre-allocation, and the request then decodes here (the abort
+rules of any migration).
+
+The seam: ``plan`` at Generate (the mode is chosen there, by prompt length,
+because a per-layer handoff must reserve before the prompt computes), then
+``start`` once the prompt is done, the one function that starts a handoff
+given its mode. Serialized: the engine holds the request right after the step
+that produced its first token (EngineRequest.hold_after_prefill) and the whole
+prompt KV goes in one last stage (SourceMigration(handoff=True)). Per-layer
+transfer is not on this path yet: a per-layer plan runs serialized, said so
+in the log."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from libs.common.logging import get_logger
+from libs.common.policies.phases import HandoffMode, handoff_mode
+from libs.common.types import TokenOutput
+
+log = get_logger("migration")
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    request_id: str
+    dest_id: str
+    dest_address: str
+    num_prompt_tokens: int
+    mode: HandoffMode
+
+
+class Handoffs:
+    """The handoffs planned on this instance, started as their prompts end.
+    Lives on the event loop; ``manager`` is the instance's MigrationManager."""
+
+    def __init__(self, manager, per_layer_threshold: int = 0):
+        self.manager = manager
+        self.per_layer_threshold = per_layer_threshold
+        self.plans: dict[str, HandoffPlan] = {}  # request id -> planned, prompt not done yet
+        self.running: dict[str, asyncio.Task] = {}
+
+    def plan(self, request_id: str, dest_id: str, dest_address: str, num_prompt_tokens: int) -> HandoffPlan:
+        mode = handoff_mode(num_prompt_tokens, self.per_layer_threshold)
+        p = HandoffPlan(request_id, dest_id, dest_address, num_prompt_tokens, mode)
+        self.plans[request_id] = p
+        return p
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (or its client went away) before its prompt did."""
+        self.plans.pop(request_id, None)
+
+    def on_output(self, out: TokenOutput) -> None:
+        """Every token output of this instance (on the loop, after the client's
+        stream has it): the first one of a planned request starts its handoff;
+        a final one ends the plan (a one-token request has nothing to hand)."""
+        p = self.plans.get(out.request_id)
+        if p is None:
+            return
+        del self.plans[out.request_id]
+        if out.finish_reason is not None:
+            return
+        self.start(p)
+
+    def start(self, p: HandoffPlan) -> asyncio.Task | None:
+        """The one place a handoff starts, by mode."""
+        if p.mode is HandoffMode.PER_LAYER:
+            log.info("per-layer handoff is not available on this path; handing off serialized",
+                     request_id=p.request_id, num_prompt_tokens=p.num_prompt_tokens)
+        return self._start_serialized(p)
+
+    def _start_serialized(self, p: HandoffPlan) -> asyncio.Task | None:
+        try:
+            task = self.manager.hand_off(p.request_id, p.dest_id, p.dest_address)
+        except Exception as e:  # noqa: BLE001 - the request must not stay held: it decodes here
+            log.warning("handoff not started; decoding here", request_id=p.request_id, error=repr(e))
+            self.manager.host.runner.submit(_resume_if_held, self.manager.host.engine, p.request_id)
+            return None
+        self.running[p.request_id] = task
+        task.add_done_callback(lambda t, rid=p.request_id: self._done(rid, t))
+        return task
+
+    def _done(self, request_id: str, task: asyncio.Task) -> None:
+        if self.running.get(request_id) is task:
+            del self.running[request_id]
+        if task.cancelled():
+            return
+        out = task.exception() or task.result()
+        if isinstance(out, BaseException):
+            log.error("handoff failed", request_id=request_id, error=repr(out))
+        elif not out.committed:
+            log.info("handoff aborted; decoding here", request_id=request_id, reason=out.reason)
+
+
+def _resume_if_held(engine, request_id: str) -> None:
+    """On the engine thread: put a held request back into the batch."""
+    phase = engine.request_phase(request_id)
+    if phase is not None and phase[0] == "suspended":
+        engine.resume_request(request_id)
