@@ -16,6 +16,7 @@ from ferry.cli import LazyGroup
         "compare": "ferry.bench.compare:compare",
         "engine": "ferry.bench.engine:engine",
         "handoff": "ferry.bench.handoff:handoff",
+        "handoff-modes": "ferry.bench.handoff_modes:handoff_modes",
         "migration": "ferry.bench.migration:migration",
         "overhead": "ferry.bench.overhead:overhead",
         "serving": "ferry.bench.serving:serving",

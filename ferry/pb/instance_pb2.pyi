@@ -242,7 +242,7 @@ class PreAllocateReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes")
+    __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes", "layer")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class KvChunk(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     stage: int
     header: KvHeader
@@ -257,7 +258,8 @@ class KvChunk(_message.Message):
     offset: int
     data: bytes
     total_bytes: int
-    def __init__(self, migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    layer: int
+    def __init__(self, migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., layer: _Optional[int] = ...) -> None: ...
 
 class TransferKvReply(_message.Message):
     __slots__ = ("blocks_written", "bytes")

@@ -13,6 +13,7 @@ the forward pass) and ``fake`` (deterministic tokens, for service tests).
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from libs.common.types import (
@@ -58,6 +59,31 @@ class KvLayout:
     def bytes_per_block(self) -> int:
         itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class LayerKv:
+    """One layer's KV for the blocks a step's chunk of a request wrote,
+    handed to the request's layer tap right after that layer ran (per-layer
+    KV transfer, Splitwise). Blocks are named by their index in the request's
+    block table (``first_block`` ..) and by id; the chunk's first block may
+    be partial from an earlier chunk and its last one partial: positions
+    before ``end`` are final, later ones are written by later steps."""
+
+    request_id: str
+    layer: int
+    num_layers: int
+    first_block: int  # index in the request's block table of block_ids[0]
+    block_ids: tuple[int, ...]
+    start: int  # the chunk computed tokens start .. end-1
+    end: int
+    samples: bool  # the chunk reached the last known token: the prompt is done
+    # CPU copy ``[n, 2, block_size, kv_heads, head_dim]`` (kv_layout dtype),
+    # or None for a tap registered without data.
+    data: memoryview | None = None
+
+
+LayerTap = Callable[[LayerKv], None]
 
 
 @dataclass(frozen=True)
@@ -205,6 +231,21 @@ class Engine(abc.ABC):
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         """Write a fused buffer into reserved blocks.
         NOTE: may be called from any thread, for reserved blocks."""
+
+    def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
+        """Write one layer's KV ``[n, 2, block_size, kv_heads, head_dim]``
+        into reserved blocks (the other layers untouched).
+        NOTE: may be called from any thread, for reserved blocks."""
+        raise EngineError(f"the {self.name} engine cannot take per-layer KV")
+
+    def tap_layers(self, request_id: str, tap: LayerTap | None, copy: bool = True) -> bool:
+        """From the next step on, call ``tap`` on the engine thread after
+        every layer of every chunk the request computes, with that layer's
+        KV for the chunk's blocks (``copy``) or without it; None removes the
+        tap. It goes with the request (finished, aborted, dropped). The tap
+        must be quick (hand the data on). False if the request is unknown or
+        this engine cannot."""
+        return False
 
     @abc.abstractmethod
     def release_blocks(self, block_ids: list[int]) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from services.instance.engine.base import EngineConfig, KvLayout
 from services.instance.engine.core.engine import CoreEngine
-from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.executor import Executor, TappedChunk
 from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
 
 # Printable ASCII: the fake model's tokenizer is bytes (see libs/common/tokenizer.py).
@@ -68,6 +68,7 @@ class TokenKvExecutor(Executor):
 
     eos_token_ids = frozenset({EOS_TOKEN_ID})
     vocab_size = 1 << 24  # ids a float32 KV stores exactly
+    layer_taps = True  # its one layer is written by _write
 
     def __init__(self, num_blocks: int, block_size: int):
         self._layout = KvLayout("float32", block_size, 1, 1, 1)
@@ -97,6 +98,9 @@ class TokenKvExecutor(Executor):
         out: list[int | None] = []
         for c in chunks:
             self._write(c)
+            if c.request.layer_tap is not None:  # its one layer is written
+                t = TappedChunk(c, self._layout.block_size, 1)
+                t.emit(0, memoryview(self.cache[list(t.block_ids), 0].tobytes()) if t.copy else None)
             out.append(fake_next_token_array(self._read(c)) if c.samples else None)
         return out
 
@@ -118,6 +122,10 @@ class TokenKvExecutor(Executor):
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         arr = np.frombuffer(data, dtype=np.float32).reshape((len(block_ids),) + self.cache.shape[1:])
         self.cache[block_ids] = arr
+
+    def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
+        arr = np.frombuffer(data, dtype=np.float32).reshape((len(block_ids),) + self.cache.shape[2:])
+        self.cache[block_ids, layer] = arr
 
 
 class FakeExecutor(TokenKvExecutor):

@@ -49,6 +49,8 @@ class Reservation:
     writers: int = 0  # scatters in flight
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     handoff: bool = False  # Splitwise handoff: counted against max_handoff_in
+    # stage -> one byte per (block, layer) written, for stages sent per layer
+    layer_marks: dict[int, bytearray] = field(default_factory=dict)
 
     @property
     def open(self) -> bool:
@@ -235,19 +237,17 @@ class Destination:
             if res.machine.state is not DestState.RESERVED or res.closed:
                 raise Aborted("migration aborted during transfer")
             res.renew()
+            if chunk.layer is not None or stage in res.layer_marks:
+                await self._scatter_layer(res, stage, blocks, chunk)
+                nbytes += len(chunk.data)
+                continue
             if chunk.offset % bpb or len(chunk.data) % bpb:
                 raise InvalidArgument("KV chunk is not aligned to whole blocks")
             first = chunk.offset // bpb
             n = len(chunk.data) // bpb
             if first + n > len(blocks):
                 raise InvalidArgument(f"KV chunk for blocks {first}..{first + n} of a {len(blocks)}-block stage")
-            res.writers += 1
-            try:
-                await asyncio.to_thread(self.engine.scatter_kv, blocks[first:first + n], chunk.data)
-            finally:
-                res.writers -= 1
-                if not res.writers:
-                    res.idle.set()
+            await self._scatter(res, self.engine.scatter_kv, blocks[first:first + n], chunk.data)
             written += n
             nbytes += len(chunk.data)
         if res is not None:
@@ -255,7 +255,43 @@ class Destination:
                 raise Aborted("migration aborted during transfer")
             res.received[stage] += written
             res.bytes += nbytes
+            marks = res.layer_marks.get(stage)
+            if marks is not None:  # a block counts once every layer of it arrived
+                layers = self.engine.kv_layout.num_layers
+                written = res.received[stage] = sum(
+                    1 for b in range(len(blocks)) if 0 not in marks[b * layers:(b + 1) * layers])
         return written, nbytes
+
+    async def _scatter(self, res: Reservation, fn, *args) -> None:
+        """Run a scatter off the loop, counted as a writer of the reservation."""
+        res.writers += 1
+        try:
+            await asyncio.to_thread(fn, *args)
+        finally:
+            res.writers -= 1
+            if not res.writers:
+                res.idle.set()
+
+    async def _scatter_layer(self, res: Reservation, stage: int, blocks: list[int], chunk: KvChunk) -> None:
+        """One layer's KV for some of the stage's blocks (per-layer transfer);
+        empty data only renews the reservation."""
+        if chunk.layer is None or (stage not in res.layer_marks and res.received.get(stage)):
+            raise InvalidArgument(f"stage {stage} mixes whole-block and per-layer KV chunks")
+        if not chunk.data:
+            return
+        layout = self.engine.kv_layout
+        per_block = layout.bytes_per_block // layout.num_layers
+        if not 0 <= chunk.layer < layout.num_layers:
+            raise InvalidArgument(f"KV chunk for layer {chunk.layer} of {layout.num_layers}")
+        if chunk.offset % per_block or len(chunk.data) % per_block:
+            raise InvalidArgument("per-layer KV chunk is not aligned to whole blocks")
+        first, n = chunk.offset // per_block, len(chunk.data) // per_block
+        if first + n > len(blocks):
+            raise InvalidArgument(f"KV chunk for blocks {first}..{first + n} of a {len(blocks)}-block stage")
+        marks = res.layer_marks.setdefault(stage, bytearray(len(blocks) * layout.num_layers))
+        await self._scatter(res, self.engine.scatter_kv_layer, blocks[first:first + n], chunk.layer, chunk.data)
+        for b in range(first, first + n):
+            marks[b * layout.num_layers + chunk.layer] = 1
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
         res = self._get(migration_id)

@@ -46,11 +46,12 @@ def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
 
 def chunk_to_pb(c: KvChunk) -> pb.KvChunk:
     return pb.KvChunk(migration_id=c.migration_id, stage=c.stage, num_blocks=c.num_blocks, offset=c.offset,
-                      data=bytes(c.data), total_bytes=c.total_bytes)
+                      data=bytes(c.data), total_bytes=c.total_bytes, layer=c.layer)
 
 
 def chunk_from_pb(m: pb.KvChunk) -> KvChunk:
-    return KvChunk(m.migration_id, m.stage, m.offset, m.data, m.num_blocks, m.total_bytes)
+    return KvChunk(m.migration_id, m.stage, m.offset, m.data, m.num_blocks, m.total_bytes,
+                   m.layer if m.HasField("layer") else None)
 
 
 async def chunks_from_pb(stream) -> AsyncIterator[KvChunk]:

@@ -57,7 +57,10 @@ class PreAllocate:
 
 @dataclass(frozen=True)
 class KvChunk:
-    """Part of one stage's fused KV buffer, ``offset`` bytes into it."""
+    """Part of one stage's fused KV buffer, ``offset`` bytes into it. With
+    ``layer`` set (per-layer transfer), part of that one layer's buffer
+    ``[stage blocks, 2, block_size, kv_heads, head_dim]`` instead; empty data
+    only renews the reservation. A stage takes one kind of chunk."""
 
     migration_id: str
     stage: int
@@ -65,6 +68,7 @@ class KvChunk:
     data: bytes | memoryview
     num_blocks: int = 0  # blocks in the whole stage
     total_bytes: int = 0
+    layer: int | None = None
 
 
 @dataclass

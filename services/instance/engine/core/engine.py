@@ -317,6 +317,23 @@ class CoreEngine(Engine):
             raise EngineError(f"scatter_kv into blocks {bad} that are not reserved")
         self.executor.scatter_kv(list(block_ids), data)
 
+    def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
+        if not self.executor.layer_taps:
+            raise EngineError(f"the {self.name} engine cannot take per-layer KV")
+        bad = [b for b in block_ids if not self.pool.is_reserved(b)]
+        if bad:
+            raise EngineError(f"scatter_kv_layer into blocks {bad} that are not reserved")
+        if not 0 <= layer < self.kv_layout.num_layers:
+            raise EngineError(f"layer {layer} of a {self.kv_layout.num_layers}-layer KV cache")
+        self.executor.scatter_kv_layer(list(block_ids), layer, data)
+
+    def tap_layers(self, request_id: str, tap, copy: bool = True) -> bool:
+        r = self.requests.get(request_id)
+        if r is None or not self.executor.layer_taps:
+            return False
+        r.layer_tap = None if tap is None else (tap, copy)
+        return True
+
     def release_blocks(self, block_ids: list[int]) -> None:
         self.pool.release(list(block_ids))
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import abc
 
-from services.instance.engine.base import KvLayout
+from services.instance.engine.base import KvLayout, LayerKv
 from services.instance.engine.core.request import Request
-from services.instance.engine.core.scheduler import ScheduledChunk
+from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
 
 
 class Executor(abc.ABC):
     eos_token_ids: frozenset[int] = frozenset()
     vocab_size: int = 0  # token ids 0 .. vocab_size-1
+    # True where execute() calls the chunks' layer taps (Request.layer_tap)
+    # and scatter_kv_layer works.
+    layer_taps: bool = False
 
     @property
     @abc.abstractmethod
@@ -34,6 +37,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None: ...
 
+    def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
+        """One layer ``[n, 2, block_size, kv_heads, head_dim]`` into the blocks."""
+        raise NotImplementedError
+
     # --- per-request sampler state (native only) ----------------------------------
     def init_request(self, req: Request) -> None:
         """Called once when a request enters the engine."""
@@ -43,3 +50,26 @@ class Executor(abc.ABC):
 
     def set_rng_state(self, req: Request, state: bytes) -> None:
         """Restore the sampler state exported by rng_state (after init_request)."""
+
+
+class TappedChunk:
+    """A chunk whose request has a layer tap: the blocks it wrote, and the
+    tap called per layer (executors share this)."""
+
+    def __init__(self, chunk: ScheduledChunk, block_size: int, num_layers: int):
+        req = chunk.request
+        self.tap, self.copy = req.layer_tap
+        self.chunk = chunk
+        self.num_layers = num_layers
+        self.first_block = chunk.start // block_size
+        self.block_ids = tuple(req.block_ids[self.first_block: cdiv(chunk.end, block_size)])
+
+    def emit(self, layer: int, data: memoryview | None) -> None:
+        c = self.chunk
+        self.tap(LayerKv(c.request.request_id, layer, self.num_layers, self.first_block, self.block_ids,
+                         c.start, c.end, c.samples, data))
+
+
+def tapped_chunks(chunks: list[ScheduledChunk], layout: KvLayout) -> list[TappedChunk]:
+    return [TappedChunk(c, layout.block_size, layout.num_layers) for c in chunks
+            if c.request.layer_tap is not None and c.num_new > 0]

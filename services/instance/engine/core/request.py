@@ -47,6 +47,8 @@ class Request:
         self.num_migrations = 0
         self.extra: dict = {}
         self.hold_after_prefill = False  # Splitwise: suspend after the first new token (EngineRequest)
+        # (tap, copy) while a per-layer KV transfer watches it (Engine.tap_layers)
+        self.layer_tap = None
         self._preempted_at = 0.0
         self._recompute_target = 0
         self.finish_reason: FinishReason | None = None

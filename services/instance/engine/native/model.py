@@ -8,6 +8,8 @@ GEMMs are what a 2-core CPU and a GPU both like. The loader fuses HF weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -129,13 +131,17 @@ class LlamaModel(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMeta, logits_index: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMeta, logits_index: torch.Tensor,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids/positions: [T] flat over the step's requests; returns fp32
-        logits [len(logits_index), vocab] for the rows that sample."""
+        logits [len(logits_index), vocab] for the rows that sample.
+        ``after_layer(i)``: called once layer i wrote its K/V into kv_cache."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         x = self.norm(x.index_select(0, logits_index))
         if self.lm_head_packed is not None:
             return packed_linear(x, self.lm_head_packed).float()

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from services.instance.engine.base import KvLayout
-from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.executor import Executor, TappedChunk, tapped_chunks
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.native.attention import AttentionMeta, build_dense, build_group
@@ -24,6 +24,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 
 class ModelRunner(Executor):
+    layer_taps = True
+
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0,
                  decode_cache_bytes: int | None = None):
@@ -37,6 +39,13 @@ class ModelRunner(Executor):
         # The fused transfer layout; see attention.py for why it is also fine for attention.
         self.kv_cache = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size,
                                     cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+        # On CPU, KV transfer copies through a numpy view of the cache,
+        # [block, layer, K|V ... bytes]: one memcpy per (block[, layer]) on the
+        # calling thread. torch's index_select/index_copy_ on these shapes took
+        # 10-40x longer here, waiting on its worker threads when the cores
+        # are busy with the engine's own steps.
+        self._np_cache = (self.kv_cache.view(torch.uint8).numpy().reshape(num_blocks, cfg.num_hidden_layers, -1)
+                          if device.type == "cpu" else None)
         self._seeds = np.random.default_rng(seed)  # seeds for requests without one
         # Decodes read a dense copy of their context on CPU (see decode_cache.py);
         # by default it may take as much memory as the paged cache.
@@ -94,27 +103,75 @@ class ModelRunner(Executor):
         ordered = decodes + [c for c in chunks if c.num_new != 1]
         input_ids, positions, meta, logits_index = self._metadata(ordered, order is not None)
         sampling = [c.request for c in ordered if c.samples]
-        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index)
+        tapped = tapped_chunks(ordered, self._layout)
+        after_layer = (lambda i: self._emit_layer(tapped, i)) if tapped else None
+        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index, after_layer)
         if order is not None:
             self.decode_cache.advance(len(decodes))
         tokens = sample(logits, sampling, self.eos_token_ids) if sampling else []
         by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
         return [by_id[c.request.request_id] if c.samples else None for c in chunks]
 
+    def _layer_rows(self, block_ids, layer: int) -> torch.Tensor:
+        """Rows of (block, layer, K) and (block, layer, V) in the block-row
+        view of the cache (see attention.py), [n, 2] flattened: whole
+        contiguous rows that hold a layer's ``[n, 2, block_size, kv_heads, head_dim]``."""
+        k = torch.tensor(block_ids, dtype=torch.long) * (self._layout.num_layers * 2) + 2 * layer
+        return torch.stack((k, k + 1), dim=1).view(-1).to(self.device)
+
+    def _block_rows(self) -> torch.Tensor:
+        return self.kv_cache.view(self.kv_cache.shape[0] * self._layout.num_layers * 2, -1)
+
+    def _emit_layer(self, tapped: list[TappedChunk], layer: int) -> None:
+        """After ``layer`` ran: hand each tapped chunk's blocks of that layer
+        to its tap, as a copy (the blocks may be reused once the request is
+        gone; the copy is 1/layers of the blocks' KV)."""
+        for t in tapped:
+            data = None
+            if t.copy:
+                data = self._gather_layer(t.block_ids, layer)
+            t.emit(layer, data)
+
     # --- KV transfer (any thread; full or reserved blocks only) ------------------
+    @staticmethod
+    def _bytes_in(data: bytes | memoryview, n: int, per_block: int) -> np.ndarray:
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if raw.size != n * per_block:
+            raise ValueError(f"{raw.size} bytes for {n} blocks of {per_block}")
+        return raw.reshape(n, -1)
+
     def gather_kv(self, block_ids: list[int]) -> memoryview:
+        if self._np_cache is not None:
+            return memoryview(self._np_cache[list(block_ids)].reshape(-1))
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         buf = self.kv_cache.index_select(0, idx).cpu()
         return memoryview(buf.view(torch.uint8).numpy()).cast("B")
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         n = len(block_ids)
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if raw.numel() != n * self._layout.bytes_per_block:
-            raise ValueError(f"{raw.numel()} bytes for {n} blocks of {self._layout.bytes_per_block}")
-        blocks = raw.view(self.kv_cache.dtype).view((n,) + tuple(self.kv_cache.shape[1:]))
+        rows = self._bytes_in(data, n, self._layout.bytes_per_block)
+        if self._np_cache is not None:
+            self._np_cache[list(block_ids)] = rows.reshape(n, self._layout.num_layers, -1)
+            return
+        blocks = torch.from_numpy(rows.copy()).view(self.kv_cache.dtype).view((n,) + tuple(self.kv_cache.shape[1:]))
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(0, idx, blocks.to(self.device))
+
+    def _gather_layer(self, block_ids, layer: int) -> memoryview:
+        if self._np_cache is not None:
+            return memoryview(self._np_cache[list(block_ids), layer].reshape(-1))
+        # NOTE: .cpu() waits for the layer on CUDA (a pinned buffer and an event would not)
+        part = self._block_rows().index_select(0, self._layer_rows(block_ids, layer)).cpu()
+        return memoryview(part.view(torch.uint8).numpy()).cast("B")
+
+    def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
+        n = len(block_ids)
+        rows = self._bytes_in(data, n, self._layout.bytes_per_block // self._layout.num_layers)
+        if self._np_cache is not None:
+            self._np_cache[list(block_ids), layer] = rows
+            return
+        src = torch.from_numpy(rows.copy()).view(self.kv_cache.dtype).view(2 * n, -1)
+        self._block_rows().index_copy_(0, self._layer_rows(block_ids, layer), src.to(self.device))
 
     # --- sampler state ------------------------------------------------------------
     def init_request(self, req: Request) -> None:

@@ -1,0 +1,89 @@
+"""Helpers for the handoff tests: start a request together with its handoff
+(LayerwiseHandoff adds it with the tap on), follow its client across the
+``moved`` event, and peers that watch or break the chunk stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from libs.common.types import SamplingParams
+from services.instance.engine.base import EngineRequest
+from services.instance.migration.layerwise import HandoffMode, LayerwiseHandoff
+from services.instance.migration.messages import KvChunk, MigrationConfig
+from tests.instance.migration.harness import CONFIG, Client, Cluster
+
+
+def engine_request(rid: str, prompt: list[int], n: int, **sampling) -> EngineRequest:
+    return EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True, **sampling), 0,
+                         time.time())
+
+
+async def follow(cl: Client, node: str) -> list[int]:
+    """Client.run without adding the request: read its stream at ``node``
+    (opened before the request was added) and follow ``moved``."""
+    n = cl.cluster.nodes[node]
+    stream = n.streams.get(cl.request_id)
+    while True:
+        ev = None
+        async for ev in stream.events(len(cl.tokens)):
+            if ev.token_id is not None:
+                assert ev.index == len(cl.tokens), f"index {ev.index} after {len(cl.tokens)} tokens"
+                cl.tokens.append(ev.token_id)
+                cl.first_token.set()
+            if ev.final:
+                break
+        if ev.moved_to is None:
+            cl.finish_reason = ev.finish_reason
+            return cl.tokens
+        assert ev.index == len(cl.tokens), "moved at an index the client has not reached"
+        n = cl.cluster.nodes[ev.moved_to[0]]
+        stream = n.streams.get(cl.request_id)
+        assert stream is not None and not stream.attached, "nothing to attach to at the destination"
+        stream.attached = True
+        cl.path.append(n.name)
+
+
+def open_client(c: Cluster, rid: str, node: str) -> Client:
+    cl = Client(c, rid)
+    c.nodes[node].streams.open(rid).attached = True
+    cl.path.append(node)
+    return cl
+
+
+def handoff(c: Cluster, rid: str, prompt: list[int], n: int, mode: HandoffMode, src: str = "a",
+            dst: str = "b", config: MigrationConfig = CONFIG, add: bool = True,
+            **sampling) -> LayerwiseHandoff:
+    a = c.nodes[src]
+    return LayerwiseHandoff(a.host, rid, dst, dst, c.peer(dst), config, mode,
+                            request=engine_request(rid, prompt, n, **sampling) if add else None,
+                            fault=a._fault)
+
+
+async def run_with_handoff(c: Cluster, rid: str, prompt: list[int], n: int, mode: HandoffMode,
+                           **kw) -> tuple[Client, asyncio.Task, LayerwiseHandoff, asyncio.Task]:
+    """Open the client's stream at a, start the handoff (it adds the request)."""
+    cl = open_client(c, rid, kw.get("src", "a"))
+    h = handoff(c, rid, prompt, n, mode, **kw)
+    ht = asyncio.create_task(h.run())
+    return cl, asyncio.create_task(follow(cl, kw.get("src", "a"))), h, ht
+
+
+class WatchedPeer:
+    """An in-process peer whose transfer passes every chunk to ``on_chunk``
+    on its way (which may record it, or raise to break the stream)."""
+
+    def __init__(self, inner, on_chunk: Callable[[KvChunk], None]):
+        self.inner, self.on_chunk = inner, on_chunk
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    async def transfer(self, chunks):
+        async def watched():
+            async for ch in chunks:
+                self.on_chunk(ch)
+                yield ch
+
+        return await self.inner.transfer(watched())
