@@ -3,6 +3,8 @@ high priority on the instance; the baselines and llumnix_base treat every
 request alike, as in the paper's comparison, so instance headroom and the
 waiting-queue order cannot favour high priority under them."""
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -20,8 +22,20 @@ async def test_run_priority_follows_the_policy(tmp_path_factory, policy, expecte
     try:
         async with grpc.aio.insecure_channel(c.scheduler) as ch:
             stub = spb_grpc.SchedulerStub(ch)
-            high = await stub.Dispatch(spb.DispatchRequest(request_id="h", num_prompt_tokens=8,
-                                                           priority=cpb.PRIORITY_HIGH), timeout=10)
+            # NOTE: the scheduler is healthy before its first cluster view
+            # arrives (it answers UNAVAILABLE until then; on a loaded machine
+            # that is after start() returns).
+            for _ in range(200):
+                try:
+                    high = await stub.Dispatch(spb.DispatchRequest(request_id="h", num_prompt_tokens=8,
+                                                                   priority=cpb.PRIORITY_HIGH), timeout=10)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or "no cluster view yet" not in (e.details() or ""):
+                        raise
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the scheduler had no cluster view after 10 s")
             normal = await stub.Dispatch(spb.DispatchRequest(request_id="n", num_prompt_tokens=8,
                                                              priority=cpb.PRIORITY_NORMAL), timeout=10)
         assert high.policy == policy and high.instance_id == "instance-0"
