@@ -147,7 +147,8 @@ def print_compare(result: dict) -> None:
 @click.group(cls=LazyGroup, lazy={"autoscale": "ferry.sim.autoscale_cli:autoscale",
                                   "calibrate": "ferry.sim.calibrate:calibrate",
                                   "crosscheck": "ferry.sim.crosscheck:crosscheck",
-                                  "grid": "ferry.sim.grid:grid"})
+                                  "grid": "ferry.sim.grid:grid",
+                                  "splitwise": "ferry.sim.splitwise_cli:splitwise"})
 def sim() -> None:
     """Discrete-event simulation of a sim cluster: Ferry's own policies and engine core on a virtual clock."""
 

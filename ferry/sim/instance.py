@@ -65,17 +65,19 @@ class _Timed:
         self.profile = profile
         self.clock = clock
         self.observer: StepObserver | None = None
-        self.prefill_tokens = 0  # tokens of prompt chunks computed here
-        self.decode_tokens = 0  # one-token (decode) chunks computed here
+        self.prefill_tokens = 0  # tokens of chunks that start inside the prompt (recomputes included)
+        self.decode_tokens = 0  # chunks that start past the prompt (one token each)
         self.busy_s = 0.0
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
-        batch, prefill, kv = chunk_cost(chunks)
         start = self.clock.t
-        self.clock.t += self.profile.step_ms(batch, prefill, kv) / 1000.0
+        self.clock.t += self.profile.step_ms(*chunk_cost(chunks)) / 1000.0
         self.busy_s += self.clock.t - start
-        self.prefill_tokens += prefill
-        self.decode_tokens += sum(1 for c in chunks if c.num_new == 1)
+        for c in chunks:
+            if c.start < len(c.request.prompt_token_ids):
+                self.prefill_tokens += c.num_new
+            else:
+                self.decode_tokens += c.num_new
         if self.observer is not None:
             self.observer(chunks, start, self.clock.t)
 

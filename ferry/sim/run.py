@@ -74,6 +74,7 @@ class SimOptions:
     pools: tuple[str, ...] = ()  # ROLE:PROFILE:COUNT; empty: `instances` mixed instances of `profile`
     per_layer_threshold: int = DEFAULT_PER_LAYER_THRESHOLD  # handoff_mode's (0: always serialized)
     fake_tokens: bool = False
+    report_clip: bool = True  # say on stderr how many requests were clipped to the context
 
 
 def parse_config(cls: type, args: list[str]):
@@ -332,7 +333,7 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
     work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.sim_slowdown,
                     opts.high_priority_fraction, max_model_len_of(opts),
                     opts.traces_dir)
-    if work.clip and work.clip.clipped:
+    if work.clip and work.clip.clipped and opts.report_clip:
         click.echo(f"[{label}] {work.clip.line()}", err=True)
     t_wall = time.perf_counter()
     cluster = Cluster(opts, policy, work)
@@ -389,4 +390,10 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
 def _jsonable(opts: SimOptions) -> dict:
     d = dataclasses.asdict(opts)
     d.pop("progress")
+    d.pop("report_clip")
+    if not opts.pools:  # a cluster of mixed instances: the options read as before pools existed
+        for k in ("pools", "per_layer_threshold"):
+            d.pop(k)
+    if not opts.fake_tokens:
+        d.pop("fake_tokens")
     return d
