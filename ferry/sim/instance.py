@@ -25,9 +25,8 @@ report or a migrate-out order may read it before the next publish.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
 from dataclasses import replace
+from typing import Any
 
 from ferry.sim.kernel import Kernel, Wait
 from libs.common.types import InstanceStatus, Priority, Role, TokenOutput

@@ -172,9 +172,12 @@ class Point:
     handoff: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"rate_rps": self.rate, "seed": self.seed, "meets_slo": self.ok,
-                "p99_slowdown": {k: round(v, 3) for k, v in self.p99.items()},
-                "completed": self.completed, "requests": self.requests}
+        d = {"rate_rps": self.rate, "seed": self.seed, "meets_slo": self.ok,
+             "p99_slowdown": {k: round(v, 3) if isinstance(v, float) else v for k, v in self.p99.items()},
+             "completed": self.completed, "requests": self.requests}
+        if self.handoff and self.handoff.get("handoffs"):
+            d["handoff"] = self.handoff
+        return d
 
 
 @dataclass
@@ -183,7 +186,9 @@ class Study:
     num_requests: int
     seeds: tuple[int, ...]
     slo: Slo = field(default_factory=Slo)
-    instance_args: tuple[str, ...] = ("--max-migrate-in", "64")
+    # Handoffs are not rate limited like migrations, and machines batch until memory is full (Splitwise's
+    # token machines): neither flag changes a mixed cluster that never migrates except the batch cap.
+    instance_args: tuple[str, ...] = ("--max-migrate-in", "64", "--max-num-seqs", "1024")
     rate_precision: float = 1.05
     per_layer_threshold: int | None = None  # None: handoff_mode's default
     log: Callable[[str], None] | None = None

@@ -37,6 +37,7 @@ from ferry.sim.kernel import START, Kernel
 from ferry.sim.migration import MigrationModel
 from ferry.sim.params import Delays, TransferModel
 from ferry.sim.pools import Pool, parse_pools
+from ferry.sim.recorder import Recorder
 from ferry.sim.scheduler import SimScheduler
 from libs.common.config import click_options, from_options
 from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
@@ -110,40 +111,6 @@ def pools_of(opts: SimOptions) -> tuple[Pool, ...]:
 def max_model_len_of(opts: SimOptions) -> int:
     """What every instance of the cluster admits."""
     return opts.max_model_len or min(profile_of(opts, p.profile).max_model_len for p in pools_of(opts))
-
-
-class Recorder:
-    """The client's view of every request (RequestRecord), from token outputs."""
-
-    def __init__(self, work: wl.Workload, t0: float, token_s: float, wall: float):
-        self.t0 = t0
-        self.token_s = token_s
-        self.records = [metrics.RequestRecord(r.index, r.priority, r.prompt_len, r.output_len,
-                                              t0 + r.arrival_s * wall) for r in work.requests]
-        self.index = {f"req-{r.index}": r.index for r in work.requests}
-        self.done = 0
-
-    def on_tokens(self, now: float, outputs: list[TokenOutput]) -> None:
-        t = now + self.token_s
-        for o in outputs:
-            if o.index == 0 or o.finish_reason is not None:
-                rec = self.records[self.index[o.request_id]]
-                if o.index == 0:
-                    rec.first_token_at = t
-                if o.finish_reason is not None:
-                    rec.last_token_at = rec.finished_at = t
-                    rec.tokens = o.index + 1
-                    rec.finish_reason = o.finish_reason.value
-                    st = o.stats or {}
-                    rec.preemptions = int(st.get("num_preemptions", 0))
-                    rec.preemption_loss_ms = float(st.get("preemption_loss_ms", 0.0))
-                    rec.migrations = int(st.get("num_migrations", 0))
-                    self.done += 1
-
-    def fail(self, index: int, now: float, error: str) -> None:
-        rec = self.records[index]
-        rec.error, rec.finished_at = error, now
-        self.done += 1
 
 
 class Cluster:

@@ -18,8 +18,19 @@ from ferry.bench import workload as wl
 from ferry.bench.serving import write_json
 from ferry.sim import stats
 from ferry.sim.cli import parse_seeds
-from ferry.sim.provision import DESIGNS, POLICY, REFERENCE, Config, Design, Slo, Study, capacity_guess, \
-    configs_within, machine_rates, profile
+from ferry.sim.provision import (
+    DESIGNS,
+    POLICY,
+    REFERENCE,
+    Config,
+    Design,
+    Slo,
+    Study,
+    capacity_guess,
+    configs_within,
+    machine_rates,
+    profile,
+)
 
 BASELINE = "Baseline-H100"
 
@@ -67,9 +78,11 @@ def budget_study(study: Study, budget: float, measure: str, means, log) -> dict:
         out[d.name] = {"explored_first_seed": [{**configs[i].to_dict(), "max_rate_rps": r}
                                                for i, r in sorted(rates.items())],
                        "best": best.to_dict(), "max_rate_per_seed": per_seed,
-                       "max_rate": stats.spread(per_seed)}
+                       "max_rate": stats.spread(per_seed),
+                       "at_max_rate_first_seed": (study.point(best, per_seed[0], study.seeds[0]).to_dict()
+                                                  if per_seed[0] else None)}
     base = out.get(BASELINE, {}).get("max_rate_per_seed")
-    for name, res in out.items():
+    for res in out.values():
         if res.get("best") and base:
             ratio = [a / b if b else None for a, b in zip(res["max_rate_per_seed"], base)]
             res["vs_baseline_h100"] = {**stats.spread(ratio), "per_seed": ratio}

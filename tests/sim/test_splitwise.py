@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from ferry.bench import workload as wl
+from ferry.sim.params import Delays
 from ferry.sim.pools import PoolError, parse_pools
 from ferry.sim.provision import DESIGNS, Config, configs_within, profile, unloaded
-from ferry.sim.params import Delays
 from ferry.sim.run import SimOptions, simulate
 from ferry.sim.splitwise_cli import splitwise
 from libs.common.types import Role
@@ -33,8 +33,8 @@ def layered_profile(tmp_path):
 
 
 def _opts(profile_path: str, **kw) -> SimOptions:
-    base = dict(arrivals="poisson:6", lengths="S-S", num_requests=40, seed=3, progress=False, fake_tokens=True,
-                profile=profile_path, per_layer_threshold=100, instance_args=("--max-migrate-in", "64"))
+    base = {"arrivals": "poisson:6", "lengths": "S-S", "num_requests": 40, "seed": 3, "progress": False, "fake_tokens": True,
+                "profile": profile_path, "per_layer_threshold": 100, "instance_args": ("--max-migrate-in", "64")}
     return SimOptions(**{**base, **kw})
 
 
