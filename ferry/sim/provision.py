@@ -15,7 +15,8 @@ request completed and the three P99 slowdowns are within ``Slo``.
 
 Searches (every run is one ``simulate`` call, cached by its inputs):
 - ``max_rate``: the highest Poisson rate a configuration serves within the
-  SLOs: a geometric bracket (x1.25) from a first guess, then bisection down to
+  SLOs: a geometric bracket (x1.25; x1.1 around the first seed's result for
+  the other seeds) from a first guess, then bisection down to
   ``rate_precision`` (the rate is assumed to pass below a failing one);
 - ``best_config``: over the configurations that fit a power or cost budget,
   hill-climbing on the prompt-machine count from a balanced start (the
@@ -229,13 +230,13 @@ class Study:
         self._cache[key] = pt
         return pt
 
-    def max_rate(self, cfg: Config, seed: int, guess: float) -> tuple[float, list[Point]]:
-        """The highest rate meeting the SLOs (0 if even guess / 1.25**8 fails)."""
+    def max_rate(self, cfg: Config, seed: int, guess: float, step: float = 1.25) -> tuple[float, list[Point]]:
+        """The highest rate meeting the SLOs: bracketed by factors of ``step``
+        from ``guess``, then bisected (0 if even guess / step**12 fails)."""
         tried: list[Point] = []
-        step = 1.25
         lo, hi = None, None
         r = guess
-        for _ in range(8):
+        for _ in range(12):
             pt = self.point(cfg, r, seed)
             tried.append(pt)
             if pt.ok:

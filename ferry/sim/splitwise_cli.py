@@ -63,9 +63,9 @@ def best_config(study: Study, configs: list[Config], means, seed: int) -> tuple[
         i = best
 
 
-def budget_study(study: Study, budget: float, measure: str, means, log) -> dict:
+def budget_study(study: Study, designs: list[Design], budget: float, measure: str, means, log) -> dict:
     out = {}
-    for d in DESIGNS:
+    for d in designs:
         configs = configs_within(d, budget, measure)
         if not configs:
             out[d.name] = {"configs": [], "best": None}
@@ -74,7 +74,11 @@ def budget_study(study: Study, budget: float, measure: str, means, log) -> dict:
         best, rates = best_config(study, configs, means, study.seeds[0])
         per_seed = [rates[configs.index(best)]]
         for s in study.seeds[1:]:
-            per_seed.append(study.max_rate(best, s, max(0.05, per_seed[0]))[0])
+            guess = max(0.05, per_seed[0])
+            rate = study.max_rate(best, s, guess, step=1.1)[0]
+            if rate == 0.0:  # far from the first seed's: search wider
+                rate = study.max_rate(best, s, guess / 3)[0]
+            per_seed.append(rate)
         out[d.name] = {"explored_first_seed": [{**configs[i].to_dict(), "max_rate_rps": r}
                                                for i, r in sorted(rates.items())],
                        "best": best.to_dict(), "max_rate_per_seed": per_seed,
@@ -203,13 +207,20 @@ def plot(res: dict, path: str) -> None:
 @click.option("--slo-e2e", type=float, default=Slo.e2e, show_default=True, help="P99 E2E slowdown limit")
 @click.option("--rate-precision", type=click.FloatRange(min=1.001), default=1.05, show_default=True,
               help="bisection stops when the failing / passing rate ratio is below this")
+@click.option("--designs", default=",".join(d.name for d in DESIGNS), show_default=True,
+              help=f"comma-separated designs ({BASELINE} is always run: ratios are to it)")
 @click.option("--json", "json_path", default=None)
 @click.option("--plot", "plot_path", default=None, help="write a PNG bar chart here")
 @click.option("--quiet", is_flag=True, help="no per-run log on stderr")
 def splitwise(workloads, num_requests, seeds, budget_h100, target_rps, slo_ttft, slo_tbt, slo_e2e,
-              rate_precision, json_path, plot_path, quiet) -> None:
+              rate_precision, designs, json_path, plot_path, quiet) -> None:
     """Splitwise provisioning study (simulated): iso-power / iso-cost throughput and the cheapest cluster."""
     seed_list = tuple(parse_seeds(seeds))
+    known = {d.name: d for d in DESIGNS}
+    names = {n.strip() for n in designs.split(",") if n.strip()} | {BASELINE}
+    if names - set(known):
+        raise click.UsageError(f"unknown designs {sorted(names - set(known))}; known: {', '.join(known)}")
+    chosen = [d for d in DESIGNS if d.name in names]
     slo = Slo(slo_ttft, slo_tbt, slo_e2e)
     h100 = profile("llama2-70b-h100")
     log = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
@@ -229,11 +240,11 @@ def splitwise(workloads, num_requests, seeds, budget_h100, target_rps, slo_ttft,
         power, cost = budget_h100 * h100.machine_power_w, budget_h100 * h100.machine_cost
         w = {"workload": f"poisson arrivals, lengths {spec}", "prompt_mean": means[0], "output_mean": means[1],
              "power_budget_kw": power / 1000, "cost_budget": cost}
-        w["iso_power"] = budget_study(study, power, "power_w", means, log)
-        w["iso_cost"] = budget_study(study, cost, "cost", means, log)
+        w["iso_power"] = budget_study(study, chosen, power, "power_w", means, log)
+        w["iso_cost"] = budget_study(study, chosen, cost, "cost", means, log)
         target = target_rps or w["iso_power"][BASELINE]["max_rate"]["median"]
         w["cheapest"] = {"target_rps": target,
-                         "designs": {d.name: cheapest(study, d, target, means, log) for d in DESIGNS}}
+                         "designs": {d.name: cheapest(study, d, target, means, log) for d in chosen}}
         w["simulated_runs"] = study.runs
         total_runs += study.runs
         res["workloads"][spec] = w
