@@ -87,7 +87,7 @@ class _Early:
     abandoned: bool = False
     refusals: int = 0
     link_done: float = 0.0  # when the KV sent so far has arrived
-    backlog_s: float = 0.0  # transfer of chunks computed before the reservation was confirmed
+    backlog_tokens: int = 0  # computed before the reservation was confirmed: sent once it is
 
 
 class HandoffModel:
@@ -133,14 +133,15 @@ class HandoffModel:
         ok, _ = yield from self.migration._rpc(dst, self.migration.pre_allocate(dst, e.mid, rid, 0, n, 0, None))
         if not ok:
             e.failed, e.refusals = True, e.refusals + 1
+            self._unpend(dst, rid)
             return
         if e.abandoned:  # the prompt ended first (fell back) or the request finished
+            self._unpend(dst, rid)
             yield from self.migration._rpc(dst, self.migration.abort_at_destination(dst, e.mid))
             return
         e.dst, e.confirmed = dst, True
-        now = self.k.now
-        e.link_done = max(e.link_done, now) + e.backlog_s if e.backlog_s else max(e.link_done, now)
-        e.backlog_s = 0.0
+        e.link_done = max(e.link_done, self.k.now) + self._token_s(e.source, dst, e.backlog_tokens)
+        e.backlog_tokens = 0
 
     def on_chunks(self, inst: SimInstance, chunks: list[ScheduledChunk], start: float, end: float) -> None:
         """A step ran on a prefill instance: advance the link of every
@@ -154,7 +155,7 @@ class HandoffModel:
             if e is None or e.failed:
                 continue
             if not e.confirmed:
-                e.backlog_s += self._token_s(inst, inst, c.num_new)
+                e.backlog_tokens += c.num_new
                 continue
             x = self._token_s(inst, e.dst, c.num_new)
             e.link_done = max(start + d / layers + x, end + x / layers, e.link_done + x)
@@ -187,11 +188,16 @@ class HandoffModel:
     def _abandon(self, rid: str, e: _Early) -> None:
         e.abandoned = True
         if e.confirmed:
+            self._unpend(e.dst, rid)
             self.k.spawn(self.migration._rpc(e.dst, self.migration.abort_at_destination(e.dst, e.mid)))
 
     def _pick(self, src: SimInstance, rid: str, tokens: int) -> SimInstance | None:
         iid = self.scheduler.choose(rid, tokens, Priority.NORMAL, Phase.DECODE)
         return None if iid is None else self.instances[iid]
+
+    def _unpend(self, dst: SimInstance, rid: str) -> None:
+        """A refused destination no longer counts the request as coming."""
+        self.scheduler.pending.settle(dst.instance_id, (rid,), self.k.now)
 
     def _handoff(self, src: SimInstance, rid: str, prompt_tokens: int, e: _Early | None, state, blocks, kv):
         t0 = self.k.now
@@ -219,6 +225,7 @@ class HandoffModel:
                     dst, self.migration.pre_allocate(dst, mid, rid, 0, len(blocks), 0, None))
                 if ok:
                     break
+                self._unpend(dst, rid)
                 rec.refusals += 1
                 yield Delay(self.retry_s)
             yield Delay(rpc + self.transfer(src, dst).seconds(len(blocks)))

@@ -266,12 +266,16 @@ class Study:
 
 # --- analytic starting points (only where searches begin) -------------------------------
 
-def machine_rates(design: Design, prompt_mean: float, output_mean: float, batch: int = 128) -> tuple[float, float]:
+def machine_rates(design: Design, prompt_mean: float, output_mean: float,
+                  max_step_ms: float = 44.0) -> tuple[float, float]:
     """(requests/s one prompt machine, one token machine could serve) by the
-    step model at full steps (2,048-token prompt steps; decode steps of
-    ``batch`` requests): where searches start, never a result."""
+    step model: 2,048-token prompt steps; decode steps of the largest batch
+    (up to 1,024) whose step stays within ``max_step_ms`` (about 3x the
+    reference machine's unloaded TBT). Where searches start, never a result."""
     tok = profile(design.token)
     ctx = prompt_mean + output_mean / 2
+    per_req = tok.decode_ms_per_seq + tok.decode_ms_per_kv_token * ctx
+    batch = int(min(1024, max(1, (max_step_ms - tok.decode_base_ms) // per_req)))
     decode_rps = batch / (tok.step_ms(batch, 0, int(batch * ctx)) / 1000) / max(1.0, output_mean)
     pro = profile(design.prompt or design.token)
     prompt_rps = 2048 / (pro.step_ms(1, 2048, 0) / 1000) / prompt_mean
