@@ -155,6 +155,14 @@ def print_tables(res: dict) -> None:
                     f"{b['token_machines']} mixed"
                 click.echo(f"    {name:16} {cfg:11} {b['power_kw']:6.1f} {b['cost']:6.2f} "
                            f"{fmt_spread(r['max_rate']):>22} {fmt_spread(r.get('vs_baseline_h100')):>20}")
+        click.echo("  handoffs at the iso-power max rate (first seed): exposed ms mean / max (count)")
+        for name, r in w["iso_power"].items():
+            h = (r.get("at_max_rate_first_seed") or {}).get("handoff")
+            if h:
+                cells = [f"{m} {h[m]['exposed_ms_mean']:.2f} / {h[m]['exposed_ms_max']:.2f} ({h[m]['n']})"
+                         for m in ("serialized", "per_layer") if h[m]["n"]]
+                click.echo(f"    {name:16} " + "; ".join(cells) + f"; refusals {h['refusals']}, "
+                           f"per-layer fallbacks {h['fallbacks']}")
         ch = w["cheapest"]
         click.echo(f"  cheapest cluster meeting the SLOs on every seed at {ch['target_rps']:g} req/s")
         for name, r in ch["designs"].items():
