@@ -170,3 +170,11 @@ def test_the_study_writes_the_same_json_for_the_same_seeds(tmp_path):
     assert set(w["iso_power"]) == {"Baseline-H100", "Splitwise-HA"}
     assert w["iso_power"]["Baseline-H100"]["vs_baseline_h100"]["median"] == 1.0
     assert res["machines"]["llama2-70b-h100"]["cost"] == 2.15
+
+
+def test_a_pool_of_mixed_instances_is_the_plain_cluster():
+    base = {"arrivals": "poisson:6", "lengths": "M-M", "num_requests": 60, "seed": 2, "progress": False}
+    plain = simulate(SimOptions(**base, instances=2), "llumnix")
+    pooled = simulate(SimOptions(**base, pools=("mixed:llama-7b-a10:2",)), "llumnix")
+    assert pooled["requests"] == plain["requests"]
+    assert pooled["sim"]["handoff"]["handoffs"] == 0
