@@ -144,6 +144,8 @@ def print_tables(res: dict) -> None:
                    f"max rate: median [min-max] over seeds")
         for key, title in (("iso_power", f"iso-power ({w['power_budget_kw']:g} kW)"),
                            ("iso_cost", f"iso-cost ({w['cost_budget']:g} DGX-A100-hours per hour)")):
+            if key not in w:
+                continue
             click.echo(f"  {title}")
             click.echo(f"    {'design':16} {'config':11} {'kW':>6} {'cost':>6} {'max req/s':>22} {'x Baseline-H100':>20}")
             for name, r in w[key].items():
@@ -156,14 +158,16 @@ def print_tables(res: dict) -> None:
                 click.echo(f"    {name:16} {cfg:11} {b['power_kw']:6.1f} {b['cost']:6.2f} "
                            f"{fmt_spread(r['max_rate']):>22} {fmt_spread(r.get('vs_baseline_h100')):>20}")
         click.echo("  handoffs at the iso-power max rate (first seed): exposed ms mean / max (count)")
-        for name, r in w["iso_power"].items():
+        for name, r in w.get("iso_power", {}).items():
             h = (r.get("at_max_rate_first_seed") or {}).get("handoff")
             if h:
                 cells = [f"{m} {h[m]['exposed_ms_mean']:.2f} / {h[m]['exposed_ms_max']:.2f} ({h[m]['n']})"
                          for m in ("serialized", "per_layer") if h[m]["n"]]
                 click.echo(f"    {name:16} " + "; ".join(cells) + f"; refusals {h['refusals']}, "
                            f"per-layer fallbacks {h['fallbacks']}")
-        ch = w["cheapest"]
+        ch = w.get("cheapest")
+        if not ch:
+            continue
         click.echo(f"  cheapest cluster meeting the SLOs on every seed at {ch['target_rps']:g} req/s")
         for name, r in ch["designs"].items():
             b = r["best"]
@@ -186,7 +190,7 @@ def plot(res: dict, path: str) -> None:
     for row, wname in enumerate(ws):
         for col, key in enumerate(("iso_power", "iso_cost")):
             ax = axes[row][col]
-            items = [(n, r) for n, r in res["workloads"][wname][key].items() if r.get("best")]
+            items = [(n, r) for n, r in res["workloads"][wname].get(key, {}).items() if r.get("best")]
             med = [r["max_rate"]["median"] for _, r in items]
             lo = [r["max_rate"]["median"] - r["max_rate"]["min"] for _, r in items]
             hi = [r["max_rate"]["max"] - r["max_rate"]["median"] for _, r in items]
@@ -217,11 +221,13 @@ def plot(res: dict, path: str) -> None:
               help="bisection stops when the failing / passing rate ratio is below this")
 @click.option("--designs", default=",".join(d.name for d in DESIGNS), show_default=True,
               help=f"comma-separated designs ({BASELINE} is always run: ratios are to it)")
+@click.option("--parts", default="iso-power,iso-cost,cheapest", show_default=True,
+              help="which searches to run (cheapest without iso-power needs --target-rps)")
 @click.option("--json", "json_path", default=None)
 @click.option("--plot", "plot_path", default=None, help="write a PNG bar chart here")
 @click.option("--quiet", is_flag=True, help="no per-run log on stderr")
 def splitwise(workloads, num_requests, seeds, budget_h100, target_rps, slo_ttft, slo_tbt, slo_e2e,
-              rate_precision, designs, json_path, plot_path, quiet) -> None:
+              rate_precision, designs, parts, json_path, plot_path, quiet) -> None:
     """Splitwise provisioning study (simulated): iso-power / iso-cost throughput and the cheapest cluster."""
     seed_list = tuple(parse_seeds(seeds))
     known = {d.name: d for d in DESIGNS}
@@ -229,6 +235,11 @@ def splitwise(workloads, num_requests, seeds, budget_h100, target_rps, slo_ttft,
     if names - set(known):
         raise click.UsageError(f"unknown designs {sorted(names - set(known))}; known: {', '.join(known)}")
     chosen = [d for d in DESIGNS if d.name in names]
+    todo = {p.strip() for p in parts.split(",") if p.strip()}
+    if todo - {"iso-power", "iso-cost", "cheapest"} or not todo:
+        raise click.UsageError("--parts: a comma-separated subset of iso-power, iso-cost, cheapest")
+    if "cheapest" in todo and "iso-power" not in todo and target_rps is None:
+        raise click.UsageError("--parts cheapest without iso-power needs --target-rps")
     slo = Slo(slo_ttft, slo_tbt, slo_e2e)
     h100 = profile("llama2-70b-h100")
     log = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
@@ -248,11 +259,14 @@ def splitwise(workloads, num_requests, seeds, budget_h100, target_rps, slo_ttft,
         power, cost = budget_h100 * h100.machine_power_w, budget_h100 * h100.machine_cost
         w = {"workload": f"poisson arrivals, lengths {spec}", "prompt_mean": means[0], "output_mean": means[1],
              "power_budget_kw": power / 1000, "cost_budget": cost}
-        w["iso_power"] = budget_study(study, chosen, power, "power_w", means, log)
-        w["iso_cost"] = budget_study(study, chosen, cost, "cost", means, log)
-        target = target_rps or w["iso_power"][BASELINE]["max_rate"]["median"]
-        w["cheapest"] = {"target_rps": target,
-                         "designs": {d.name: cheapest(study, d, target, means, log) for d in chosen}}
+        if "iso-power" in todo:
+            w["iso_power"] = budget_study(study, chosen, power, "power_w", means, log)
+        if "iso-cost" in todo:
+            w["iso_cost"] = budget_study(study, chosen, cost, "cost", means, log)
+        if "cheapest" in todo:
+            target = target_rps or w["iso_power"][BASELINE]["max_rate"]["median"]
+            w["cheapest"] = {"target_rps": target,
+                             "designs": {d.name: cheapest(study, d, target, means, log) for d in chosen}}
         w["simulated_runs"] = study.runs
         total_runs += study.runs
         res["workloads"][spec] = w
