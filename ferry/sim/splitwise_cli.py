@@ -94,10 +94,20 @@ def budget_study(study: Study, designs: list[Design], budget: float, measure: st
 
 
 def cheapest(study: Study, d: Design, target: float, means, log, max_steps: int = 3) -> dict:
-    """The least-cost configuration meeting the SLOs at ``target`` on every seed."""
+    """The least-cost configuration meeting the SLOs at ``target`` on a
+    majority of the seeds (as the rates are medians over seeds)."""
+    need = len(study.seeds) // 2 + 1
 
     def ok(cfg: Config) -> bool:
-        return all(study.point(cfg, target, s).ok for s in study.seeds)
+        good = bad = 0
+        for s in study.seeds:
+            if study.point(cfg, target, s).ok:
+                good += 1
+            else:
+                bad += 1
+            if good >= need or bad > len(study.seeds) - need:
+                break
+        return good >= need
 
     def fewest(p: int, t0: int) -> int | None:
         t = max(1, t0)
@@ -105,7 +115,7 @@ def cheapest(study: Study, d: Design, target: float, means, log, max_steps: int 
             while t > 1 and ok(Config(d, p, t - 1)):
                 t -= 1
             return t
-        for _ in range(max_steps):
+        for _ in range(max(max_steps, t0)):
             t += 1
             if ok(Config(d, p, t)):
                 return t
@@ -168,7 +178,7 @@ def print_tables(res: dict) -> None:
         ch = w.get("cheapest")
         if not ch:
             continue
-        click.echo(f"  cheapest cluster meeting the SLOs on every seed at {ch['target_rps']:g} req/s")
+        click.echo(f"  cheapest cluster meeting the SLOs on most seeds at {ch['target_rps']:g} req/s")
         for name, r in ch["designs"].items():
             b = r["best"]
             if not b:
