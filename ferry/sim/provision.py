@@ -36,6 +36,7 @@ import numpy as np
 
 from ferry.sim.params import Delays
 from ferry.sim.run import SimOptions, simulate
+from services.instance.engine.base import IntegrityError
 from services.instance.engine.sim import SimProfile
 
 REFERENCE = "llama2-70b-a100"
@@ -216,6 +217,9 @@ class Study:
         except RuntimeError as e:  # stalled: a request that can never run
             pt = Point(rate, seed, False, {"error": str(e)}, 0, self.num_requests)
         else:
+            left = run["sim"]["left_at_end"]
+            if any(left.values()):  # a bug, never a result: stop the study
+                raise IntegrityError(f"{cfg.design.name} {cfg.label()} at {rate}/s seed {seed}: left at the end {left}")
             recs = run["requests"]
             done = [r for r in recs if r["error"] is None and r["finished_at"] is not None]
             p99 = p99_slowdowns(done, self.ref, self.budget_tokens, self.delays)
