@@ -29,8 +29,8 @@ from ferry.bench.serving import (
 from ferry.cli import LazyGroup
 from ferry.sim import stats
 from ferry.sim.params import Delays
-from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD
 from ferry.sim.run import SimOptions, simulate
+from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD
 
 
 def parse_seeds(spec: str) -> list[int]:
