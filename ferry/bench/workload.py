@@ -9,7 +9,11 @@ arrival time (2 = twice the rate).
 Length specs: ``sharegpt`` (the ShareGPT stats CSV in the traces folder, input
 and output drawn together), ``S``/``M``/``L`` pairs like ``M-M`` or ``S-L``
 (input-output, the Llumnix paper's generated power-law distributions, Table 1),
-``fixed:IN:OUT``, ``trace`` (the Azure trace's ContextTokens/GeneratedTokens).
+``fixed:IN:OUT``, ``trace`` (the Azure trace's ContextTokens/GeneratedTokens,
+its first n rows in order), ``conv`` (rows of the Azure conversation trace
+drawn at random with the seed: its lengths under any arrivals, a different
+sample per seed), ``coding`` (a generated coding-like workload: long prompts,
+short outputs; CODING below).
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ POWER_LAW_MAX = 6000
 #   M c=9.5 256   30  197 1407  4106     (32/173/1288/4208)
 #   L c=4   512   55  605 3102  5228     (55/582/3113/5166)
 POWER_LAW = {"S": (128.0, 50.0), "M": (256.0, 9.5), "L": (512.0, 4.0)}
+
+# ``coding``: a coding-like workload (code completion: long prompts, short
+# outputs) GENERATED here, not a trace. The Splitwise paper (ISCA'24) runs a
+# production coding trace this repository does not carry; our reading of the
+# paper is that its median prompt is about 1,500 tokens and its median output
+# about 13 tokens (the project's slides only say "coding" vs "conversation").
+# Prompt and output are independent log-normals with those medians:
+#   prompt = round(exp(N(ln 1500, 0.6))) clipped to [64, 4000]
+#            (p10/p50/p90 about 690/1500/3240 tokens, mean about 1,730)
+#   output = round(exp(N(ln 13, 0.9))) clipped to [1, 512]
+#            (p10/p50/p90 about 4/13/41 tokens, mean about 19)
+# The spreads (sigma) are this project's choice.
+CODING = {"prompt": (1500.0, 0.6, 64, 4000), "output": (13.0, 0.9, 1, 512)}
 
 
 class WorkloadError(ValueError):
@@ -212,6 +229,12 @@ def lengths(spec: str, n: int, rng: np.random.Generator, folder: pathlib.Path,
         ins, outs = load_sharegpt(str(_csv_path(SHAREGPT_STATS, folder)))
         idx = rng.integers(0, len(ins), n)
         p, o = ins[idx], outs[idx]
+    elif spec == "conv":
+        _, ctx, gen = load_azure(str(_csv_path(AZURE_CONV, folder)))
+        idx = rng.integers(0, len(ctx), n)
+        p, o = ctx[idx], gen[idx]
+    elif spec == "coding":
+        p, o = (_log_normal(rng, n, *CODING[k]) for k in ("prompt", "output"))
     elif spec == "trace":
         _, ctx, gen = load_azure(str(_csv_path(trace_path or AZURE_CONV, folder)))
         if n > len(ctx):
@@ -228,9 +251,13 @@ def lengths(spec: str, n: int, rng: np.random.Generator, folder: pathlib.Path,
         xo, po = power_law_pmf(spec[2])
         p, o = rng.choice(xi, n, p=pi), rng.choice(xo, n, p=po)
     else:
-        raise WorkloadError(f"unknown lengths {spec!r}; use sharegpt, trace, fixed:IN:OUT or "
+        raise WorkloadError(f"unknown lengths {spec!r}; use sharegpt, trace, conv, coding, fixed:IN:OUT or "
                             f"IN-OUT with each of S, M, L (e.g. M-M)")
     return np.maximum(p, 1).astype(np.int64), np.maximum(o, 1).astype(np.int64)
+
+
+def _log_normal(rng: np.random.Generator, n: int, median: float, sigma: float, lo: int, hi: int) -> np.ndarray:
+    return np.clip(np.rint(np.exp(rng.normal(np.log(median), sigma, n))), lo, hi).astype(np.int64)
 
 
 def clip_to_context(p: int, o: int, max_model_len: int) -> tuple[int, int]:

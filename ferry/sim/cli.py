@@ -30,6 +30,7 @@ from ferry.cli import LazyGroup
 from ferry.sim import stats
 from ferry.sim.params import Delays
 from ferry.sim.run import SimOptions, simulate
+from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD
 
 
 def parse_seeds(spec: str) -> list[int]:
@@ -59,6 +60,12 @@ def sim_options(f):
         click.option("--seeds", default=None, help="several seeds, e.g. 0-9 or 0,3,5 (overrides --seed)"),
         click.option("--instances", type=click.IntRange(1), default=2, show_default=True),
         PROFILE_OPTION,
+        click.option("--pool", "pools", multiple=True,
+                     help="ROLE:PROFILE:COUNT (repeatable), e.g. --pool prefill:llama2-70b-h100:2 "
+                          "--pool decode:llama2-70b-a100:3; replaces --instances/--profile (Splitwise)"),
+        click.option("--per-layer-threshold", type=click.IntRange(0), default=DEFAULT_PER_LAYER_THRESHOLD,
+                     show_default=True,
+                     help="prefill->decode handoff layer by layer from this many prompt tokens (0: always serialized)"),
         click.option("--sim-slowdown", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
                      help="model a live run at this --sim-slowdown: its wall-time intervals and delays become "
                           "model time / K"),
@@ -99,7 +106,8 @@ def options_from(kw: dict, seed: int) -> SimOptions:
         max_model_len=kw["max_model_len"], traces_dir=kw["traces_dir"], instances=kw["instances"],
         profile=kw["profile"], sim_slowdown=kw["sim_slowdown"], instance_args=tuple(kw["instance_args"]),
         scheduler_args=tuple(kw["scheduler_args"]), delays=delays, kv_bytes_per_token=kw["kv_bytes_per_token"],
-        migration_bandwidth_gbps=kw["migration_bandwidth_gbps"], progress=not kw["no_progress"])
+        migration_bandwidth_gbps=kw["migration_bandwidth_gbps"], progress=not kw["no_progress"],
+        pools=tuple(kw["pools"]), per_layer_threshold=kw["per_layer_threshold"])
 
 
 def run_compare(kw: dict, names: list[str], seeds: list[int], records: bool = True) -> dict:
@@ -147,7 +155,8 @@ def print_compare(result: dict) -> None:
 @click.group(cls=LazyGroup, lazy={"autoscale": "ferry.sim.autoscale_cli:autoscale",
                                   "calibrate": "ferry.sim.calibrate:calibrate",
                                   "crosscheck": "ferry.sim.crosscheck:crosscheck",
-                                  "grid": "ferry.sim.grid:grid"})
+                                  "grid": "ferry.sim.grid:grid",
+                                  "splitwise": "ferry.sim.splitwise_cli:splitwise"})
 def sim() -> None:
     """Discrete-event simulation of a sim cluster: Ferry's own policies and engine core on a virtual clock."""
 

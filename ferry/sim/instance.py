@@ -8,7 +8,12 @@ agent's own ``instance_status``.
 
 A step's duration is SimProfile.step_ms over the step's chunks (chunk_cost),
 as the live sim engine sleeps; the executor emits a non-EOS token per
-sampling chunk and stores no KV.
+sampling chunk and stores no KV. With ``fake_tokens`` it is the live sim
+engine's executor instead (the fake model over a token-id KV, tokens read
+back from the KV), so KV handed between instances is checked by the tokens.
+
+An instance has a role (Splitwise: mixed, prefill or decode), reported in
+its status, and its own profile (a heterogeneous cluster).
 
 Published load: the live agent reports the load the engine thread published
 after its last step (or after calls, when idle). ``engine.step()`` changes
@@ -20,10 +25,11 @@ report or a migrate-out order may read it before the next publish.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ferry.sim.kernel import Kernel, Wait
-from libs.common.types import InstanceStatus, Priority, TokenOutput
+from libs.common.types import InstanceStatus, Priority, Role, TokenOutput
 from services.instance.engine.base import EngineConfig, EngineLoad, KvLayout
 from services.instance.engine.core.engine import CoreEngine
 from services.instance.engine.core.executor import Executor
@@ -47,13 +53,40 @@ class EngineClock:
         return self.t
 
 
-class StepTimeExecutor(Executor):
+# What the executor tells the instance of every step: (chunks, start, end).
+StepObserver = Callable[[list[ScheduledChunk], float, float], None]
+
+
+class _Timed:
+    """The virtual step time and the per-instance counters, shared by both executors."""
+
+    def _init_timing(self, profile: SimProfile, clock: EngineClock) -> None:
+        self.profile = profile
+        self.clock = clock
+        self.observer: StepObserver | None = None
+        self.prefill_tokens = 0  # tokens of chunks that start inside the prompt (recomputes included)
+        self.decode_tokens = 0  # chunks that start past the prompt (one token each)
+        self.busy_s = 0.0
+
+    def _advance(self, chunks: list[ScheduledChunk]) -> None:
+        start = self.clock.t
+        self.clock.t += self.profile.step_ms(*chunk_cost(chunks)) / 1000.0
+        self.busy_s += self.clock.t - start
+        for c in chunks:
+            if c.start < len(c.request.prompt_token_ids):
+                self.prefill_tokens += c.num_new
+            else:
+                self.decode_tokens += c.num_new
+        if self.observer is not None:
+            self.observer(chunks, start, self.clock.t)
+
+
+class StepTimeExecutor(_Timed, Executor):
     eos_token_ids: frozenset[int] = frozenset()
     vocab_size = TokenKvExecutor.vocab_size  # the live sim engine's
 
     def __init__(self, profile: SimProfile, clock: EngineClock):
-        self.profile = profile
-        self.clock = clock
+        self._init_timing(profile, clock)
         self._layout = KvLayout("float32", profile.block_size, 1, 1, 1)
 
     @property
@@ -61,7 +94,7 @@ class StepTimeExecutor(Executor):
         return self._layout
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        self.clock.t += self.profile.step_ms(*chunk_cost(chunks)) / 1000.0
+        self._advance(chunks)
         return [SAMPLED_TOKEN if c.samples else None for c in chunks]
 
     def gather_kv(self, block_ids: list[int]) -> memoryview:
@@ -69,6 +102,20 @@ class StepTimeExecutor(Executor):
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         pass
+
+
+class FakeTokenExecutor(_Timed, TokenKvExecutor):
+    """The live sim engine's executor (fake model over a token-id KV) on the
+    virtual clock: slower, for checks of exact tokens across handoffs."""
+
+    def __init__(self, profile: SimProfile, clock: EngineClock, num_blocks: int):
+        TokenKvExecutor.__init__(self, num_blocks, profile.block_size)
+        self._init_timing(profile, clock)
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        out = self.compute(chunks)
+        self._advance(chunks)
+        return out
 
 
 class EngineCall(Wait):
@@ -94,13 +141,17 @@ class SimInstance:
     def __init__(self, kernel: Kernel, instance_id: str, profile: SimProfile, engine_config: EngineConfig,
                  headroom: dict[Priority, int], report_interval_s: float, heartbeat_s: float, hop_s: float,
                  on_step: Callable[[SimInstance, list[TokenOutput]], None],
-                 on_report: Callable[[SimInstance, InstanceStatus], None]):
+                 on_report: Callable[[SimInstance, InstanceStatus], None], role: Role = Role.MIXED,
+                 fake_tokens: bool = False):
         self.k = kernel
         self.instance_id = instance_id
         self.profile = profile
+        self.role = role
         self.clock = EngineClock()
         num_blocks = engine_config.num_blocks or profile.num_blocks
-        self.engine = CoreEngine(engine_config, StepTimeExecutor(profile, self.clock), num_blocks,
+        self.executor = (FakeTokenExecutor(profile, self.clock, num_blocks) if fake_tokens
+                         else StepTimeExecutor(profile, self.clock))
+        self.engine = CoreEngine(engine_config, self.executor, num_blocks,
                                  engine_config.max_model_len or profile.max_model_len, model_name=profile.name,
                                  clock=self.clock)
         self.headroom = headroom
@@ -230,8 +281,9 @@ class SimInstance:
         if load is None:
             return None
         self.seq += 1
-        return instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
-                               self.migrating_in, self.migrating_out, engine_steps=self.steps)
+        st = instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
+                             self.migrating_in, self.migrating_out, engine_steps=self.steps)
+        return st if self.role is Role.MIXED else replace(st, role=self.role)
 
     def poke(self) -> None:
         """The load changed: report soon (at most every report_interval_s)."""

@@ -138,13 +138,18 @@ class MigrationModel:
         dst.migrating_in = self._active_in(dst)
         return True, ""
 
-    def commit(self, dst: SimInstance, mid: str, state: RequestState) -> None:
+    def commit(self, dst: SimInstance, mid: str, state: RequestState, kv: bytes | memoryview | None = None) -> None:
+        """Install the request on its reserved blocks at ``dst``'s next step
+        boundary; ``kv`` (the whole KV, gathered at the source) is scattered
+        into them first (a Splitwise handoff sends it in one piece)."""
         res = dst.reservations[mid]
         blocks, spare = res.blocks, res.spare
 
         def install() -> None:
             if spare:
                 dst.engine.release_blocks(spare)
+            if kv is not None:
+                dst.engine.scatter_kv(blocks, kv)
             dst.engine.install_request(state, blocks)
 
         dst.submit(install)

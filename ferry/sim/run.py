@@ -9,6 +9,12 @@ a flag means the same here as on a live cluster. Under ``--sim-slowdown K``
 the live benchmark runs the profile K times slower while control-plane
 intervals and delays stay wall time; the simulator runs the profile as is and
 divides every wall-time figure by K, which is the same model time.
+
+``pools`` (Splitwise, ferry/sim/pools.py) makes a cluster of prefill, decode
+and mixed instances, each pool on its own profile; requests prefilled on a
+prefill instance are handed to a decode instance (ferry/sim/handoff.py).
+``fake_tokens`` runs the live sim engine's fake model (slower) so that the
+tokens of every request can be checked; the run then also returns them.
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ from ferry.bench import metrics
 from ferry.bench import workload as wl
 from ferry.bench.serving import slowed_intervals
 from ferry.sim.autoscaler import SimAutoscaler
+from ferry.sim.handoff import HandoffModel
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
 from ferry.sim.migration import MigrationModel
 from ferry.sim.params import Delays, TransferModel
+from ferry.sim.pools import Pool, parse_pools
+from ferry.sim.recorder import Recorder
 from ferry.sim.scheduler import SimScheduler
 from libs.common.config import click_options, from_options
-from libs.common.types import Priority, SamplingParams, TokenOutput
+from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
+from libs.common.types import Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
+from services.instance.engine.fake import VOCAB_HI, VOCAB_LO
 from services.instance.engine.sim import SimProfile
 from services.instance.service import InstanceConfig
 from services.instance.status import high_priority_headroom
@@ -61,6 +72,10 @@ class SimOptions:
     migration_bandwidth_gbps: float | None = None
     sample_interval_s: float = 0.5
     progress: bool = True
+    pools: tuple[str, ...] = ()  # ROLE:PROFILE:COUNT; empty: `instances` mixed instances of `profile`
+    per_layer_threshold: int = DEFAULT_PER_LAYER_THRESHOLD  # handoff_mode's (0: always serialized)
+    fake_tokens: bool = False
+    report_clip: bool = True  # say on stderr how many requests were clipped to the context
 
 
 def parse_config(cls: type, args: list[str]):
@@ -82,45 +97,20 @@ def configs(opts: SimOptions, policy: str) -> tuple[InstanceConfig, SchedulerCon
     return icfg, scfg
 
 
-def profile_of(opts: SimOptions) -> SimProfile:
-    p = SimProfile.load(opts.profile)
+def profile_of(opts: SimOptions, name: str | None = None) -> SimProfile:
+    p = SimProfile.load(name or opts.profile)
     over = {k: v for k, v in (("kv_bytes_per_token", opts.kv_bytes_per_token),
                               ("migration_bandwidth_gbps", opts.migration_bandwidth_gbps)) if v is not None}
     return dataclasses.replace(p, **over) if over else p
 
 
-class Recorder:
-    """The client's view of every request (RequestRecord), from token outputs."""
+def pools_of(opts: SimOptions) -> tuple[Pool, ...]:
+    return parse_pools(opts.pools) if opts.pools else (Pool(Role.MIXED, opts.profile, opts.instances),)
 
-    def __init__(self, work: wl.Workload, t0: float, token_s: float, wall: float):
-        self.t0 = t0
-        self.token_s = token_s
-        self.records = [metrics.RequestRecord(r.index, r.priority, r.prompt_len, r.output_len,
-                                              t0 + r.arrival_s * wall) for r in work.requests]
-        self.index = {f"req-{r.index}": r.index for r in work.requests}
-        self.done = 0
 
-    def on_tokens(self, now: float, outputs: list[TokenOutput]) -> None:
-        t = now + self.token_s
-        for o in outputs:
-            if o.index == 0 or o.finish_reason is not None:
-                rec = self.records[self.index[o.request_id]]
-                if o.index == 0:
-                    rec.first_token_at = t
-                if o.finish_reason is not None:
-                    rec.last_token_at = rec.finished_at = t
-                    rec.tokens = o.index + 1
-                    rec.finish_reason = o.finish_reason.value
-                    st = o.stats or {}
-                    rec.preemptions = int(st.get("num_preemptions", 0))
-                    rec.preemption_loss_ms = float(st.get("preemption_loss_ms", 0.0))
-                    rec.migrations = int(st.get("num_migrations", 0))
-                    self.done += 1
-
-    def fail(self, index: int, now: float, error: str) -> None:
-        rec = self.records[index]
-        rec.error, rec.finished_at = error, now
-        self.done += 1
+def max_model_len_of(opts: SimOptions) -> int:
+    """What every instance of the cluster admits."""
+    return opts.max_model_len or min(profile_of(opts, p.profile).max_model_len for p in pools_of(opts))
 
 
 class Cluster:
@@ -136,6 +126,9 @@ class Cluster:
         self.engine_config = icfg.engine_config()
         self.icfg, self.scfg = icfg, scfg
         self.wall = wall
+        self.pools = pools_of(opts)
+        self.profiles = {p.profile: profile_of(opts, p.profile) for p in self.pools}
+        self.profile = self.profiles[self.pools[0].profile]  # the autoscaler's, and migration's link
         transfer = TransferModel.from_profile(self.profile)  # wall time on a live cluster too
         transfer = transfer.with_(bandwidth_bytes_per_s=transfer.bandwidth_bytes_per_s / wall,
                                   stage_overhead_s=transfer.stage_overhead_s * wall)
@@ -144,12 +137,16 @@ class Cluster:
         self.t0 = START + WARMUP_S
         self.recorder = Recorder(work, self.t0, self.delays.token_s, wall)
         self.scheduler = SimScheduler(k, scfg, self.migration, self.instances, scfg.migrate_interval_s * wall)
+        self.handoff = HandoffModel(k, self.migration, self.scheduler, self.instances, opts.per_layer_threshold,
+                                    wall=wall)
         self.autoscaler = SimAutoscaler(self, scfg, wall) if scfg.autoscale else None
         self.work = work
+        self.tokens: dict[str, list[int]] | None = {} if opts.fake_tokens else None
         self.samples: list[dict] = []
         self.instance_log: list[tuple[float, int]] = []  # (t, live instances) after each change
-        for _ in range(opts.instances):
-            self.add_instance()
+        for pool in self.pools:
+            for _ in range(pool.count):
+                self.add_instance(self.profiles[pool.profile], pool.role)
         self.scheduler.start()
         if self.autoscaler:
             self.autoscaler.start()
@@ -157,12 +154,17 @@ class Cluster:
         k.at(self.t0, self._sample)
 
     # --- instances -----------------------------------------------------------------------
-    def add_instance(self) -> SimInstance:
+    def add_instance(self, profile: SimProfile | None = None, role: Role = Role.MIXED) -> SimInstance:
         iid = f"inst-{len(self.instances):03d}"
-        inst = SimInstance(self.k, iid, self.profile, self.engine_config,
-                           high_priority_headroom(self.icfg.headroom_high, self.profile, self.engine_config.num_blocks),
+        profile = profile or self.profile
+        inst = SimInstance(self.k, iid, profile, self.engine_config,
+                           high_priority_headroom(self.icfg.headroom_high, profile, self.engine_config.num_blocks),
                            self.icfg.report_interval_s * self.wall, self.icfg.heartbeat_s * self.wall,
-                           self.delays.hop_s, self._on_step, self._on_report)
+                           self.delays.hop_s, self._on_step, self._on_report, role=role,
+                           fake_tokens=self.opts.fake_tokens)
+        if needs_handoff(role):
+            inst.executor.observer = lambda chunks, start, end, inst=inst: self.handoff.on_chunks(
+                inst, chunks, start, end)
         self.instances[iid] = inst
         self._log_instances()
         return inst
@@ -181,6 +183,17 @@ class Cluster:
 
     def _on_step(self, inst: SimInstance, outputs: list[TokenOutput]) -> None:
         self.recorder.on_tokens(self.k.now, outputs)
+        if self.tokens is not None:
+            for o in outputs:
+                toks = self.tokens.setdefault(o.request_id, [])
+                if o.index != len(toks):
+                    raise RuntimeError(f"{o.request_id}: token index {o.index} after {len(toks)} tokens")
+                toks.append(o.token_id)
+        if needs_handoff(inst.role):
+            for o in outputs:
+                if o.index == 0:
+                    req = self.work.requests[self.recorder.index[o.request_id]]
+                    self.handoff.on_first_token(inst, o.request_id, req.prompt_len, o.finish_reason is not None)
 
     def _on_report(self, inst: SimInstance, status) -> None:
         self.k.after(self.delays.report_s, self.scheduler.deliver, status)
@@ -200,13 +213,16 @@ class Cluster:
             return
         iid, run_priority = picked
         self.recorder.records[i].instances.append(iid)
+        self.handoff.on_dispatch(self.instances[iid], f"req-{i}", req.prompt_len)
         self.k.after(self.delays.generate_s, self._generate, i, iid, run_priority)
 
     def _generate(self, i: int, iid: str, priority: Priority) -> None:
         req = self.work.requests[i]
         inst = self.instances[iid]
         sp = SamplingParams(max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
-        ereq = EngineRequest(f"req-{i}", (1,) * req.prompt_len, sp, priority, arrival_time=self.k.now)
+        prompt = (wl.prompt_ids(req, self.opts.seed, VOCAB_LO, VOCAB_HI) if self.opts.fake_tokens
+                  else (1,) * req.prompt_len)
+        ereq = EngineRequest(f"req-{i}", tuple(prompt), sp, priority, arrival_time=self.k.now)
 
         def added(_result, exc: BaseException | None) -> None:
             if isinstance(exc, EngineError):
@@ -246,6 +262,26 @@ class Cluster:
                                    f"engine step for {stall_s:g} s of model time")
         self.end = max(r.finished_at for r in self.recorder.records)
 
+    def settle(self, horizon_s: float = 2.0) -> dict:
+        """Let what is still under way after the last finish end (handoffs'
+        drops at their source, aborts), then check every engine: no request
+        left, no block used or reserved, the pool's integrity. Returns the
+        counts (all zero on a sound run)."""
+        self.k.run(until=self.k.now + horizon_s)
+        left = {"requests": 0, "used_blocks": 0, "reserved_blocks": 0, "handoffs_under_way": self.handoff.active}
+        for inst in self.instances.values():
+            eng = inst.engine
+            eng.check_integrity()
+            left["requests"] += len(eng.requests)
+            left["used_blocks"] += eng.pool.num_blocks - eng.pool.num_free - eng.pool.num_reserved
+            left["reserved_blocks"] += eng.pool.num_reserved
+        return left
+
+    def instance_table(self) -> dict:
+        return {iid: {"role": i.role.value, "profile": i.profile.name, "prefill_tokens": i.executor.prefill_tokens,
+                      "decode_tokens": i.executor.decode_tokens, "busy_s": i.executor.busy_s, "steps": i.steps}
+                for iid, i in self.instances.items()}
+
     def instance_seconds(self) -> float:
         """Live instances integrated from the first request to the last finish."""
         total, prev_t, prev_n = 0.0, self.t0, None
@@ -262,9 +298,9 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
     the same dict (wall time is returned under ``_wall_s``, kept out of JSON)."""
     label = label or policy
     work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.sim_slowdown,
-                    opts.high_priority_fraction, opts.max_model_len or profile_of(opts).max_model_len,
+                    opts.high_priority_fraction, max_model_len_of(opts),
                     opts.traces_dir)
-    if work.clip and work.clip.clipped:
+    if work.clip and work.clip.clipped and opts.report_clip:
         click.echo(f"[{label}] {work.clip.line()}", err=True)
     t_wall = time.perf_counter()
     cluster = Cluster(opts, policy, work)
@@ -304,12 +340,27 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
            "transfer": dataclasses.asdict(cluster.migration.transfer)}
     if cluster.autoscaler:
         sim["scale_events"] = cluster.autoscaler.events
-    return {"label": label, "dispatch": policy, "options": _jsonable(opts), "time_scale": 1.0,
+    if opts.pools:
+        sim["pools"] = [p.spec for p in cluster.pools]
+        sim["handoff"] = cluster.handoff.summary()
+        sim["instances"] = cluster.instance_table()
+        sim["left_at_end"] = cluster.settle()
+    out = {"label": label, "dispatch": policy, "options": _jsonable(opts), "time_scale": 1.0,
             "workload": work.describe(), "summary": summary, "sim": sim, "samples": cluster.samples,
             "requests": [r.to_dict() for r in cluster.recorder.records], "_wall_s": wall}
+    if cluster.tokens is not None:
+        out["tokens"] = cluster.tokens
+        out["handoffs"] = cluster.handoff.record_dicts()
+    return out
 
 
 def _jsonable(opts: SimOptions) -> dict:
     d = dataclasses.asdict(opts)
     d.pop("progress")
+    d.pop("report_clip")
+    if not opts.pools:  # a cluster of mixed instances: the options read as before pools existed
+        for k in ("pools", "per_layer_threshold"):
+            d.pop(k)
+    if not opts.fake_tokens:
+        d.pop("fake_tokens")
     return d

@@ -4,7 +4,13 @@ pending dispatches of libs/common/pending.py), Dispatch by the live
 Dispatcher, and the rescheduling loop of services/scheduler/rescheduler.py
 (pair_migrations every migrate_interval_s on a fresh view, one migrate-out
 order per pair; the source is busy until its reply, the destination only
-refuses what it cannot take)."""
+refuses what it cannot take).
+
+Dispatch has two steps in a cluster with prefill or decode instances
+(Splitwise): a new request goes to an instance that prefills and, once its
+prompt is done, the handoff asks for an instance that decodes, both by
+libs/common/policies/phases.choose_for_phase over the same view. In a
+cluster of mixed instances the first step is the live Dispatch exactly."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel
 from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
+from libs.common.policies.phases import Phase, choose_for_phase
 from libs.common.types import InstanceStatus, Priority
 from services.scheduler.policies import (
     Dispatcher,
@@ -57,11 +64,20 @@ class SimScheduler:
         return [InstanceView(iid, st, *self.pending.totals(iid, now)) for iid, st in self.statuses.items()]
 
     # --- Dispatch (service.py) ----------------------------------------------------------------
+    def choose(self, request_id: str, num_tokens: int, priority: Priority, phase: Phase,
+               exclude: frozenset[str] = frozenset()) -> str | None:
+        """The instance for ``phase`` of a request holding ``num_tokens``
+        (counted as pending there until a report lists the request)."""
+        iid = choose_for_phase(self.dispatcher, self.views(),
+                               DispatchRequest(request_id, num_tokens, priority, exclude), phase)
+        if iid is not None:
+            self.pending.add(iid, request_id, blocks_for(num_tokens, self.statuses[iid].block_size), self.k.now)
+        return iid
+
     def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority) -> tuple[str, Priority] | None:
-        iid = self.dispatcher.choose(self.views(), DispatchRequest(request_id, num_prompt_tokens, priority))
+        iid = self.choose(request_id, num_prompt_tokens, priority, Phase.PREFILL)
         if iid is None:
             return None
-        self.pending.add(iid, request_id, blocks_for(num_prompt_tokens, self.statuses[iid].block_size), self.k.now)
         return iid, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)
 
     # --- rescheduling (rescheduler.py) ----------------------------------------------------

@@ -40,6 +40,15 @@ class SimProfile:
     # engine's own: token ids as float32 K and V, over loopback gRPC.
     kv_bytes_per_token: int = 8
     migration_bandwidth_gbps: float = 8.0
+    # Splitwise (ferry sim splitwise): what one instance's machine costs and
+    # draws, and the model's layer count (per-layer KV handoff exposes one
+    # layer's share of the transfer). Defaults: unknown (0), which the
+    # provisioning study refuses; every other use ignores them.
+    num_layers: int = 0
+    machine_gpus: int = 0  # GPUs serving one instance (tensor parallel)
+    machine_power_w: float = 0.0  # provisioned power of the machine (GPU TDP or power cap times GPUs)
+    machine_cost: float = 0.0  # relative cost per machine-hour, a DGX-A100 = 1.0
+    hardware: str = ""
     model: str = ""
     source: str = ""
 
