@@ -63,6 +63,8 @@ class Handoffs:
 
     def plan(self, request_id: str, dest_id: str, dest_address: str, num_prompt_tokens: int) -> HandoffPlan:
         mode = handoff_mode(num_prompt_tokens, self.per_layer_threshold)
+        if mode is HandoffMode.PER_LAYER and not self.manager.host.engine.layer_taps:
+            mode = HandoffMode.SERIALIZED  # this engine has no per-layer hook
         p = HandoffPlan(request_id, dest_id, dest_address, num_prompt_tokens, mode)
         self.plans[request_id] = p
         return p

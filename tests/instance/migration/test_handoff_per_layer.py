@@ -99,6 +99,17 @@ async def test_short_prompt_below_the_threshold_hands_off_serialized(pd):
     await clean(pd)
 
 
+async def test_an_engine_without_layer_taps_hands_long_prompts_off_serialized(pd):
+    p = pd.nodes["p"]
+    p.engine.executor.layer_taps = False
+    seen = watch(pd, lambda _: None)
+    cl = Client(pd, "r")
+    assert await asyncio.wait_for(cl.run("p", LONG, N, handoff="d"), 30) == fake_generate(LONG, N)
+    assert cl.path == ["p", "d"] and seen == [(None, len(LONG))]
+    p.engine.executor.layer_taps = True
+    await clean(pd)
+
+
 async def test_many_long_prompts_hand_off_together(pd):
     prompts = [LONG[:THRESHOLD + 9 * i] for i in range(5)]
     clients = [Client(pd, f"r{i}") for i in range(5)]
