@@ -86,8 +86,8 @@ class InstanceConfig(CommonConfig):
     max_migrate_in: int = opt(2, "migration: concurrent migrations into this instance", min=1)
     max_handoff_in: int = opt(16, "Splitwise: concurrent prefill->decode handoffs into this instance", min=1)
     handoff_per_layer_threshold: int = opt(0, "Splitwise: prompts at least this long are planned as per-layer "
-                                           "handoffs (0 = always serialized; per-layer runs serialized until the "
-                                           "layer-by-layer path lands)", min=0)
+                                           "handoffs: their KV streams layer by layer while the prompt computes "
+                                           "(0 = always serialized)", min=0)
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
@@ -297,11 +297,11 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         resume = tuple(request.resume_token_ids)
         plan = self._plan_handoff(rid, request)
         ereq = EngineRequest(rid, tuple(request.prompt_token_ids), sampling, convert.priority_from_pb(request.priority),
-                             time.time(), resume, hold_after_prefill=plan is not None)
+                             time.time(), resume)
         stream = svc.streams.open(rid, next_index=len(resume))
         try:
             if not failpoints.enabled("instance.lose_requests"):  # tests: a request that never runs
-                await svc.runner.call(svc.engine.add_request, ereq)
+                await svc.migration.handoffs.add(ereq, plan)  # a per-layer handoff starts with it
         except EngineBroken as e:
             svc.streams.close(rid)
             svc.migration.handoffs.forget(rid)

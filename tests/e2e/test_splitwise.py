@@ -8,6 +8,7 @@ mid-handoff loses no request."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 
 import grpc
 import httpx
@@ -190,5 +191,32 @@ async def test_role_change_at_run_time_drains_by_migration(tmp_path_factory):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown instance role" in e.value.details()
         assert set_role(c, "instance-0", cpb.ROLE_MIXED).previous == cpb.ROLE_PREFILL
         assert_clean([i.address for i in c.instances()])
+    finally:
+        c.stop()
+
+
+async def test_long_prompts_hand_off_layer_by_layer(tmp_path_factory):
+    """The prefill instance plans prompts of 64 tokens or more as per-layer
+    handoffs (a 32-token budget: the prompt computes in several steps while
+    its layers stream): the openai client gets the colocated text, streamed
+    or not, and shorter prompts still hand off serialized."""
+    args = ARGS + ["--handoff-per-layer-threshold", "64", "--max-num-batched-tokens", "32"]
+    c = start_fake_cluster(tmp_path_factory, "pd-per-layer", instance_args=args, **PD)
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{c.url}/v1", api_key="unused")
+        long_prompts = [f"per-layer handoff {i} " * 6 for i in range(3)]  # 120+ tokens
+        rs = await asyncio.gather(*(client.completions.create(model="fake", prompt=p, max_tokens=24)
+                                    for p in long_prompts + ["short one"]))
+        assert [r.choices[0].text for r in rs] == [expected_fake_text(p, 24) for p in long_prompts + ["short one"]]
+        assert all(r.model_extra["ferry"]["instances"] == ["instance-0", "instance-1"] for r in rs)
+        chunks = await client.completions.create(model="fake", prompt=long_prompts[0], max_tokens=40, stream=True)
+        assert "".join([ch.choices[0].text async for ch in chunks]) == expected_fake_text(long_prompts[0], 40)
+        log = await asyncio.to_thread(pathlib.Path(c.child("instance-0").log_path).read_text)
+        per_layer = {ln.split("migration_id=")[1].split()[0] for ln in log.splitlines()
+                     if "migration transition" in ln and "to=stream" in ln}
+        assert len(per_layer) == 4 and all(m.startswith("hand-") for m in per_layer), per_layer
+        assert "not available on this path" not in log
+        assert_clean([i.address for i in c.instances()])
+        await client.close()
     finally:
         c.stop()

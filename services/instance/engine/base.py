@@ -160,6 +160,11 @@ class Engine(abc.ABC):
         return self.name
 
     @property
+    def layer_taps(self) -> bool:
+        """Whether ``tap_layers`` works here (per-layer handoffs)."""
+        return False
+
+    @property
     def no_migration(self) -> str:
         """Why this engine cannot live-migrate requests ("" = it can). The
         instance publishes it so the rescheduler leaves the instance alone."""

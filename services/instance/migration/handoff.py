@@ -14,21 +14,29 @@ rules of any migration).
 
 The seam: ``plan`` at Generate (the mode is chosen there, by prompt length,
 because a per-layer handoff must reserve before the prompt computes), then
-``start`` once the prompt is done, the one function that starts a handoff
-given its mode. Serialized: the engine holds the request right after the step
-that produced its first token (EngineRequest.hold_after_prefill) and the whole
-prompt KV goes in one last stage (SourceMigration(handoff=True)). Per-layer
-transfer is not on this path yet: a per-layer plan runs serialized, said so
-in the log."""
+``add``, which gives the request to the engine, and ``start``, the one
+function that starts a handoff given its mode:
+- serialized: ``add`` has the engine hold the request right after the step
+  that produced its first token (EngineRequest.hold_after_prefill); that
+  token starts the handoff (``on_output``) and the whole prompt KV goes in
+  one last stage (SourceMigration(handoff=True));
+- per-layer: ``add`` starts the handoff at once and the handoff adds the
+  request itself, with the engine's layer tap on, in one engine-thread call
+  (layerwise.LayerwiseHandoff): the destination reserves the prompt's blocks
+  first, each layer's KV goes as the prompt computes, and the request is
+  suspended right after the step that produced its first token.
+Either runs as an outgoing migration of the manager (its counters, its
+close()); a failure leaves the request decoding here."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode, handoff_mode
 from libs.common.types import TokenOutput
+from services.instance.engine.base import EngineBroken, EngineError, EngineRequest
 
 log = get_logger("migration")
 
@@ -43,17 +51,20 @@ class HandoffPlan:
 
 
 class Handoffs:
-    """The handoffs planned on this instance, started as their prompts end.
-    Lives on the event loop; ``manager`` is the instance's MigrationManager."""
+    """The handoffs planned on this instance: serialized ones start as their
+    prompts end, per-layer ones with their requests. Lives on the event loop;
+    ``manager`` is the instance's MigrationManager."""
 
     def __init__(self, manager, per_layer_threshold: int = 0):
         self.manager = manager
         self.per_layer_threshold = per_layer_threshold
-        self.plans: dict[str, HandoffPlan] = {}  # request id -> planned, prompt not done yet
+        self.plans: dict[str, HandoffPlan] = {}  # request id -> planned, not started yet
         self.running: dict[str, asyncio.Task] = {}
 
     def plan(self, request_id: str, dest_id: str, dest_address: str, num_prompt_tokens: int) -> HandoffPlan:
         mode = handoff_mode(num_prompt_tokens, self.per_layer_threshold)
+        if mode is HandoffMode.PER_LAYER and not self.manager.host.engine.layer_taps:
+            mode = HandoffMode.SERIALIZED  # this engine has no per-layer hook
         p = HandoffPlan(request_id, dest_id, dest_address, num_prompt_tokens, mode)
         self.plans[request_id] = p
         return p
@@ -62,10 +73,30 @@ class Handoffs:
         """The request ended (or its client went away) before its prompt did."""
         self.plans.pop(request_id, None)
 
+    async def add(self, request: EngineRequest, plan: HandoffPlan | None) -> None:
+        """Give a new request to the engine, ready for its planned handoff
+        (None: it decodes here). Raises what Engine.add_request raises."""
+        host = self.manager.host
+        if plan is not None and plan.mode is HandoffMode.PER_LAYER:
+            self.plans.pop(plan.request_id, None)  # it starts now, not at its first token
+            task = self.start(plan, request)
+            if task is not None:
+                mig = self.manager.outgoing[plan.request_id]
+                task.add_done_callback(lambda _t: mig.settle_added())  # even if cancelled before it ran
+                error = await mig.added
+                if error is not None:
+                    raise error
+                return
+            request = replace(request, hold_after_prefill=False)  # not started: it decodes here
+        elif plan is not None:
+            request = replace(request, hold_after_prefill=True)
+        await host.runner.call(host.engine.add_request, request)
+
     def on_output(self, out: TokenOutput) -> None:
         """Every token output of this instance (on the loop, after the client's
-        stream has it): the first one of a planned request starts its handoff;
-        a final one ends the plan (a one-token request has nothing to hand)."""
+        stream has it): the first one of a request with a serialized plan
+        starts its handoff; a final one ends the plan (a one-token request
+        has nothing to hand)."""
         p = self.plans.get(out.request_id)
         if p is None:
             return
@@ -74,19 +105,17 @@ class Handoffs:
             return
         self.start(p)
 
-    def start(self, p: HandoffPlan) -> asyncio.Task | None:
-        """The one place a handoff starts, by mode."""
-        if p.mode is HandoffMode.PER_LAYER:
-            log.info("per-layer handoff is not available on this path; handing off serialized",
-                     request_id=p.request_id, num_prompt_tokens=p.num_prompt_tokens)
-        return self._start_serialized(p)
-
-    def _start_serialized(self, p: HandoffPlan) -> asyncio.Task | None:
+    def start(self, p: HandoffPlan, request: EngineRequest | None = None) -> asyncio.Task | None:
+        """The one place a handoff starts, by mode; None if it could not
+        (the request then decodes here). Per-layer: ``request`` is not in the
+        engine yet and the handoff adds it."""
         try:
-            task = self.manager.hand_off(p.request_id, p.dest_id, p.dest_address)
+            task = self.manager.hand_off(p.request_id, p.dest_id, p.dest_address, p.mode, request)
         except Exception as e:  # noqa: BLE001 - the request must not stay held: it decodes here
-            log.warning("handoff not started; decoding here", request_id=p.request_id, error=repr(e))
-            self.manager.host.runner.submit(_resume_if_held, self.manager.host.engine, p.request_id)
+            log.warning("handoff not started; decoding here", request_id=p.request_id, mode=p.mode.value,
+                        error=repr(e))
+            if request is None:
+                self.manager.host.runner.submit(_resume_if_held, self.manager.host.engine, p.request_id)
             return None
         self.running[p.request_id] = task
         task.add_done_callback(lambda t, rid=p.request_id: self._done(rid, t))
@@ -98,7 +127,9 @@ class Handoffs:
         if task.cancelled():
             return
         out = task.exception() or task.result()
-        if isinstance(out, BaseException):
+        if isinstance(out, (EngineError, EngineBroken)):  # a per-layer handoff's request refused: its client was told
+            log.info("handoff not started: the engine refused the request", request_id=request_id, error=repr(out))
+        elif isinstance(out, BaseException):
             log.error("handoff failed", request_id=request_id, error=repr(out))
         elif not out.committed:
             log.info("handoff aborted; decoding here", request_id=request_id, reason=out.reason)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode
 from libs.common.types import RequestState
-from services.instance.engine.base import EngineRequest, LayerKv
+from services.instance.engine.base import EngineBroken, EngineRequest, LayerKv
 from services.instance.engine.core.scheduler import cdiv
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.messages import KvChunk, MigrationAborted, MigrationConfig
@@ -104,12 +104,17 @@ class LayerwiseHandoff(SourceMigration):
     ``request``: add it to the engine in the same engine-thread call that
     puts the tap on, so that its first prompt chunk is already streamed
     (else the request must be live here; what it computed before goes first).
+    ``added`` then resolves to None once the request is in the engine, or to
+    the reason it is not (the engine's error, or the handoff ended first):
+    the caller that gave the request answers its client from it.
     """
 
     def __init__(self, host: MigrationHost, request_id: str, dest_id: str, dest_address: str,
                  peer: DestinationPeer, config: MigrationConfig, mode: HandoffMode = HandoffMode.PER_LAYER,
                  request: EngineRequest | None = None, fault: Fault = failpoint_faults):
-        super().__init__(host, request_id, dest_id, dest_address, peer, config, fault)
+        # handoff=True: the destination counts it against max_handoff_in, the
+        # manager apart from load-balancing migrations
+        super().__init__(host, request_id, dest_id, dest_address, peer, config, fault, handoff=True)
         self.id = self.id.replace("mig-", "hand-", 1)
         self.m = HandoffMachine("source", self.id, request_id, H.SELECT)
         self.out.migration_id = self.id
@@ -125,6 +130,8 @@ class LayerwiseHandoff(SourceMigration):
         self.num_blocks = 0  # the stage: every block of the prompt
         self.keepalive_s = max(0.01, config.deadline_ms / 3000)
         self.add_error: Exception | None = None
+        self._added = False  # set on the engine thread once add_request took the request
+        self.added: asyncio.Future = self.loop.create_future()
         self.suspended: _Suspended | None = None  # what the engine thread pushed after the prompt
         self.caught_up = 0
 
@@ -143,6 +150,7 @@ class LayerwiseHandoff(SourceMigration):
             except Exception as e:  # noqa: BLE001 - the caller learns it from run()
                 self.add_error = e
                 return f"the engine refused the request: {e}"
+            self._added = True
         phase = self.engine.request_phase(self.request_id)
         if phase is None or phase[0] == "suspended":
             return "request is not waiting or running"
@@ -255,8 +263,25 @@ class LayerwiseHandoff(SourceMigration):
                 getter.cancel()
 
     # --- the protocol ------------------------------------------------------------------
+    def settle_added(self) -> None:
+        """Resolve ``added``. NOTE: called once the engine thread ran
+        ``_select`` or never will: after it returned, after the abort's
+        engine-thread call (queued behind it), or when the task ended
+        before it started."""
+        if self.added.done():
+            return
+        if self.add_error is not None:
+            self.added.set_result(self.add_error)
+        elif self._added or self.request is None:
+            self.added.set_result(None)
+        else:
+            self.added.set_result(EngineBroken("the handoff ended before the request was added"))
+
     async def run(self):
-        out = await super().run()
+        try:
+            out = await super().run()
+        finally:
+            self.settle_added()
         self.out.stages = 1 if out.committed else 0
         if self.add_error is not None:
             raise self.add_error
@@ -264,6 +289,7 @@ class LayerwiseHandoff(SourceMigration):
 
     async def _run(self) -> None:
         sel = await self.runner.call(self._select)
+        self.settle_added()
         if isinstance(sel, str):
             raise MigrationAborted(sel)
         target, self.preemptions, catch_up = sel

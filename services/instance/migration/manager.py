@@ -16,10 +16,13 @@ from dataclasses import replace
 from libs.common import rpc
 from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
+from libs.common.policies.phases import HandoffMode
+from services.instance.engine.base import EngineRequest
 from services.instance.migration.destination import Destination
 from services.instance.migration.grpc_peer import GrpcPeer
 from services.instance.migration.handoff import Handoffs
 from services.instance.migration.host import MigrationHost
+from services.instance.migration.layerwise import LayerwiseHandoff
 from services.instance.migration.messages import MigrateOutOrder, MigrationConfig, OrderResult, Outcome
 from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.peer import DestinationPeer
@@ -119,30 +122,47 @@ class MigrationManager:
         self.host.changed()
         return mig
 
+    def _spawn_run(self, mig: SourceMigration) -> asyncio.Task:
+        t = self._spawn(self._run(mig))
+        t.add_done_callback(lambda _t: self._forget(mig))  # also when cancelled before it ran (close())
+        return t
+
+    def _forget(self, mig: SourceMigration) -> None:
+        if self.outgoing.get(mig.request_id) is mig:
+            del self.outgoing[mig.request_id]
+            self.host.changed()
+
     async def _run(self, mig: SourceMigration) -> Outcome:
         try:
             out = await mig.run()
         finally:
-            self.outgoing.pop(mig.request_id, None)
-            self.host.changed()
+            self._forget(mig)
         if mig.handoff:
             self.counters.handoff_done(out)
         else:
             self.counters.source_done(out)
         return out
 
-    def hand_off(self, request_id: str, dest_id: str, dest_address: str) -> asyncio.Task:
-        """Start a Splitwise handoff (serialized: one last stage) of a request
-        whose prompt is done; a task of this manager, so that it outlives
-        whoever started it. Raises ResourceExhausted if the request is
+    def hand_off(self, request_id: str, dest_id: str, dest_address: str,
+                 mode: HandoffMode = HandoffMode.SERIALIZED, request: EngineRequest | None = None) -> asyncio.Task:
+        """Start a Splitwise handoff as a task of this manager, so that it
+        outlives whoever started it. Serialized: the request's prompt is done
+        (one last stage). Per-layer: ``request`` is added by the handoff, with
+        the engine's layer tap on, and its KV streams while the prompt
+        computes (layerwise.py). Raises ResourceExhausted if the request is
         migrating already."""
         if request_id in self.outgoing:
             raise ResourceExhausted(f"request {request_id!r} is already migrating")
-        mig = SourceMigration(self.host, request_id, dest_id, dest_address, self._peers(dest_address), self.config,
-                              self.fault, handoff=True)
+        peer = self._peers(dest_address)
+        if mode is HandoffMode.PER_LAYER:
+            mig = LayerwiseHandoff(self.host, request_id, dest_id, dest_address, peer, self.config, mode,
+                                   request=request, fault=self.fault)
+        else:
+            mig = SourceMigration(self.host, request_id, dest_id, dest_address, peer, self.config, self.fault,
+                                  handoff=True)
         self.outgoing[request_id] = mig
         self.host.changed()
-        return self._spawn(self._run(mig))
+        return self._spawn_run(mig)
 
     def start_drain(self, targets: list[tuple[str, str]], still: Callable[[], bool]) -> asyncio.Task:
         """Move the requests decoding here to ``targets`` (drain.py), as a
@@ -199,7 +219,7 @@ class MigrationManager:
                     except ResourceExhausted:
                         continue  # leaving already (another order): choose again
                     result.started += 1
-                    running.add(self._spawn(self._run(mig)))
+                    running.add(self._spawn_run(mig))
                     if order.request_id:
                         choosing = False
                 if not running:

@@ -111,16 +111,16 @@ class Client:
     async def run(self, node: str, prompt: list[int], max_tokens: int, handoff: str | None = None,
                   **sampling) -> list[int]:
         """``handoff``: a node to hand the request to once its prompt is done
-        (Splitwise), planned as the instance agent plans it at Generate."""
+        (Splitwise), planned and added as the instance agent does at Generate
+        (Handoffs.plan, Handoffs.add: the mode by the node's threshold)."""
         n = self.cluster.nodes[node]
         stream = n.streams.open(self.request_id)
         stream.attached = True
         self.path.append(node)
-        if handoff is not None:
-            n.manager.handoffs.plan(self.request_id, handoff, handoff, len(prompt))
-        await n.runner.call(n.engine.add_request, EngineRequest(
+        plan = None if handoff is None else n.manager.handoffs.plan(self.request_id, handoff, handoff, len(prompt))
+        await n.manager.handoffs.add(EngineRequest(
             self.request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), 0,
-            time.time(), hold_after_prefill=handoff is not None))
+            time.time()), plan)
         while True:
             ev = None
             async for ev in stream.events(len(self.tokens)):

@@ -87,6 +87,7 @@ class CoreEngine(Engine):
     num_free_blocks = property(lambda self: self.pool.num_free)
     model_name = property(lambda self: self._model_name)
     vocab_size = property(lambda self: self.executor.vocab_size)
+    layer_taps = property(lambda self: self.executor.layer_taps)
 
     # --- serving ----------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
