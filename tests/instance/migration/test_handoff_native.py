@@ -11,30 +11,16 @@ import pytest
 
 pytest.importorskip("torch")
 
-from services.instance.engine import create_engine
-from services.instance.engine.base import EngineConfig
 from tests.instance.migration.harness import Client, Cluster
+from tests.instance.migration.native_engines import (
+    native,
+    one_torch_thread,  # noqa: F401 - a fixture
+)
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [100 + (i * 37) % 5000 for i in range(90)]  # 5 full blocks of 16 and a partial one
 N = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def native():
-    return create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=64, block_size=16,
-                                      max_model_len=512, dtype="float32",
-                                      extra={"share_weights": True, "warmup": False}))
 
 
 @pytest.fixture(scope="module")

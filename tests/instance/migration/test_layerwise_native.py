@@ -15,8 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from services.instance.engine import create_engine
-from services.instance.engine.base import EngineConfig, LayerKv
+from services.instance.engine.base import LayerKv
 from services.instance.migration.layerwise import HandoffMode
 from services.instance.migration.messages import PeerError
 from tests.instance.migration.harness import CONFIG, Client, Cluster
@@ -28,8 +27,10 @@ from tests.instance.migration.layerwise_harness import (
     open_client,
     run_with_handoff,
 )
+from tests.instance.migration.native_engines import native as native_engine
+from tests.instance.migration.native_engines import one_torch_thread  # noqa: F401 - a fixture
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_torch_thread")]
 
 PROMPT = [100 + (i * 37) % 5000 for i in range(150)]  # 10 blocks of 16, the last partial
 N = 16
@@ -39,20 +40,8 @@ CFG = dataclasses.replace(CONFIG, chunk_bytes=1 << 20, deadline_ms=5000)
 GREEDY, SEEDED = {}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def native():
-    return create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=48, block_size=16,
-                                      max_model_len=512, dtype="float32", max_num_batched_tokens=BUDGET,
-                                      extra={"share_weights": True, "warmup": False}))
+    return native_engine(num_blocks=48, max_num_batched_tokens=BUDGET)
 
 
 @pytest.fixture(scope="module")
