@@ -23,8 +23,11 @@ from libs.common.types import Role
 
 # Splitwise (ISCA'24, §4.3): serialized transfer is cheaper below about 512
 # prompt tokens; above, per-layer transfer hides the copy behind the prompt's
-# later layers. The live threshold is measured per machine (``ferry bench
-# splitwise``); this is the paper's value, the default where none was measured.
+# later layers. This is the paper's value (the simulator's default). The live
+# instance's ``--handoff-per-layer-threshold`` defaults to 0 (serialized):
+# ``ferry bench handoff-modes`` found no crossover on a 2-core CPU, where the
+# per-layer copies compete with the prompt for the same cores
+# (docs/results/handoff_modes.json).
 DEFAULT_PER_LAYER_THRESHOLD = 512
 
 
