@@ -53,6 +53,8 @@ class ServingOptions:
     url: str | None = None
     scheduler: str | None = None  # for cluster sampling with --url
     instances: int = 2
+    prefill: int = 0  # Splitwise: of the instances, this many prefill only
+    decode: int = 0  # and this many decode only (the rest are mixed)
     engine: str = "sim"
     profile: str = "llama-7b-a10"
     sim_slowdown: float = 1.0
@@ -125,7 +127,8 @@ def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
         sched_args = [*slowed_intervals(opts.sim_slowdown)[1], *sched_args]  # the user's come last and win
     if opts.engine == "fake" and opts.token_delay_ms is not None:
         args = ["--token-delay-ms", str(opts.token_delay_ms), *args]
-    spec = ClusterSpec(instances=opts.instances, engine=opts.engine, port=free_port(), dispatch=dispatch,
+    spec = ClusterSpec(instances=opts.instances, prefill=opts.prefill, decode=opts.decode, engine=opts.engine,
+                       port=free_port(), dispatch=dispatch,
                        instance_args=args, scheduler_args=sched_args, log_dir=log_dir,
                        log_level="warning")
     cluster = LocalCluster(spec)
@@ -304,6 +307,10 @@ def serving_options(f):
     return apply_options(f, [
         *WORKLOAD_OPTIONS,
         click.option("--instances", type=click.IntRange(1, 64), default=2, show_default=True),
+        click.option("--prefill", type=click.IntRange(0, 64), default=0, show_default=True,
+                     help="of the instances, this many prefill only (Splitwise)"),
+        click.option("--decode", type=click.IntRange(0, 64), default=0, show_default=True,
+                     help="of the instances, this many decode only (the rest are mixed)"),
         click.option("--engine", type=click.Choice(["sim", "fake", "native"]), default="sim", show_default=True),
         PROFILE_OPTION,
         click.option("--sim-slowdown", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,

@@ -41,3 +41,23 @@ def test_slowed_intervals():
     inst, sched = slowed_intervals(5)
     report = InstanceConfig.__dataclass_fields__["report_interval_s"].default
     assert inst == ["--report-interval-s", f"{report * 5:g}"] and sched == ["--migrate-interval-s", "0.5"]
+
+
+def test_serving_on_a_split_cluster_fake(tmp_path):
+    """--prefill/--decode start a Splitwise cluster; every request completes."""
+    out = tmp_path / "split.json"
+    result = CliRunner().invoke(bench, [
+        "serving", "--engine", "fake", "--instances", "2", "--prefill", "1", "--decode", "1", "--token-delay-ms", "2",
+        "-n", "10", "--arrivals", "gamma:50:2", "--lengths", "fixed:40:6", "--no-progress", "--json", str(out)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    run = json.loads(out.read_text())
+    assert (run["options"]["prefill"], run["options"]["decode"]) == (1, 1)
+    assert run["summary"]["completed"] == 10
+    assert all(r["tokens"] == 6 for r in run["requests"])
+
+
+def test_serving_refuses_a_split_that_cannot_serve():
+    result = CliRunner().invoke(bench, ["serving", "--engine", "fake", "--instances", "1", "--prefill", "1",
+                                        "-n", "1", "--no-progress"])
+    assert result.exit_code != 0
+    assert "need a decode or mixed instance" in (result.output + repr(result.exception))
