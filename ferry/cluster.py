@@ -32,15 +32,25 @@ PR_SET_PDEATHSIG = 1
 _PORT_RANGE = (20000, 32000)
 
 
+# Ports this process handed out: a cluster picks every child's port before any
+# child binds, so two picks of the same free port collided (seen in CI: an
+# instance "Failed to bind to address"). Never hand one out twice.
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, preferably outside the ephemeral range."""
-    for _ in range(50):
+    """A port nothing listens on now and this process did not hand out
+    before, preferably outside the ephemeral range."""
+    for _ in range(200):
         port = random.randrange(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as s:
         s.bind((host, 0))
