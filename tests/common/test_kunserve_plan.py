@@ -236,6 +236,9 @@ def test_the_most_throttled_pairs_with_the_freest_eligible():
     assert [(m.start, m.end, m.freed_blocks) for m in plan.groups[0].members] == [(0, 2, 50), (2, 4, 50)]
     two = plan_buddy_groups(cands, 150, num_layers=4, layer_blocks=25)
     assert [[m.instance_id for m in g.members] for g in two.groups] == [["hot", "spare"], ["warm", "calm"]]
+    # a throttled instance's free blocks are its own queue's: 40 short with 50 free still ranks above "warm"
+    three = plan_buddy_groups(cands + [Candidate("short", 50, 40)], 150, num_layers=4, layer_blocks=25)
+    assert [[m.instance_id for m in g.members] for g in three.groups] == [["hot", "spare"], ["short", "calm"]]
 
 
 def test_no_deficit_no_plan():

@@ -128,8 +128,8 @@ def predict_throttle(samples: Mapping[str, Sequence[MemorySample]],
 @dataclass(frozen=True)
 class Candidate:
     """An instance the planner may group. ``deficit_blocks``: what it lacks
-    (its forecast); ``eligible``: False for one already in a group, draining
-    or terminating."""
+    (its forecast); ``free_blocks``: what it could lend a group;
+    ``eligible``: False for one already in a group, draining or terminating."""
 
     instance_id: str
     free_blocks: int
@@ -138,8 +138,10 @@ class Candidate:
 
     @property
     def need(self) -> int:
-        """Positive: throttled by that much; negative: that much to spare."""
-        return self.deficit_blocks - self.free_blocks
+        """Positive: throttled by that much; negative: that much to spare. A
+        throttled instance's free blocks go to its own queue: its deficit
+        already counts them."""
+        return self.deficit_blocks if self.deficit_blocks > 0 else -self.free_blocks
 
 
 @dataclass(frozen=True)
