@@ -112,7 +112,7 @@ def forecast_instance(instance_id: str, samples: Sequence[MemorySample],
     if excess_now > 0:
         when = 0.0
     elif rate > 0:
-        when = -excess_now / rate
+        when = (last.total_blocks - last.requirement) / rate
     else:
         when = math.inf
     return InstanceForecast(instance_id, rate, math.ceil(excess - 1e-9), when)
