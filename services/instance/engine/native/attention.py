@@ -105,7 +105,7 @@ def _gather(cache_rows: torch.Tensor, g: GroupMeta, layer: int, kvh: int, d: int
 
 
 def _decode_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dm: DenseMeta, layer: int, scale: float):
-    """Append the decodes' new K/V to their slots, then SDPA over the slots
+    """Append the decodes' new K/V to their slots, then attend over the slots
     in place (contiguous [B, KVH, cap, D] views, masked past each length).
     q: [B, H, D], k/v: [B, KVH, D] -> [B, H*D]."""
     _, _, slots, kvh, cap, d = dm.buf.shape
@@ -114,9 +114,15 @@ def _decode_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dm: DenseMe
     k_rows = dm.rows + layer * 2 * slots * kvh * cap
     rows.index_copy_(0, k_rows, k.reshape(b * kvh, d).to(dm.buf.dtype))
     rows.index_copy_(0, k_rows + slots * kvh * cap, v.reshape(b * kvh, d).to(dm.buf.dtype))
-    o = F.scaled_dot_product_attention(q.view(b, h, 1, d), dm.buf[layer, 0, :b], dm.buf[layer, 1, :b],
-                                       attn_mask=dm.mask, scale=scale, enable_gqa=kvh != h)
-    return o.view(b, h * d)
+    # Two batched matmuls with the query heads grouped per KV head (no K/V
+    # repeat), softmax in fp32 as transformers' eager attention does. Not
+    # SDPA: its CPU flash kernel at q_len 1 measured 3-12x slower than this
+    # on an AVX512-BF16 EPYC (batch 1-32, context 256-8192, bf16).
+    qg = q.view(b, kvh, h // kvh, d)
+    s = torch.matmul(qg, dm.buf[layer, 0, :b].transpose(-1, -2)).float().mul_(scale)  # [B, KVH, G, cap]
+    s.masked_fill_(~dm.mask, float("-inf"))
+    p = s.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(p, dm.buf[layer, 1, :b]).view(b, h * d)
 
 
 def _decode_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):

@@ -9,8 +9,8 @@ took ~40% of the step. Here each request that decodes owns a slot: a row of
 cache once when it starts decoding; afterwards every step appends its one new
 token to both the paged cache (the source of truth: migration, preemption and
 prefill use it) and its slot. Slots are heads-major, ``buf[layer, k|v, slot,
-kv_head, pos, head_dim]``: the layout SDPA's CPU kernel reads fastest
-(measured 1.3x-3x faster than batched matmuls at batch 32-1). The slots of a
+kv_head, pos, head_dim]``: a KV head's context is one contiguous
+``[cap, head_dim]`` matrix, which batched matmuls read without a copy. The slots of a
 step's decodes are kept at 0..B-1 (compacted when requests leave), so a
 layer's K for the batch is ``buf[layer, 0, :B]``, contiguous, and attention
 runs on it without a copy. It reads every slot's full capacity (the
