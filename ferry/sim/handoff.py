@@ -7,8 +7,9 @@ its state and KV exported (an engine-thread call between steps, as
 migration does), so it never decodes there. Then its KV goes to a decode
 instance chosen by ``choose_for_phase(..., Phase.DECODE)`` on the
 scheduler's view, over the migration model's pieces: the destination's
-pre-allocation (``MigrationModel.pre_allocate``: consent, migrate-in limit,
-blocks reserved above the watermark), the transfer
+pre-allocation (``MigrationModel.pre_allocate(handoff=True)``: consent as
+``accepts_migration`` gives it for a handoff, the handoff-in limit, blocks
+reserved above the watermark), the transfer
 (``TransferModel.seconds``: bytes / bandwidth, a round trip per stream), the
 commit that installs the request there, and the drop at the source.
 
@@ -27,8 +28,8 @@ Two modes, chosen per request by ``handoff_mode(prompt tokens)``:
   confirmed by the end of the prompt (refused), the request falls back to
   serialized.
 
-A destination that refuses (full above its watermark, a queue of its own,
-its migrate-in limit): the request WAITS on the prefill instance, holding
+A destination that refuses (full above its watermark, terminating, its
+handoff-in limit; a queue of its own does not refuse a handoff): the request WAITS on the prefill instance, holding
 its blocks there, and asks again every ``retry_s`` (the scheduler may pick
 another instance each time). It decodes in place only when the cluster has
 no instance that decodes at all (``phase_views`` then offers every instance).
@@ -130,7 +131,7 @@ class HandoffModel:
             e.failed = True
             return
         n = blocks_for(e.prompt_tokens, dst.profile.block_size)
-        ok, _ = yield from self.migration._rpc(dst, self.migration.pre_allocate(dst, e.mid, rid, 0, n, 0, None))
+        ok, _ = yield from self.migration._rpc(dst, self.migration.pre_allocate(dst, e.mid, rid, 0, n, 0, None, handoff=True))
         if not ok:
             e.failed, e.refusals = True, e.refusals + 1
             self._unpend(dst, rid)
@@ -222,7 +223,7 @@ class HandoffModel:
                     self._done(rec, t0)
                     return
                 ok, _ = yield from self.migration._rpc(
-                    dst, self.migration.pre_allocate(dst, mid, rid, 0, len(blocks), 0, None))
+                    dst, self.migration.pre_allocate(dst, mid, rid, 0, len(blocks), 0, None, handoff=True))
                 if ok:
                     break
                 self._unpend(dst, rid)

@@ -72,6 +72,7 @@ def _current_status(inst: SimInstance) -> InstanceStatus:
 @dataclass
 class Reservation:
     request_id: str
+    handoff: bool = False  # counted against max_handoff_in, as destination.py's
     state: DestState = DestState.NONE
     stages: dict[int, list[int]] = field(default_factory=dict)
     spare: list[int] = field(default_factory=list)
@@ -103,25 +104,30 @@ class MigrationModel:
     dest_keep_freeness_above: float | None = None
 
     # --- destination (destination.py) ----------------------------------------------
-    def _active_in(self, dst: SimInstance) -> int:
-        return sum(1 for r in dst.reservations.values() if r.state is DestState.RESERVED)
+    def _active_in(self, dst: SimInstance, handoff: bool | None = None) -> int:
+        """Reservations in flight into ``dst``: handoffs, migrations, or (None) both."""
+        return sum(1 for r in dst.reservations.values()
+                   if r.state is DestState.RESERVED and handoff in (None, r.handoff))
 
     def pre_allocate(self, dst: SimInstance, mid: str, rid: str, stage: int, n: int, spare: int,
-                     keep_freeness_above: float | None | bool = False):
-        """``keep_freeness_above`` False: no consent check (a later stage)."""
+                     keep_freeness_above: float | None | bool = False, handoff: bool = False):
+        """``keep_freeness_above`` False: no consent check (a later stage).
+        ``handoff``: a Splitwise handoff (accepts_migration's rule for it,
+        and max_handoff_in instead of max_migrate_in)."""
         res = dst.reservations.get(mid)
         if res is None:
             if dst.terminating:
                 return False, "destination is terminating"
             if keep_freeness_above is not False:
-                ok, reason = accepts_migration(_current_status(dst), n + spare, keep_freeness_above)
+                ok, reason = accepts_migration(_current_status(dst), n + spare, keep_freeness_above, handoff=handoff)
                 if not ok:
                     return False, reason
-            if self._active_in(dst) >= self.config.max_migrate_in:
-                return False, f"migrate-in limit {self.config.max_migrate_in} reached"
+            limit = self.config.max_handoff_in if handoff else self.config.max_migrate_in
+            if self._active_in(dst, handoff) >= limit:
+                return False, f"{'handoff' if handoff else 'migrate'}-in limit {limit} reached"
             if rid in dst.engine.requests:
                 return False, f"request {rid!r} already lives here"
-            res = Reservation(rid)
+            res = Reservation(rid, handoff)
         elif res.state is not DestState.RESERVED:
             return False, f"migration is {res.state.value}"
         if stage in res.stages:

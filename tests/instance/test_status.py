@@ -105,3 +105,15 @@ def test_destination_refuses_with_a_queue_or_below_its_threshold():
     queued = InstanceStatus("d", total_blocks=200, num_running=4, num_waiting=1, virtual_usage=100.0)
     ok, reason = accepts_migration(queued, 1, 10.0)
     assert not ok and "queue" in reason
+
+
+def test_a_handoff_is_refused_only_by_a_terminating_destination():
+    """A Splitwise handoff brings the decode instance its own work: neither
+    its queue nor the freeness floor refuses it (live and simulated
+    destinations both ask accepts_migration)."""
+    queued = InstanceStatus("d", total_blocks=200, num_running=4, num_waiting=3, virtual_usage=180.0)
+    assert accepts_migration(queued, 60, 10.0, handoff=True) == (True, "")
+    assert not accepts_migration(queued, 60, 10.0)[0]
+    leaving = InstanceStatus("d", total_blocks=200, num_running=0, virtual_usage=0.0, terminating=True)
+    ok, reason = accepts_migration(leaving, 1, handoff=True)
+    assert not ok and "terminating" in reason

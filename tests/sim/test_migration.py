@@ -112,6 +112,28 @@ def test_a_destination_with_a_queue_of_its_own_refuses():
     dst.engine.check_integrity()
 
 
+def test_a_handoff_is_not_refused_for_a_queue_and_has_its_own_limit():
+    """The simulated destination decides a handoff as the live one does:
+    accepts_migration(handoff=True), counted against max_handoff_in."""
+    k, _, dst, _ = pair(dst_blocks=150)
+    start_many(k, dst, 2, n_prompt=1500, prefix="d")  # 94 blocks each: the second waits
+    k.run(until=START + 0.6)
+    assert sum(r.state == "waiting" for r in dst.engine.load().requests) == 1
+    model = MigrationModel(MigrationConfig(max_migrate_in=1, max_handoff_in=1), DELAYS, TRANSFER)
+
+    def ask(mid, handoff):
+        proc = k.spawn(model.pre_allocate(dst, mid, f"r-{mid}", 0, 2, 0, None, handoff=handoff))
+        k.run(until=k.now + 0.1)
+        return proc.result
+
+    ok, reason = ask("m", handoff=False)
+    assert not ok and "queue" in reason
+    assert ask("h1", handoff=True) == (True, "")
+    ok, reason = ask("h2", handoff=True)
+    assert not ok and "handoff-in limit 1" in reason
+    assert dst.migrating_in == 1
+
+
 def test_an_order_runs_up_to_max_migrate_out_migrations_at_once():
     k, src, dst, _ = pair()
     start_many(k, src, 6)

@@ -64,9 +64,9 @@ def test_split_cluster_emits_the_colocated_tokens_and_hands_every_request_off(la
 
 
 def test_a_full_decode_instance_makes_handoffs_wait_not_leak(layered_profile):
-    # One migrate-in at a time: concurrent handoffs are refused and retried.
+    # One handoff in at a time (handoffs have their own limit, as live): concurrent ones are refused and retried.
     opts = _opts(layered_profile, pools=tuple(s.format(p=layered_profile) for s in SPLIT), arrivals="poisson:40",
-                 instance_args=("--max-migrate-in", "1"))
+                 instance_args=("--max-handoff-in", "1"))
     run = simulate(opts, "infaas++")
     assert run["summary"]["completed"] == 40
     assert run["sim"]["handoff"]["refusals"] > 0

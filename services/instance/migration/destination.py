@@ -173,10 +173,9 @@ class Destination:
                 return False, "destination is terminating"
             if not self.host.decodes():  # its role changed since the source chose it
                 return False, "destination does not decode (role prefill)"
-            if not p.handoff:  # a handoff is the decode instance's own work, queue or not
-                ok, reason = accepts_migration(self._status(), p.num_blocks + p.spare_blocks)
-                if not ok:
-                    return False, reason
+            ok, reason = accepts_migration(self._status(), p.num_blocks + p.spare_blocks, handoff=p.handoff)
+            if not ok:
+                return False, reason
             if p.handoff and self._active(True) >= self.max_handoff_in:
                 return False, f"handoff-in limit {self.max_handoff_in} reached"
             if not p.handoff and self._active(False) >= self.max_migrate_in:

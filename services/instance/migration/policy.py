@@ -72,23 +72,27 @@ def next_to_migrate(status: InstanceStatus, started: int, stop_when_freeness_abo
     return order[0] if order else None
 
 
-def accepts_migration(status: InstanceStatus, blocks: int,
-                      keep_freeness_above: float | None = None) -> tuple[bool, str]:
-    """Whether a destination takes a request of ``blocks`` blocks: not with a
-    queue of its own (the blocks are its head of line's), and, when
-    ``keep_freeness_above`` is given, not when its freeness with the request
-    added (virtual usage, reserved blocks included, one more in the batch)
-    would fall below it.
+def accepts_migration(status: InstanceStatus, blocks: int, keep_freeness_above: float | None = None,
+                      handoff: bool = False) -> tuple[bool, str]:
+    """Whether a destination takes a request of ``blocks`` blocks: never while
+    terminating; not with a queue of its own (the blocks are its head of
+    line's), and, when ``keep_freeness_above`` is given, not when its
+    freeness with the request added (virtual usage, reserved blocks included,
+    one more in the batch) would fall below it. A Splitwise ``handoff`` is
+    the decode instance's own work (its decode step was placed there at
+    dispatch), so neither the queue nor the floor refuses it.
 
     NOTE: the simulator measures the threshold refusal as harmful at the
     paper's load (docs/results/sim/policies.md): with the in-threshold (20) it
     refused 590 of 676 migrations of seed 0 and P99 TTFT of llumnix_base got
     worse on the busy seeds; the simulated destination applies the queue rule
     only (MigrationModel.dest_keep_freeness_above = None)."""
-    if status.num_waiting > 0:
-        return False, f"destination has a queue ({status.num_waiting} waiting)"
     if status.terminating:
         return False, "destination is terminating"
+    if handoff:
+        return True, ""
+    if status.num_waiting > 0:
+        return False, f"destination has a queue ({status.num_waiting} waiting)"
     after = (status.total_blocks - status.virtual_usage - blocks) / (status.num_running + 1)
     if keep_freeness_above is not None and after < keep_freeness_above:
         return False, f"freeness would drop to {after:.1f} (< {keep_freeness_above:g})"
