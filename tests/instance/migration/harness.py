@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from libs.common.types import SamplingParams
 from services.instance.engine.base import Engine, EngineRequest
@@ -121,6 +121,12 @@ class Client:
         await n.manager.handoffs.add(EngineRequest(
             self.request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), 0,
             time.time()), plan)
+        return await self.follow(node)
+
+    async def follow(self, node: str) -> list[int]:
+        """Read the request's stream at ``node`` (opened and attached there
+        already) to its end, following every ``moved``."""
+        stream = self.cluster.nodes[node].streams.get(self.request_id)
         while True:
             ev = None
             async for ev in stream.events(len(self.tokens)):

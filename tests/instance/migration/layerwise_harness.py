@@ -1,6 +1,7 @@
 """Helpers for the handoff tests: start a request together with its handoff
-(LayerwiseHandoff adds it with the tap on), follow its client across the
-``moved`` event, and peers that watch or break the chunk stream."""
+(LayerwiseHandoff adds it with the tap on) with a client that follows it
+across the ``moved`` event (harness.Client.follow), and peers that watch or
+break the chunk stream."""
 
 from __future__ import annotations
 
@@ -18,31 +19,6 @@ from tests.instance.migration.harness import CONFIG, Client, Cluster
 def engine_request(rid: str, prompt: list[int], n: int, **sampling) -> EngineRequest:
     return EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True, **sampling), 0,
                          time.time())
-
-
-async def follow(cl: Client, node: str) -> list[int]:
-    """Client.run without adding the request: read its stream at ``node``
-    (opened before the request was added) and follow ``moved``."""
-    n = cl.cluster.nodes[node]
-    stream = n.streams.get(cl.request_id)
-    while True:
-        ev = None
-        async for ev in stream.events(len(cl.tokens)):
-            if ev.token_id is not None:
-                assert ev.index == len(cl.tokens), f"index {ev.index} after {len(cl.tokens)} tokens"
-                cl.tokens.append(ev.token_id)
-                cl.first_token.set()
-            if ev.final:
-                break
-        if ev.moved_to is None:
-            cl.finish_reason = ev.finish_reason
-            return cl.tokens
-        assert ev.index == len(cl.tokens), "moved at an index the client has not reached"
-        n = cl.cluster.nodes[ev.moved_to[0]]
-        stream = n.streams.get(cl.request_id)
-        assert stream is not None and not stream.attached, "nothing to attach to at the destination"
-        stream.attached = True
-        cl.path.append(n.name)
 
 
 def open_client(c: Cluster, rid: str, node: str) -> Client:
@@ -67,7 +43,7 @@ async def run_with_handoff(c: Cluster, rid: str, prompt: list[int], n: int, mode
     cl = open_client(c, rid, kw.get("src", "a"))
     h = handoff(c, rid, prompt, n, mode, **kw)
     ht = asyncio.create_task(h.run())
-    return cl, asyncio.create_task(follow(cl, kw.get("src", "a"))), h, ht
+    return cl, asyncio.create_task(cl.follow(kw.get("src", "a"))), h, ht
 
 
 class WatchedPeer:

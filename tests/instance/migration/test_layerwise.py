@@ -21,7 +21,6 @@ from tests.instance.migration.harness import Cluster, HookedPeer
 from tests.instance.migration.layerwise_harness import (
     WatchedPeer,
     engine_request,
-    follow,
     handoff,
     open_client,
     run_with_handoff,
@@ -138,7 +137,7 @@ async def test_late_start_sends_the_computed_blocks_first(two):
     await a.runner.call(a.engine.add_request, engine_request("r", PROMPT, N))
     while a.engine.requests["r"].num_computed_tokens < 48:
         await asyncio.sleep(0.001)
-    task = asyncio.create_task(follow(cl, "a"))
+    task = asyncio.create_task(cl.follow("a"))
     out = await asyncio.wait_for(h.run(), 30)
     assert out.committed, out
     assert h.caught_up >= 3

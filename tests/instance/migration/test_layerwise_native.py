@@ -22,7 +22,6 @@ from tests.instance.migration.harness import CONFIG, Client, Cluster
 from tests.instance.migration.layerwise_harness import (
     WatchedPeer,
     engine_request,
-    follow,
     handoff,
     open_client,
     run_with_handoff,
@@ -132,7 +131,7 @@ async def test_handoff_started_half_way_through_the_prompt(two):
     await a.runner.call(a.engine.add_request, engine_request("r", PROMPT, N))
     while a.engine.requests["r"].num_computed_tokens < BUDGET:
         await asyncio.sleep(0.001)
-    task = asyncio.create_task(follow(cl, "a"))
+    task = asyncio.create_task(cl.follow("a"))
     out = await asyncio.wait_for(h.run(), 120)
     assert out.committed, out
     assert h.caught_up >= 3
