@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.instance.migration.harness import Client, Cluster
+from tests.instance.migration.harness import Client
 from tests.instance.migration.native_engines import (
+    cluster_of,
     native,
     one_torch_thread,  # noqa: F401 - a fixture
 )
@@ -30,11 +31,8 @@ def engines():
 
 @pytest.fixture
 async def pd(engines):
-    c = Cluster()
-    c.add("p", engines[0])
-    c.add("d", engines[1])
-    yield c
-    await c.stop()
+    async with cluster_of(engines, ("p", "d")) as c:
+        yield c
 
 
 @pytest.mark.parametrize("n_prompt, sampling", [

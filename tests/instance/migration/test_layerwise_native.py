@@ -26,8 +26,11 @@ from tests.instance.migration.layerwise_harness import (
     open_client,
     run_with_handoff,
 )
+from tests.instance.migration.native_engines import (
+    cluster_of,
+    one_torch_thread,  # noqa: F401 - a fixture
+)
 from tests.instance.migration.native_engines import native as native_engine
-from tests.instance.migration.native_engines import one_torch_thread  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.model, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -50,11 +53,8 @@ def engines():
 
 @pytest.fixture
 async def two(engines):
-    c = Cluster()
-    c.add("a", engines[0], CFG)
-    c.add("b", engines[1], CFG)
-    yield c
-    await c.stop()
+    async with cluster_of(engines, config=CFG) as c:
+        yield c
 
 
 _REFERENCE: dict[str, list[int]] = {}

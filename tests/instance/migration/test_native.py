@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.instance.migration.harness import Client, Cluster, order
+from tests.instance.migration.harness import Client, order
 from tests.instance.migration.native_engines import (
+    cluster_of,
     native,
     one_torch_thread,  # noqa: F401 - a fixture
 )
@@ -29,11 +30,8 @@ def engines():
 
 @pytest.fixture
 async def two(engines):
-    c = Cluster()
-    c.add("a", engines[0])
-    c.add("b", engines[1])
-    yield c
-    await c.stop()
+    async with cluster_of(engines) as c:
+        yield c
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
