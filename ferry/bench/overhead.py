@@ -14,8 +14,8 @@ import json
 import time
 import uuid
 
-import click
 import aiohttp
+import click
 import numpy as np
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port

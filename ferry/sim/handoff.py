@@ -29,10 +29,11 @@ Two modes, chosen per request by ``handoff_mode(prompt tokens)``:
   serialized.
 
 A destination that refuses (full above its watermark, terminating, its
-handoff-in limit; a queue of its own does not refuse a handoff): the request WAITS on the prefill instance, holding
-its blocks there, and asks again every ``retry_s`` (the scheduler may pick
-another instance each time). It decodes in place only when the cluster has
-no instance that decodes at all (``phase_views`` then offers every instance).
+handoff-in limit; a queue of its own does not refuse a handoff): the
+request WAITS on the prefill instance, holding its blocks there, and asks
+again every ``retry_s`` (the scheduler may pick another instance each
+time). It decodes in place only when the cluster has no instance that
+decodes at all (``phase_views`` then offers every instance).
 Failures are not modelled (nothing fails in a simulated run).
 """
 
@@ -131,7 +132,8 @@ class HandoffModel:
             e.failed = True
             return
         n = blocks_for(e.prompt_tokens, dst.profile.block_size)
-        ok, _ = yield from self.migration._rpc(dst, self.migration.pre_allocate(dst, e.mid, rid, 0, n, 0, None, handoff=True))
+        ok, _ = yield from self.migration._rpc(
+            dst, self.migration.pre_allocate(dst, e.mid, rid, 0, n, 0, None, handoff=True))
         if not ok:
             e.failed, e.refusals = True, e.refusals + 1
             self._unpend(dst, rid)

@@ -119,7 +119,8 @@ class MigrationModel:
             if dst.terminating:
                 return False, "destination is terminating"
             if keep_freeness_above is not False:
-                ok, reason = accepts_migration(_current_status(dst), n + spare, keep_freeness_above, handoff=handoff)
+                ok, reason = accepts_migration(_current_status(dst), n + spare, keep_freeness_above,
+                                               handoff=handoff)
                 if not ok:
                     return False, reason
             limit = self.config.max_handoff_in if handoff else self.config.max_migrate_in

@@ -189,8 +189,8 @@ class Study:
     seeds: tuple[int, ...]
     slo: Slo = field(default_factory=Slo)
     # Handoffs are not rate limited like migrations, and machines batch until memory is full (Splitwise's
-    # token machines): neither flag changes a mixed cluster that never migrates except the batch cap.
-    instance_args: tuple[str, ...] = ("--max-migrate-in", "64", "--max-num-seqs", "1024")
+    # token machines): neither flag changes a mixed cluster (no handoffs) except the batch cap.
+    instance_args: tuple[str, ...] = ("--max-handoff-in", "64", "--max-num-seqs", "1024")
     rate_precision: float = 1.05
     per_layer_threshold: int | None = None  # None: handoff_mode's default
     log: Callable[[str], None] | None = None
