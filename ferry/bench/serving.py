@@ -273,7 +273,7 @@ def write_json(path: str, obj: dict) -> None:
 # The workload's flags: `ferry bench serving`, `ferry bench compare` and `ferry sim` take them alike.
 WORKLOAD_OPTIONS = (
     click.option("--arrivals", default="poisson:2", show_default=True,
-                 help="poisson:RATE | gamma:RATE:CV | trace:PATH (Azure CSV; a name in --traces-dir works)"),
+                 help="poisson:RATE | gamma:RATE:CV | phases:RATE@SECONDS,... (Poisson, the rate stepping through the phases, repeated) | trace:PATH (Azure CSV; a name in --traces-dir works)"),
     click.option("--lengths", default="M-M", show_default=True,
                  help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
     click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),

@@ -2,8 +2,11 @@
 output are, and its priority. Pure and seeded: the same spec and seed give the
 same workload on every machine, so policies are compared on identical input.
 
-Arrival specs: ``poisson:RATE``, ``gamma:RATE:CV``, ``trace:PATH`` (an Azure
-LLM inference trace CSV; its TIMESTAMP column). ``time_scale`` divides every
+Arrival specs: ``poisson:RATE``, ``gamma:RATE:CV``, ``phases:RATE@SECONDS,...``
+(a Poisson process whose rate steps through the phases and starts over after
+the last: ``phases:4@60,12@60`` alternates a minute at 4/s and a minute at
+12/s; a time-varying load for auto-scaling), ``trace:PATH`` (an Azure LLM
+inference trace CSV; its TIMESTAMP column). ``time_scale`` divides every
 arrival time (2 = twice the rate).
 
 Length specs: ``sharegpt`` (the ShareGPT stats CSV in the traces folder, input
@@ -163,6 +166,41 @@ def _positive(v: float, spec: str) -> float:
     return v
 
 
+def _phases(spec: str, args: str) -> list[tuple[float, float]]:
+    phases = []
+    for part in args.split(","):
+        rate, at, secs = part.partition("@")
+        if not at:
+            raise WorkloadError(f"phase {part!r} in {spec!r}: use RATE@SECONDS")
+        rate_v, secs_v = float(rate), float(secs)
+        if not (rate_v >= 0 and secs_v > 0):
+            raise WorkloadError(f"phase {part!r} in {spec!r}: the rate must be >= 0 and the seconds > 0")
+        phases.append((rate_v, secs_v))
+    if not any(r > 0 for r, _ in phases):
+        raise WorkloadError(f"every phase of {spec!r} has rate 0")
+    return phases
+
+
+def phase_arrivals(phases: list[tuple[float, float]], n: int, rng: np.random.Generator) -> np.ndarray:
+    """n arrivals of a Poisson process with a piecewise-constant rate, the
+    phases repeating. Within a phase the gaps are exponential; a gap that
+    runs past the phase's end is dropped and drawing starts again at the
+    boundary at the next phase's rate (exact: the process is memoryless)."""
+    out: list[float] = []
+    start, i = 0.0, 0
+    while len(out) < n:
+        rate, secs = phases[i % len(phases)]
+        end = start + secs
+        t = start
+        while rate > 0 and len(out) < n:
+            t += rng.exponential(1.0 / rate)
+            if t >= end:
+                break
+            out.append(t)
+        start, i = end, i + 1
+    return np.array(out)
+
+
 def arrival_times(spec: str, n: int, rng: np.random.Generator, folder: pathlib.Path) -> np.ndarray:
     """n arrival times in seconds, the first at 0, before time scaling."""
     kind, _, rest = spec.partition(":")
@@ -175,13 +213,17 @@ def arrival_times(spec: str, n: int, rng: np.random.Generator, folder: pathlib.P
             rate, cv = _positive(float(args[0]), spec), _positive(float(args[1]), spec)
             shape = 1.0 / (cv * cv)  # a Gamma's CV is 1/sqrt(shape)
             gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+        elif kind == "phases" and rest:
+            t = phase_arrivals(_phases(spec, rest), n, rng)
+            return t - t[0]
         elif kind == "trace" and rest:
             t, _, _ = load_azure(str(_csv_path(rest, folder)))
             if n > len(t):
                 raise WorkloadError(f"the trace has {len(t)} requests; asked for {n}")
             return t[:n].astype(float)
         else:
-            raise WorkloadError(f"unknown arrivals {spec!r}; use poisson:RATE, gamma:RATE:CV or trace:PATH")
+            raise WorkloadError(f"unknown arrivals {spec!r}; use poisson:RATE, gamma:RATE:CV, "
+                                f"phases:RATE@SECONDS,... or trace:PATH")
     except ValueError as e:
         if isinstance(e, WorkloadError):
             raise

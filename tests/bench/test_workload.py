@@ -41,6 +41,25 @@ def test_gamma_rate_and_cv(cv):
     assert g.std() / g.mean() == pytest.approx(cv, rel=0.08)
 
 
+def test_phases_step_the_rate_and_repeat():
+    w = wl.build("phases:4@50,20@50", "fixed:1:1", 24000, seed=4)
+    t = np.array([r.arrival_s for r in w.requests])
+    # Arrivals counted per phase over the first 10 cycles (the first arrival is moved to 0).
+    low = [((t >= c * 100) & (t < c * 100 + 50)).sum() / 50 for c in range(10)]
+    high = [((t >= c * 100 + 50) & (t < c * 100 + 100)).sum() / 50 for c in range(10)]
+    assert np.mean(low) == pytest.approx(4, rel=0.1) and np.mean(high) == pytest.approx(20, rel=0.05)
+    assert min(high) > 2 * max(low)
+    assert 1 / gaps(w).mean() == pytest.approx(12, rel=0.05)  # the mean rate
+    assert wl.build("phases:4@50,20@50", "fixed:1:1", 500, seed=4).requests == \
+        wl.build("phases:4@50,20@50", "fixed:1:1", 500, seed=4).requests
+
+
+def test_a_phase_at_rate_zero_is_a_pause():
+    t = np.array([r.arrival_s for r in wl.build("phases:10@5,0@20", "fixed:1:1", 300, seed=1).requests])
+    # Arrivals lie in [0, 5) of every 25 s, shifted back by the first one (< 5 s): never in [5, 20).
+    assert t[-1] > 125 and not ((t % 25 >= 5.0) & (t % 25 < 20.0)).any()
+
+
 def test_time_scale_divides_arrivals():
     a = wl.build("poisson:2", "fixed:1:1", 100, seed=3)
     b = wl.build("poisson:2", "fixed:1:1", 100, seed=3, time_scale=4)
@@ -128,7 +147,9 @@ def test_high_priority_fraction():
 
 
 @pytest.mark.parametrize("arrivals,lengths", [("poisson:x", "M-M"), ("poisson:0", "M-M"), ("uniform:3", "M-M"),
-                                              ("gamma:1", "M-M"), ("poisson:1", "X-M"), ("poisson:1", "fixed:3")])
+                                              ("gamma:1", "M-M"), ("poisson:1", "X-M"), ("poisson:1", "fixed:3"),
+                                              ("phases:4", "M-M"), ("phases:0@10", "M-M"),
+                                              ("phases:4@0", "M-M"), ("phases:-1@5,2@5", "M-M")])
 def test_bad_specs_say_what_is_accepted(arrivals, lengths):
     with pytest.raises(wl.WorkloadError):
         wl.build(arrivals, lengths, 10)
