@@ -232,6 +232,12 @@ class Engine(abc.ABC):
         """Take n free blocks for an incoming migration, keeping the admission
         watermark; None if they do not fit (an expected result, not an error)."""
 
+    def expect_context(self, num_tokens: int) -> None:
+        """A hint, from any thread: a request with this many tokens of context
+        is coming in (a migration reserved its blocks here). An engine may get
+        its buffers ready so that the step it joins is not slow. Default:
+        nothing."""
+
     @abc.abstractmethod
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         """Write a fused buffer into reserved blocks.

@@ -212,6 +212,8 @@ class Destination:
             return False, f"{p.num_blocks + p.spare_blocks} blocks do not fit above the watermark"
         res.machine.to(DestState.RESERVED, stage=p.stage, blocks=p.num_blocks, spare=len(res.spare),
                        total_blocks=len(res.blocks))
+        if p.stage == 0:  # the request's context is about this long: its first step here need not be slow
+            self.engine.expect_context(len(res.held) * self.engine.block_size)
         self.host.changed()
         return True, ""
 

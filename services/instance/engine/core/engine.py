@@ -103,6 +103,7 @@ class CoreEngine(Engine):
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)
         req.hold_after_prefill = request.hold_after_prefill
         self.executor.init_request(req)
+        self.executor.expect_context(n_ctx)
         self.requests[rid] = req
         self.scheduler.add_waiting(req)
 
@@ -311,6 +312,9 @@ class CoreEngine(Engine):
 
     def reserve_blocks(self, n: int) -> list[int] | None:
         return self.pool.reserve(n)
+
+    def expect_context(self, num_tokens: int) -> None:
+        self.executor.expect_context(num_tokens)
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         bad = [b for b in block_ids if not self.pool.is_reserved(b)]

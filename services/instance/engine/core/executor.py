@@ -41,6 +41,10 @@ class Executor(abc.ABC):
         """One layer ``[n, 2, block_size, kv_heads, head_dim]`` into the blocks."""
         raise NotImplementedError
 
+    def expect_context(self, num_tokens: int) -> None:
+        """A hint from any thread: a request with this much context may join
+        the batch soon. An executor may get buffers ready off the step path."""
+
     # --- per-request sampler state (native only) ----------------------------------
     def init_request(self, req: Request) -> None:
         """Called once when a request enters the engine."""

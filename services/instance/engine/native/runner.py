@@ -173,6 +173,10 @@ class ModelRunner(Executor):
         src = torch.from_numpy(rows.copy()).view(self.kv_cache.dtype).view(2 * n, -1)
         self._block_rows().index_copy_(0, self._layer_rows(block_ids, layer), src.to(self.device))
 
+    def expect_context(self, num_tokens: int) -> None:
+        if self.decode_cache is not None:
+            self.decode_cache.prewarm(num_tokens)
+
     # --- sampler state ------------------------------------------------------------
     def init_request(self, req: Request) -> None:
         seed = req.sampling.seed

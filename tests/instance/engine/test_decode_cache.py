@@ -1,0 +1,88 @@
+"""The native engine's dense decode cache (decode_cache.py) without a model:
+a slot holds exactly its request's KV from the paged cache (full blocks and a
+partial last one), resizes keep the slots and reuse two arenas instead of
+allocating, and a hint makes the memory a long request's joining needs ready
+before it joins."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from services.instance.engine.native.decode_cache import DecodeCache
+
+LAYERS, BS, KVH, D = 3, 4, 2, 8
+
+
+class Req:
+    def __init__(self, blocks: list[int]):
+        self.block_ids = blocks
+
+
+def _cache(num_blocks: int = 64) -> DecodeCache:
+    kv = torch.randn(num_blocks, LAYERS, 2, BS, KVH, D)
+    return DecodeCache(kv, 2**24)
+
+
+def _expected(dc: DecodeCache, r: Req, n: int) -> torch.Tensor:
+    """[layers, 2, kvh, n, d]: the request's first n tokens from the paged cache."""
+    blocks = dc.kv_cache[torch.tensor(r.block_ids)]  # [nb, layers, 2, bs, kvh, d]
+    return blocks.permute(1, 2, 4, 0, 3, 5).reshape(LAYERS, 2, KVH, -1, D)[:, :, :, :n]
+
+
+def _check_slots(dc: DecodeCache, reqs: list[Req], starts: list[int]) -> None:
+    for r, n in zip(reqs, starts):
+        slot = next(i for i, o in enumerate(dc.owner) if o is r)
+        assert dc.lens[slot] == n
+        assert torch.equal(dc.buf[:, :, slot, :, :n], _expected(dc, r, n))
+
+
+def _arena_ptrs(dc: DecodeCache) -> set[int]:
+    return {a.data_ptr() for a in dc._arenas if a is not None}
+
+
+def test_slots_hold_their_requests_kv_through_resizes_and_reuse_the_arenas():
+    dc = _cache()
+    a, b, c = Req(list(range(10))), Req(list(range(10, 20))), Req(list(range(20, 64)))
+    seen = set()
+    for cycle in range(3):
+        # two short decodes; a long one joins (grow); it leaves (shrink); the short ones stay
+        assert dc.prepare([a, b], [5, 9]) is not None
+        _check_slots(dc, [a, b], [5, 9])
+        assert dc.prepare([a, b, c], [5, 9, 170]) is not None  # 170 = 42 blocks and a partial one
+        assert dc.buf.shape[4] >= 171
+        _check_slots(dc, [a, b, c], [5, 9, 170])
+        assert dc.prepare([a, b], [5, 9]) is not None
+        assert dc.buf.shape[4] < 171  # shrunk: attention reads what the batch needs
+        _check_slots(dc, [a, b], [5, 9])
+        if cycle == 0:
+            seen = _arena_ptrs(dc)
+        else:  # warm: no resize allocated anything
+            assert _arena_ptrs(dc) == seen
+    assert len(seen) == 2
+
+
+def test_a_hint_makes_a_long_joins_memory_ready_off_the_step():
+    dc = _cache()
+    a, c = Req(list(range(10))), Req(list(range(20, 64)))
+    assert dc.prepare([a], [9]) is not None
+    dc.prewarm(170)
+    for _ in range(500):  # the helper thread zeroes it
+        if not dc._warming:
+            break
+        time.sleep(0.01)
+    ready = {k: t.data_ptr() for k, t in dc._ready.items()}
+    assert set(ready) == {"arena", "staging"}
+    assert dc.prepare([a, c], [9, 170]) is not None
+    assert dc._arenas[dc._cur].data_ptr() == ready["arena"] and dc._staging.data_ptr() == ready["staging"]
+    _check_slots(dc, [a, c], [9, 170])
+
+
+def test_drop_frees_everything():
+    dc = _cache()
+    assert dc.prepare([Req([0, 1])], [7]) is not None
+    dc.drop()
+    assert dc.buf is None and _arena_ptrs(dc) == set() and dc._staging is None and not dc._ready
