@@ -106,17 +106,66 @@ async def _migrate(cluster, rid, blocking=False):
     return src, dst, reply.results[0]
 
 
-def client_stall(times: list[float], t0: float, t1: float) -> tuple[float | None, float | None]:
+STALL_TAIL_S = 0.3  # the stall's window runs this long past the migration's end
+
+
+def client_stall(times: list[float], t0: float, t1: float, through: float = 0.0) -> tuple[float | None, float | None]:
     """(largest gap between consecutive tokens at the client across the
     migration [t0, t1] minus the normal inter-token time, that normal time):
-    the normal time is the median gap outside the migration window."""
+    the normal time is the median gap outside the migration window. The
+    window runs STALL_TAIL_S past t1, and at least to ``through`` (the first
+    token from the destination: its gap is the switch)."""
+    end = max(t1 + STALL_TAIL_S, through)
     gaps = [((b - a) * 1000, b) for a, b in zip(times, times[1:])]
-    inside = [g for g, b in gaps if t0 <= b <= t1 + 0.3]
-    outside = [g for g, b in gaps if not t0 <= b <= t1 + 0.3]
+    inside = [g for g, b in gaps if t0 <= b <= end]
+    outside = [g for g, b in gaps if not t0 <= b <= end]
     if not inside or not outside:
         return None, None
     itl = statistics.median(outside)
     return max(inside) - itl, itl
+
+
+def stall_breakdown(times: list[float], suspend: float, ack_ms: float, downtime_ms: float) -> dict | None:
+    """Where the client's gap across the switch goes, on the client's clock
+    (``suspend``: the source's suspend on that clock). The switch gap runs
+    from the last token before the first one the destination produced (the
+    first arriving after the request joined the destination's batch) to that
+    one: source tail (last source token at the client -> suspend; negative
+    when the token reached the client after the suspend), suspend -> commit
+    acknowledged, acknowledged -> joined the batch, joined -> the first token
+    at the client (a destination step, the stream and the frontend's switch).
+    None without a downtime or a token on both sides."""
+    if not downtime_ms or not suspend:
+        return None
+    install = suspend + downtime_ms / 1000
+    b = next((i for i, t in enumerate(times) if t > install), None)
+    if not b:
+        return None
+
+    def ms(s: float) -> float:
+        return round(s * 1000, 3)
+
+    return {"source_tail_ms": ms(suspend - times[b - 1]), "commit_ack_ms": round(ack_ms, 3),
+            "ack_to_batch_ms": round(downtime_ms - ack_ms, 3), "batch_to_client_ms": ms(times[b] - install),
+            "switch_gap_ms": ms(times[b] - times[b - 1]), "switch_token": b}
+
+
+def largest_gap(times: list[float], t0: float, t1: float, through: float = 0.0) -> tuple[float, int] | None:
+    """(largest gap in ms among those ending in the stall's window (see
+    client_stall), index of the token ending it)."""
+    end = max(t1 + STALL_TAIL_S, through)
+    gaps = [((times[i] - times[i - 1]) * 1000, i) for i in range(1, len(times)) if t0 <= times[i] <= end]
+    return max(gaps) if gaps else None
+
+
+def _switch(times: list[float], res) -> tuple[float, dict | None, float]:
+    """(the source's suspend on this process's clock (both are this host's),
+    the switch's breakdown, when its gap ends). NOTE: a slow first step at
+    the destination can end the switch gap past t1 + STALL_TAIL_S; the stall's
+    window always takes it in."""
+    suspend = res.suspended_at - (time.time() - time.perf_counter()) if res.suspended_at else 0.0
+    parts = stall_breakdown(times, suspend, res.commit_ack_ms, res.downtime_ms)
+    return suspend, parts, (times[parts["switch_token"]] if parts else 0.0)
 
 
 async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token, vocab):
@@ -159,15 +208,26 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         text, times, final = await _stream(http, body, on_token)
         await info["task"]
         res = info["res"]
-        stall, itl = client_stall(times, info["t0"], info["t1"])
         bg = bgs[info["src"].name]
         dst_bg = bgs[next(i.name for i in cluster.instances() if i.name != info["src"].name)]
+        suspend, parts, through = _switch(times, res)
+        stall, itl = client_stall(times, info["t0"], info["t1"], through)
+        big = largest_gap(times, info["t0"], info["t1"], through)
+        if parts is not None and big is not None:
+            # Is the stall the switch itself, or a slow step before or after it?
+            parts["largest_gap_token"] = big[1]
+            parts["largest_gap_from_suspend_ms"] = round((times[big[1]] - suspend) * 1000, 3)
+            # The destination's step that the request joined: its background stream's gap across the join.
+            join = suspend + res.downtime_ms / 1000
+            dts = [t for t in dst_bg.times if t is not None]
+            k = next((i for i, t in enumerate(dts) if t > join), None)
+            parts["dest_join_step_ms"] = round((dts[k] - dts[k - 1]) * 1000, 3) if k else None
         rows.append({
             "committed": res.outcome == "committed", "reason": res.reason,
             # suspend -> first step on the destination (0 = the destination did not say)
             "downtime_ms": res.downtime_ms or None, "commit_ack_ms": res.commit_ack_ms,
             "total_ms": res.duration_ms, "stages": res.stages, "bytes": res.bytes, "blocks": res.blocks,
-            "stall_ms": stall, "itl_ms": itl,
+            "stall_ms": stall, "itl_ms": itl, "breakdown": parts,
             "tokens_match": text == reference and final["migrations"] == 1,
             "step_ms_during": bg.step_ms(info["t0"], info["t1"], True),
             "step_ms_outside": bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),  # mixed; not the baseline
@@ -187,7 +247,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     _, btimes, _ = await _stream(http, body, block_at)
     await info["task"]
     blocking_ms = info["res"].downtime_ms or None
-    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"])
+    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], _switch(btimes, info["res"])[2])
     # Baseline 2: recompute = prefill prompt + output so far at the destination.
     dst = cluster.instances()[1]
     async with rpc.channel(dst.address) as ch:
@@ -208,10 +268,16 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         return statistics.median(vals) if vals else None
 
     during, outside = med("step_ms_during"), baseline_step
+    parts = [r["breakdown"] for r in ok if r["breakdown"]]
+    breakdown = {k: statistics.median(p[k] for p in parts if p[k] is not None) for k in parts[0]
+                 if k not in ("switch_token", "largest_gap_token") and any(p[k] is not None for p in parts)} \
+        if parts else None
+    if parts:  # how often the largest gap is the switch itself
+        breakdown["largest_is_switch"] = sum(p.get("largest_gap_token") == p["switch_token"] for p in parts) / len(parts)
     return {
         "downtime_ms": med("downtime_ms"), "commit_ack_ms": med("commit_ack_ms"), "stall_ms": med("stall_ms"),
         "stall_max_ms": max((r["stall_ms"] for r in ok if r["stall_ms"] is not None), default=None),
-        "itl_ms": itl, "stall_in_itl": (med("stall_ms") / itl) if itl and med("stall_ms") is not None else None,
+        "itl_ms": itl, "stall_breakdown_p50": breakdown, "stall_in_itl": (med("stall_ms") / itl) if itl and med("stall_ms") is not None else None,
         "dest_step_ms": med("dest_step_ms"), "stages": med("stages"), "bytes": med("bytes"),
         "total_ms": med("total_ms"),
         "tokens_match": bool(rows) and all(r["tokens_match"] for r in rows),

@@ -68,7 +68,7 @@ def outcome_to_pb(o: Outcome) -> pb.MigrationResult:
     return pb.MigrationResult(
         migration_id=o.migration_id, request_id=o.request_id, outcome="committed" if o.committed else "aborted",
         reason=o.reason, stages=o.stages, blocks=o.blocks, bytes=o.bytes, duration_ms=o.duration_ms,
-        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms)
+        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms, suspended_at=o.suspended_at)
 
 
 def order_result_to_pb(r: OrderResult) -> pb.MigrateOutReply:

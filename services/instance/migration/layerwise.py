@@ -321,6 +321,7 @@ class LayerwiseHandoff(SourceMigration):
         await self.peer.commit(self.id, state)
         # NOTE: from here nothing awaits (see SourceMigration._run).
         self.out.commit_ack_ms = (time.perf_counter() - done.at) * 1000
+        self.out.suspended_at = time.time() - self.out.commit_ack_ms / 1000
         self.out.committed = True
         stream = self.host.streams.get(self.request_id)
         if stream is not None:

@@ -83,6 +83,8 @@ class Outcome:
     duration_ms: float = 0.0
     downtime_ms: float = 0.0  # suspend -> its first step at the destination begins (0: unknown)
     commit_ack_ms: float = 0.0
+    # Unix time (s) of the suspend at the source: places the downtime on a client's timeline (0: none).
+    suspended_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,7 @@ class SourceMigration:
         # on first (it is suspended here, no token can come between), then
         # forget it here at the next step boundary.
         self.out.commit_ack_ms = (time.perf_counter() - t_suspend) * 1000
+        self.out.suspended_at = time.time() - self.out.commit_ack_ms / 1000
         self.out.committed = True
         stream = self.host.streams.get(self.request_id)
         if stream is not None:
