@@ -295,13 +295,14 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     }
 
 
-HEADER = ["length", "downtime", "ack", "stall", "itl", "stages", "MiB", "total", "match", "step", "step(mig)",
+HEADER = ["length", "downtime", "ack", "stall", "itl", "join", "stages", "MiB", "total", "match", "step", "step(mig)",
           "blocking", "blk.stall", "recompute"]
 
 
 def _row(length, r) -> str:
     s = r["decode_step_ms"]
-    vals = [str(length), r["downtime_ms"], r["commit_ack_ms"], r["stall_ms"], r["itl_ms"], r["stages"],
+    join = (r.get("stall_breakdown_p50") or {}).get("dest_join_step_ms")
+    vals = [str(length), r["downtime_ms"], r["commit_ack_ms"], r["stall_ms"], r["itl_ms"], join, r["stages"],
             (r["bytes"] or 0) / 2**20, r["total_ms"], str(r["tokens_match"]), s["without_migration"],
             s["during_migration"], r["blocking_copy_ms"], r["blocking_copy_stall_ms"], r["recompute_ms"]]
     return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals)
@@ -387,4 +388,4 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
         click.echo(f"flatness of {k} (at {lens[-1]} / at {lens[0]}): " + (f"{v:.2f}" if v else "n/a"))
     click.echo("(times in ms; downtime = suspend -> first step on the destination; ack = suspend -> commit "
                "acknowledged; stall = largest client inter-token gap across the migration minus itl, the normal "
-               "one; step = background decode step on the source, median)")
+               "one; join = the destination's step that the request joined; step = background decode step on the source, median)")
