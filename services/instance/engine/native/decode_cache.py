@@ -20,21 +20,23 @@ kernels. So the capacity follows the longest context closely: it grows in
 steps of ``_LEN_ROUND`` with 25% headroom and shrinks when it is more than
 twice what the batch needs.
 
-The buffer lives in one of two arenas, flat tensors that are reused, never
-freed while the cache is in use: a resize writes the new layout into the
-other arena and copies the slots over. Fresh memory costs a page fault per
+The buffer is a view of a flat arena tensor. Arenas are reused, not freed
+while the cache is in use: a resize writes the new layout into a spare
+arena (the smallest that holds it) and copies the slots over; the old arena
+becomes a spare (at most ``_SPARES`` kept, the largest). Fresh memory costs a page fault per
 4 KB page on first touch (here: 70 ms to zero 181 MB freshly allocated, 8 ms
 to zero it again), and with a fresh buffer at every resize, the step that a
 long request joined (a migration's first step at the destination) took
 300 ms against a normal 36 ms. A reused arena holds stale KV or zeros, all
 finite: the positions past a slot's length are masked to probability 0, and
 0 x finite = 0. Loading a slot gathers the blocks into a reused staging
-tensor and copies them into place with no temporary. The cost: up to two
+tensor and copies them into place with no temporary. The cost: up to three
 buffers' worth of memory stays resident (each at most ``max_bytes``).
-Memory for a larger buffer is made ready off the step path, on a helper
-thread: after a resize (for the other arena, the next resize's target) and
-on a hint that a long context is about to join (``prewarm``: an incoming
-migration's reservation, a long prompt's admission).
+Memory for a larger buffer is zeroed off the step path, on a helper thread,
+into a spare: after a resize (so that the next one finds a spare as large)
+and on a hint that a long context is about to join (``prewarm``: an incoming
+migration's reservation, a long prompt's admission). A resize that needs
+a spare still being zeroed waits for it (sooner than zeroing its own).
 
 A slot is trusted only while its length equals the chunk's start (the
 request's KV count before the step); anything else (preempted, recomputed,
@@ -52,6 +54,7 @@ import torch
 from services.instance.engine.core.request import Request
 
 _LEN_ROUND = 64
+_SPARES = 2  # spare arenas kept
 
 
 class DecodeCache:
@@ -62,13 +65,15 @@ class DecodeCache:
         self.elt = kv_cache.element_size()
         self.max_bytes = max_bytes
         self.buf: torch.Tensor | None = None  # [layers, 2, slots, kv_heads, cap_len, head_dim]
-        self._arenas: list[torch.Tensor | None] = [None, None]  # buf is a view of _arenas[_cur]
-        self._cur = 0
+        self._arena: torch.Tensor | None = None  # flat; buf is a view of it
         self._staging: torch.Tensor | None = None  # flat, for _load's gathered blocks
-        # Zeroed flat tensors made on a helper thread, for the next arena or staging that must grow.
+        # Flat zeroed tensors for the next arena or staging that must grow, by
+        # kind; the helper thread adds to them. Fills in flight: kind -> (numel, done).
         self._lock = threading.Lock()
-        self._ready: dict[str, torch.Tensor] = {}
-        self._warming: set[str] = set()
+        self._spares: dict[str, list[torch.Tensor]] = {"arena": [], "staging": []}
+        self._fills: dict[str, tuple[int, threading.Event]] = {}
+        self._asked: dict[str, int] = {}  # kind -> the largest size asked for while a fill ran
+        self._gen = 0  # drop() moves it on: a fill started before gives nothing after
         self.owner: list[Request | None] = []
         self.lens: list[int] = []
 
@@ -87,19 +92,19 @@ class DecodeCache:
             if self._bytes(new_s, new_l) > self.max_bytes:
                 return False
         shape = (self.layers, 2, new_s, self.kv_heads, new_l, self.head_dim)
-        nxt = 1 - self._cur
         numel = self._bytes(new_s, new_l) // self.elt
-        self._arenas[nxt] = self._grown(self._arenas[nxt], "arena", numel)
-        buf = self._arenas[nxt][:numel].view(shape)
+        arena = self._take("arena", numel)
+        buf = arena[:numel].view(shape)
         if self.buf is not None:
             for i, n in enumerate(self.lens):  # slots past new_l are stale and get reloaded
                 if self.owner[i] is not None and n <= new_l:
                     buf[:, :, i, :, :n] = self.buf[:, :, i, :, :n]
                 elif self.owner[i] is not None:
                     self.owner[i] = None
-        self.buf, self._cur = buf, nxt
-        if self._arenas[1 - nxt] is None or self._arenas[1 - nxt].numel() < numel:
-            self._make_ready("arena", numel)  # the next resize writes into the other arena
+        if self._arena is not None:
+            self._give("arena", self._arena)
+        self.buf, self._arena = buf, arena
+        self._make_ready("arena", numel)  # the next resize finds a spare as large
         self.owner += [None] * (new_s - cur_s)
         self.lens += [0] * (new_s - cur_s)
         return True
@@ -108,38 +113,64 @@ class DecodeCache:
     def _zeros(self, numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
 
-    def _grown(self, t: torch.Tensor | None, kind: str, numel: int) -> torch.Tensor:
-        """``t`` if it holds ``numel`` elements, else the ready tensor of this
-        kind if that does, else a fresh one (zeroed: faulted in here)."""
-        if t is not None and t.numel() >= numel:
-            return t
+    def _take(self, kind: str, numel: int) -> torch.Tensor:
+        """The smallest spare of this kind that holds ``numel`` elements
+        (waiting for one being zeroed that will), else a fresh one (zeroed:
+        faulted in here, on the step)."""
         with self._lock:
-            ready = self._ready.get(kind)
-            if ready is not None and ready.numel() >= numel:
-                return self._ready.pop(kind)
+            fill = self._fills.get(kind)
+        if fill is not None and fill[0] >= numel:
+            fill[1].wait()
+        with self._lock:
+            fits = [t for t in self._spares[kind] if t.numel() >= numel]
+            if fits:
+                t = min(fits, key=lambda t: t.numel())
+                self._spares[kind] = [s for s in self._spares[kind] if s is not t]
+                return t
         return self._zeros(numel)
 
+    def _give(self, kind: str, t: torch.Tensor, gen: int | None = None) -> bool:
+        """Keep ``t`` as a spare (only the largest few are kept); not if the
+        cache was dropped since ``gen``."""
+        with self._lock:
+            if gen is not None and gen != self._gen:
+                return False
+            keep = sorted([*self._spares[kind], t], key=lambda s: s.numel(), reverse=True)
+            self._spares[kind] = keep[:_SPARES if kind == "arena" else 1]
+            return True
+
     def _make_ready(self, kind: str, numel: int) -> None:
-        """Zero a tensor of ``numel`` elements on a helper thread for the next
-        ``_grown`` of this kind (one at a time per kind; any thread)."""
+        """Unless a spare of this kind holds ``numel`` elements already, zero
+        one on a helper thread (any thread). One fill per kind at a time: a
+        fill under way goes on with the largest size asked for meanwhile."""
         if self.kv_cache.device.type != "cpu" or numel * self.elt > self.max_bytes:
             return
         with self._lock:
-            ready = self._ready.get(kind)
-            if kind in self._warming or (ready is not None and ready.numel() >= numel):
+            if any(t.numel() >= numel for t in self._spares[kind]):
                 return
-            self._warming.add(kind)
+            if kind in self._fills:
+                self._asked[kind] = max(self._asked.get(kind, 0), numel)
+                return
+            done = threading.Event()
+            self._fills[kind] = (numel, done)
+
+        gen = self._gen
 
         def fill():
+            n = numel
             try:
-                t = self._zeros(numel)
-                with self._lock:
-                    old = self._ready.get(kind)
-                    if old is None or old.numel() < numel:
-                        self._ready[kind] = t
+                while True:
+                    if not self._give(kind, self._zeros(n), gen):  # dropped meanwhile
+                        break
+                    with self._lock:
+                        n = self._asked.pop(kind, 0)
+                        if not n or any(t.numel() >= n for t in self._spares[kind]):
+                            break
+                        self._fills[kind] = (n, done)
             finally:
                 with self._lock:
-                    self._warming.discard(kind)
+                    self._fills.pop(kind, None)
+                done.set()
 
         threading.Thread(target=fill, name=f"decode-cache-{kind}", daemon=True).start()
 
@@ -160,9 +191,10 @@ class DecodeCache:
     def drop(self) -> None:
         """Forget every slot and free the memory (the runner gathers instead)."""
         self.buf, self.owner, self.lens = None, [], []
-        self._arenas, self._staging = [None, None], None
+        self._arena, self._staging = None, None
         with self._lock:
-            self._ready = {}
+            self._spares = {"arena": [], "staging": []}
+            self._gen += 1
 
     # --- per step -----------------------------------------------------------------
     def prepare(self, reqs: list[Request], starts: list[int]) -> list[int] | None:
@@ -202,7 +234,9 @@ class DecodeCache:
             nb = -(-n // bs)
             idx = torch.tensor(req.block_ids[:nb], dtype=torch.long, device=self.kv_cache.device)
             numel = nb * self.kv_cache[0].numel()
-            self._staging = self._grown(self._staging, "staging", numel)
+            if self._staging is None or self._staging.numel() < numel:
+                self._staging = None  # free the smaller one first
+                self._staging = self._take("staging", numel)
             staged = self._staging[:numel].view(nb, *self.kv_cache.shape[1:])
             torch.index_select(self.kv_cache, 0, idx, out=staged)  # [nb, layers, 2, bs, kvh, d]
             src = staged.permute(1, 2, 4, 0, 3, 5)  # [layers, 2, kvh, nb, bs, d], no copy
