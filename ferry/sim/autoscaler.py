@@ -41,7 +41,7 @@ class SimAutoscaler:
         self.wall = wall
         # Windows, cooldowns and intervals are wall time on a live cluster.
         self.policy = AutoscalePolicy(c.scale_out_below, c.scale_in_above, c.scale_window_s * wall, c.min_instances,
-                                      c.max_instances, c.scale_cooldown_s * wall)
+                                      c.max_instances, c.scale_cooldown_s * wall, max_launch=c.scale_out_max_launch)
         self.interval_s = c.autoscale_interval_s * wall
         self.window: deque[Snapshot] = deque()
         self.last_action_at: float | None = None
@@ -67,10 +67,12 @@ class SimAutoscaler:
                    launching=self.launching, draining=len(self.draining), stoppable=frozenset(self.launched))
         if d.action == SCALE_OUT:
             self.last_action_at = now
-            self.launching += 1
-            self.events.append({"t": now - self.cluster.t0, "action": SCALE_OUT, "reason": d.reason})
+            self.launching += d.count
+            self.events.append({"t": now - self.cluster.t0, "action": SCALE_OUT, "reason": d.reason,
+                                "count": d.count})
             self.cluster._log_instances()
-            self.k.after(self.cluster.delays.launch_s, self._launched)
+            for _ in range(d.count):
+                self.k.after(self.cluster.delays.launch_s, self._launched)
         elif d.action == SCALE_IN and d.instance_id:
             self.last_action_at = now
             self.events.append({"t": now - self.cluster.t0, "action": SCALE_IN, "instance": d.instance_id,

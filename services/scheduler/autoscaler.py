@@ -1,9 +1,11 @@
 """Auto-scaling (DESIGN §5, Llumnix §4.4.3): keep the mean normal-priority
 freeness of the live, non-terminating instances within [x, y] over a window.
 
-- below x for the window (and fewer than max instances): launch one instance;
-  the rescheduler pairs the empty newcomer as a migration destination at once,
-  so it fills by migration, not only by new dispatches;
+- below x for the window (and fewer than max instances): launch one instance,
+  or with ``max_launch`` > 1 as many as the freeness shortfall asks for (see
+  ``launch_count``), launched together as one action; the rescheduler pairs
+  the empty newcomers as migration destinations at once, so they fill by
+  migration, not only by new dispatches;
 - above y for the window (and more than min instances): mark the instance with
   the fewest running requests terminating — its fake request of infinite
   virtual usage makes it a migration source and drains it — and stop it
@@ -17,10 +19,11 @@ calls ``decide`` and carries decisions out."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import grpc
 
@@ -29,6 +32,7 @@ from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.load import is_finite
 from libs.common.logging import get_logger
+from libs.common.types import Priority
 
 log = get_logger(__name__)
 
@@ -44,6 +48,10 @@ class AutoscalePolicy:
     max_instances: int = 8
     cooldown_s: float = 10.0
     min_coverage: float = 0.8  # the window must hold samples spanning this fraction of window_s
+    # Most instances one scale-out launches. 1 (Llumnix): one per action. More:
+    # sized by the shortfall, so that a fleet far below x does not climb one
+    # launch + cooldown + window at a time.
+    max_launch: int = 1
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class InstanceSample:
     num_waiting: int = 0
     terminating: bool = False
     pending_requests: int = 0  # dispatched, not yet reported
+    total_blocks: int = 0  # M: the KV blocks of the instance (0: unknown)
+    normal_batch: int = 0  # B: normal-priority requests running (freeness = (M - usage) / max(1, B))
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,26 @@ class Decision:
     instance_id: str | None = None
     reason: str = ""
     mean_freeness: float | None = None
+    count: int = 1  # scale-out: instances to launch
+
+
+def launch_count(snap: Snapshot, target: float) -> int:
+    """Instances to add so that the mean normal freeness comes back to
+    ``target`` once the load spreads over them (at least 1).
+
+    Freeness is F = (M - U) / max(1, B), so F x max(1, B) = M - U is an
+    instance's spare memory (negative when its demand exceeds it). With k
+    more instances and the same requests spread evenly, the freeness is about
+    ((n + k) M - sum U) / sum B; setting it to ``target``:
+    k = (target x sum max(1, B) - sum F max(1, B)) / M. An estimate: freeness
+    counts virtual usage (queued demand included), not the future load."""
+    live = [i for i in snap.live() if i.total_blocks > 0 and is_finite(i.normal_freeness)]
+    if not live:
+        return 1
+    m = sum(i.total_blocks for i in live) / len(live)
+    spare = sum(i.normal_freeness * max(1, i.normal_batch) for i in live)
+    batch = sum(max(1, i.normal_batch) for i in live)
+    return max(1, math.ceil((target * batch - spare) / m))
 
 
 def decide(window: Sequence[Snapshot], policy: AutoscalePolicy, *, now: float,
@@ -110,8 +140,12 @@ def decide(window: Sequence[Snapshot], policy: AutoscalePolicy, *, now: float,
     if mean < policy.scale_out_below:
         if n >= policy.max_instances:
             return Decision(reason=f"at max {policy.max_instances}", mean_freeness=mean)
+        count = 1
+        if policy.max_launch > 1:  # back to the middle of [x, y]
+            want = launch_count(latest, (policy.scale_out_below + policy.scale_in_above) / 2)
+            count = max(1, min(want, policy.max_launch, policy.max_instances - n))
         return Decision(SCALE_OUT, reason=f"mean freeness {mean:.1f} < {policy.scale_out_below}",
-                        mean_freeness=mean)
+                        mean_freeness=mean, count=count)
     if mean > policy.scale_in_above:
         if n <= policy.min_instances:
             return Decision(reason=f"at min {policy.min_instances}", mean_freeness=mean)
@@ -131,7 +165,8 @@ def snapshot(now: float, views) -> Snapshot:
     """A sample of the cluster view (scheduler InstanceViews) for ``decide``."""
     return Snapshot(now, tuple(
         InstanceSample(v.instance_id, v.status.normal_freeness, v.status.num_running,
-                       v.status.num_waiting, v.status.terminating, v.pending_requests)
+                       v.status.num_waiting, v.status.terminating, v.pending_requests, v.status.total_blocks,
+                       sum(1 for r in v.status.requests if r.priority == Priority.NORMAL and r.state != "waiting"))
         for v in views))
 
 
@@ -236,9 +271,13 @@ class Autoscaler:
 
     def _scale_out(self, now: float, d: Decision) -> None:
         self.last_action_at = now
+        log.info("scale out", reason=d.reason, count=d.count, live=len(self.window[-1].live()) if self.window else 0)
+        for _ in range(d.count):
+            self._launch(now, d)
+
+    def _launch(self, now: float, d: Decision) -> None:
         ev = ScaleEvent(now, SCALE_OUT, None, d.reason)
         self.events.append(ev)
-        log.info("scale out", reason=d.reason, live=len(self.window[-1].live()) if self.window else 0)
 
         async def run():
             try:

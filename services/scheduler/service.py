@@ -57,6 +57,8 @@ class SchedulerConfig(CommonConfig):
     scale_cooldown_s: float = opt(10.0, "auto-scaling: least time between two actions (s)", min=0.0)
     min_instances: int = opt(1, "auto-scaling: fewest live instances", min=0)
     max_instances: int = opt(8, "auto-scaling: most live instances", min=1)
+    scale_out_max_launch: int = opt(1, "auto-scaling: most instances one scale-out launches, sized by the "
+                                       "freeness shortfall (1: one per action, as Llumnix)", min=1)
     autoscale_interval_s: float = opt(0.5, "auto-scaling: sampling interval (s)", min=0.01)
 
     @property
@@ -184,7 +186,7 @@ class SchedulerService(Service):
             c = self.config
             self.autoscaler = Autoscaler(self, self.launcher, AutoscalePolicy(
                 c.scale_out_below, c.scale_in_above, c.scale_window_s, c.min_instances, c.max_instances,
-                c.scale_cooldown_s), interval_s=c.autoscale_interval_s)
+                c.scale_cooldown_s, max_launch=c.scale_out_max_launch), interval_s=c.autoscale_interval_s)
             self.autoscaler.start()
 
     async def stop(self) -> None:

@@ -119,3 +119,32 @@ def test_terminating_instance_is_left_out_of_the_mean():
 def test_within_range_does_nothing():
     d = decide(window({"a": 30, "b": 50}), P, now=10)
     assert d.action == NONE and d.reason == "within range"
+
+
+def _loaded(n: int, used: float, batch: int, m: int = 1000) -> Snapshot:
+    """n instances of m blocks, each with ``used`` blocks of virtual usage and ``batch`` normal requests."""
+    return Snapshot(10.0, tuple(InstanceSample(f"i{k}", (m - used) / max(1, batch), batch, 0, total_blocks=m,
+                                               normal_batch=batch) for k in range(n)))
+
+
+def test_launch_count_brings_the_mean_freeness_back_to_the_target():
+    from services.scheduler.autoscaler import launch_count
+
+    # 4 instances of 1,000 blocks, each 1,100 blocks of demand over 20 requests: F = -5.
+    snap = _loaded(4, 1100, 20)
+    k = launch_count(snap, 35.0)
+    # With k more and the 80 requests spread: ((4 + k) x 1000 - 4,400) / 80 >= 35, first at k = 4.
+    assert k == 4
+    assert ((4 + k) * 1000 - 4400) / 80 >= 35 > ((4 + k - 1) * 1000 - 4400) / 80
+    assert launch_count(_loaded(4, 100, 20), 35.0) == 1  # already at the target: still one (it was asked)
+    assert launch_count(Snapshot(0.0, (InstanceSample("a", -5.0),)), 35.0) == 1  # blocks unknown
+
+
+def test_max_launch_sizes_a_scale_out_by_the_shortfall_within_the_caps():
+    w = [Snapshot(t, _loaded(4, 1100, 20).instances) for t in range(11)]
+    one = decide(w, AutoscalePolicy(10, 60, 10, 1, 16, 5), now=10)
+    assert one.action == SCALE_OUT and one.count == 1  # the default: one per action, as Llumnix
+    many = decide(w, AutoscalePolicy(10, 60, 10, 1, 16, 5, max_launch=8), now=10)
+    assert many.action == SCALE_OUT and many.count == 4
+    assert decide(w, AutoscalePolicy(10, 60, 10, 1, 16, 5, max_launch=2), now=10).count == 2
+    assert decide(w, AutoscalePolicy(10, 60, 10, 1, 6, 5, max_launch=8), now=10).count == 2  # max instances 6

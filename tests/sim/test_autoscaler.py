@@ -24,3 +24,15 @@ def test_scale_out_under_load_then_in_and_cost_counts_launches():
     fixed = simulate(SimOptions(**{**opts.__dict__, "scheduler_args": (), "instances": 1}), "llumnix")
     assert fixed["sim"]["instance_seconds"] < sim["instance_seconds"]
     assert run["summary"]["ttft_ms"]["p99"] < fixed["summary"]["ttft_ms"]["p99"]  # the launches paid off
+
+
+def test_a_scale_out_sized_by_the_shortfall_launches_several_at_once():
+    base = SimOptions(arrivals="poisson:6", lengths="M-M", num_requests=300, seed=2, instances=1,
+                      scheduler_args=AUTO, delays=Delays(launch_s=1.0), progress=False)
+    many = simulate(SimOptions(**{**base.__dict__, "scheduler_args": AUTO + ("--scale-out-max-launch", "4")}),
+                    "llumnix")
+    assert many["summary"]["completed"] == 300
+    outs = [e for e in many["sim"]["scale_events"] if e["action"] == "scale_out"]
+    assert max(e["count"] for e in outs) > 1 and all(1 <= e["count"] <= 4 for e in outs)
+    one = simulate(base, "llumnix")
+    assert all(e["count"] == 1 for e in one["sim"]["scale_events"] if e["action"] == "scale_out")
