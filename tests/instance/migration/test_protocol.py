@@ -62,6 +62,17 @@ async def test_commit_moves_the_request_with_exact_tokens(two):
     assert two.nodes["b"].manager.counters.committed_in == 1
 
 
+async def test_the_destination_announces_the_incoming_context_once(two):
+    hints = []
+    two.nodes["b"].engine.expect_context = hints.append  # the engine's hook: buffers ready before the join
+    cl, task = await start(two)
+    res = await two.nodes["a"].manager.migrate_out(order("b", "r"))
+    assert res.committed == 1, res
+    await finish(two, cl, task, 200)
+    # once, at the first reservation, for at least the context that moved (prompt + tokens so far)
+    assert len(hints) == 1 and hints[0] >= len(PROMPT) + 10 and hints[0] % 16 == 0
+
+
 async def test_three_migrations_back_and_forth(two):
     cl, task = await start(two, n=300)
     for dest in ("b", "a", "b"):
