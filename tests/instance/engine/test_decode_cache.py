@@ -57,7 +57,10 @@ def test_slots_hold_their_requests_kv_through_resizes_and_reuse_the_arenas():
     dc = _cache()
     a, b, c = Req(list(range(10))), Req(list(range(10, 20))), Req(list(range(20, 64)))
     seen = set()
-    for cycle in range(3):
+    # Which spares the first cycle ends with depends on when the helper
+    # thread's fills end; from the second cycle on, the pool holds what a
+    # cycle needs (one small arena, two large ones) and nothing is allocated.
+    for cycle in range(4):
         # two short decodes; a long one joins (grow); it leaves (shrink); the short ones stay
         assert dc.prepare([a, b], [5, 9]) is not None
         _check_slots(dc, [a, b], [5, 9])
@@ -68,9 +71,9 @@ def test_slots_hold_their_requests_kv_through_resizes_and_reuse_the_arenas():
         assert dc.buf.shape[4] < 171  # shrunk: attention reads what the batch needs
         _check_slots(dc, [a, b], [5, 9])
         _settle(dc)
-        if cycle == 0:
+        if cycle == 1:
             seen = _arena_ptrs(dc)
-        else:  # warm: no resize allocated anything
+        elif cycle > 1:  # warm: no resize allocated anything
             assert _arena_ptrs(dc) == seen
     assert 2 <= len(seen) <= 3
 
