@@ -42,7 +42,6 @@ from services.instance.migration.messages import KvChunk, MigrationAborted, Migr
 from services.instance.migration.peer import DestinationPeer
 from services.instance.migration.source import Fault, SourceMigration, failpoint_faults
 from services.instance.migration.states import Machine, SourceState
-from services.instance.streams import Event
 
 log = get_logger("migration")
 
@@ -319,14 +318,4 @@ class LayerwiseHandoff(SourceMigration):
         self.out.blocks = self.num_blocks
         self._to(H.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         await self.peer.commit(self.id, state)
-        # NOTE: from here nothing awaits (see SourceMigration._run).
-        self.out.commit_ack_ms = (time.perf_counter() - done.at) * 1000
-        self.out.suspended_at = time.time() - self.out.commit_ack_ms / 1000
-        self.out.committed = True
-        stream = self.host.streams.get(self.request_id)
-        if stream is not None:
-            stream.push(Event(len(state.output_token_ids), moved_to=(self.dest_id, self.dest_address)))
-            self.host.streams.close(self.request_id)
-        self.runner.submit(self._drop)
-        self.m.to(H.DONE, blocks=self.out.blocks, bytes=self.out.bytes,
-                  commit_ack_ms=round(self.out.commit_ack_ms, 3))
+        self._hand_over(done.at, len(state.output_token_ids), H.DONE)

@@ -232,10 +232,13 @@ class SourceMigration:
         self._to(S.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         next_index = len(state.output_token_ids)
         await self.peer.commit(self.id, state)
-        # NOTE: from here to the end nothing awaits (no cancel can land): the
-        # destination owns the request. Tell the client's stream where to go
-        # on first (it is suspended here, no token can come between), then
-        # forget it here at the next step boundary.
+        self._hand_over(t_suspend, next_index, S.DONE)
+
+    def _hand_over(self, t_suspend: float, next_index: int, done) -> None:
+        """After the commit acknowledgement. NOTE: nothing awaits here (no
+        cancel can land): the destination owns the request. Tell the client's
+        stream where to go on first (it is suspended here, no token can come
+        between), then forget it here at the next step boundary."""
         self.out.commit_ack_ms = (time.perf_counter() - t_suspend) * 1000
         self.out.suspended_at = time.time() - self.out.commit_ack_ms / 1000
         self.out.committed = True
@@ -244,7 +247,7 @@ class SourceMigration:
             stream.push(Event(next_index, moved_to=(self.dest_id, self.dest_address)))
             self.host.streams.close(self.request_id)
         self.runner.submit(self._drop)
-        self.m.to(S.DONE, blocks=self.out.blocks, bytes=self.out.bytes,
+        self.m.to(done, blocks=self.out.blocks, bytes=self.out.bytes,
                   commit_ack_ms=round(self.out.commit_ack_ms, 3))
 
     def _suspend_and_export(self):
