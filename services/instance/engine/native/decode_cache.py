@@ -57,6 +57,11 @@ _LEN_ROUND = 64
 _SPARES = 2  # spare arenas kept
 
 
+def _capacity(need_len: int) -> int:
+    """The slots' capacity for a longest context of ``need_len``: 25% headroom, in steps of _LEN_ROUND."""
+    return -(-int(need_len * 1.25) // _LEN_ROUND) * _LEN_ROUND
+
+
 class DecodeCache:
     def __init__(self, kv_cache: torch.Tensor, max_bytes: int):
         # kv_cache: [n_blocks, layers, 2, block_size, kv_heads, head_dim]
@@ -86,7 +91,7 @@ class DecodeCache:
         if slots <= cur_s and need_len <= cur_l < 2 * need_len + _LEN_ROUND:
             return True
         new_s = max(slots, cur_s)
-        new_l = -(-int(need_len * 1.25) // _LEN_ROUND) * _LEN_ROUND
+        new_l = _capacity(need_len)
         if self._bytes(new_s, new_l) > self.max_bytes:
             new_l = need_len
             if self._bytes(new_s, new_l) > self.max_bytes:
@@ -180,9 +185,8 @@ class DecodeCache:
         buf = self.buf
         slots, cap = (buf.shape[2], buf.shape[4]) if buf is not None else (0, 0)
         need = max(cap, context_len + 1)
-        new_l = -(-int(need * 1.25) // _LEN_ROUND) * _LEN_ROUND
         if buf is None or need > cap or all(o is not None for o in list(self.owner)):
-            self._make_ready("arena", self._bytes(slots + 1, new_l) // self.elt)
+            self._make_ready("arena", self._bytes(slots + 1, _capacity(need)) // self.elt)
         nb = -(-context_len // self.block_size)
         staged = nb * self.kv_cache[0].numel()
         if self._staging is None or self._staging.numel() < staged:
