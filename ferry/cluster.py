@@ -20,6 +20,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.common import rpc
+from libs.common.cpus import available_cores, cores_for, format_cpus
 
 PR_SET_PDEATHSIG = 1
 
@@ -144,6 +145,17 @@ class ClusterSpec:
     # torch intra-op threads per native instance (None: cores // instances, see
     # threads_per_instance; a --torch-threads in instance_args wins)
     torch_threads: int | None = None
+    # Pin each instance started with the cluster to its own share of this
+    # process's cores (--cpus; libs/common/cpus.py). Instances the
+    # auto-scaler adds later are not pinned. A --cpus in the args wins.
+    pin_cores: bool = False
+
+    def instance_cpus(self, index: int) -> str | None:
+        """The --cpus of the index-th instance started with the cluster, or None."""
+        if not self.pin_cores or any(a.startswith("--cpus") for a in
+                                     [*self.instance_args, *self.per_instance_args.get(index, [])]):
+            return None
+        return format_cpus(cores_for(index, self.instances, available_cores()))
 
     def role_of(self, index: int) -> str:
         """The --role of the index-th instance started with the cluster."""
@@ -267,6 +279,7 @@ class LocalCluster:
                      ["--port", str(port), "--instance-id", f"instance-{i}", "--meta-store", self.meta_store,
                       "--engine", self.spec.engine, "--model", self.spec.model,
                       *(["--torch-threads", str(t)] if (t := self.spec.instance_threads()) else []),
+                      *(["--cpus", c] if (c := self.spec.instance_cpus(i)) else []),
                       *(["--role", r] if (r := self.spec.role_of(i)) != "mixed" else []),
                       *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 

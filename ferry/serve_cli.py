@@ -8,13 +8,15 @@ import sys
 import click
 
 from libs.common.config import ConfigError, click_options, from_options
-from libs.common.logging import setup_logging
+from libs.common.logging import get_logger, setup_logging
 from libs.common.server import run
 from libs.common.server import serve as serve_grpc
 from services.frontend.config import FrontendConfig
 from services.instance.service import InstanceConfig
 from services.meta_store.service import MetaStoreConfig
 from services.scheduler.service import SchedulerConfig
+
+log = get_logger("ferry.serve")
 
 
 def _setup(config_cls, options: dict, name: str):
@@ -74,6 +76,14 @@ def instance(engine_args, **options) -> None:
         options["vllm_args"] = " ".join(filter(None, [options.get("vllm_args") or "",
                                                       shlex.join(a for a in engine_args if a != "--")]))
     cfg = _setup(InstanceConfig, options, "instance")
+    if cfg.cpus:  # first: the engine's and gRPC's threads inherit the affinity
+        from libs.common.cpus import format_cpus, pin
+
+        try:
+            cores = pin(cfg.cpus)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--cpus") from None
+        log.info("pinned to cores %s", format_cpus(cores))
     sys.exit(run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port)))
 
 

@@ -37,11 +37,14 @@ from services.instance.engine import ENGINES
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
 @click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
               help="internal gRPC calls carry a token made for this cluster; strangers get UNAUTHENTICATED")
+@click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
+              help="pin each instance to its own share of the cores (ferry serve instance --cpus), so that one "
+                   "instance's work besides its steps (a migration's copies) does not run on another's core")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
-       cluster_token, log_format, log_level) -> None:
+       cluster_token, pin_cores, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
@@ -49,7 +52,8 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
                        log_format=log_format, log_level=log_level,
-                       cluster_token=rpc.new_token() if cluster_token else "", prefill=prefill, decode=decode)
+                       cluster_token=rpc.new_token() if cluster_token else "", prefill=prefill, decode=decode,
+                       pin_cores=pin_cores)
     try:
         spec.check_roles()
     except ValueError as e:
@@ -65,6 +69,9 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     if threads:
         click.echo(f"ferry up: {usable_cores()} cores, {instances} native instances: {threads} torch thread(s) "
                    f"each (--instance-arg=--torch-threads=N overrides)", err=True)
+    if pin_cores:
+        click.echo("ferry up: instances pinned to cores " + "; ".join(
+            f"instance-{i}: {spec.instance_cpus(i) or 'as --instance-arg says'}" for i in range(instances)), err=True)
     cluster = LocalCluster(spec)
     stopping = False
 

@@ -353,16 +353,19 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
 @click.option("--num-blocks", default=1100, show_default=True)
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
 @click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
+@click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
+              help="pin the two instances to their own share of the cores each (ferry up --pin-cores)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def migration(lengths, runs, background, out_tokens, at_token, engine, model, device, dtype, num_blocks, vocab,
-              instance_args, json_path) -> None:
+              instance_args, pin_cores, json_path) -> None:
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
     lens = [int(x) for x in lengths.split(",")]
     args = ["--num-blocks", str(num_blocks), "--device", device, "--dtype", dtype,
             "--max-model-len", str(max(lens) + out_tokens + 64), *instance_args]
     spec = ClusterSpec(instances=2, engine=engine, model=model, port=free_port(), dispatch="round_robin",
-                       instance_args=args, scheduler_args=["--no-migration"], log_level="warning")
+                       instance_args=args, scheduler_args=["--no-migration"], log_level="warning", pin_cores=pin_cores)
     config = {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
+              "instance_cpus": [spec.instance_cpus(i) for i in range(spec.instances)],
               "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token,
               "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
 

@@ -61,6 +61,7 @@ class ServingOptions:
     token_delay_ms: float | None = None
     instance_args: tuple[str, ...] = ()
     scheduler_args: tuple[str, ...] = ()
+    pin_cores: bool = False  # each instance on its own share of the cores (ferry up --pin-cores)
     vocab_size: int = 32000
     sample_interval_s: float = 0.5
     log_dir: str | None = None
@@ -130,7 +131,7 @@ def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
     spec = ClusterSpec(instances=opts.instances, prefill=opts.prefill, decode=opts.decode, engine=opts.engine,
                        port=free_port(), dispatch=dispatch,
                        instance_args=args, scheduler_args=sched_args, log_dir=log_dir,
-                       log_level="warning")
+                       log_level="warning", pin_cores=opts.pin_cores)
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=opts.startup_timeout_s)
     return cluster
@@ -318,6 +319,8 @@ def serving_options(f):
                           "report model time (see module doc)"),
         click.option("--token-delay-ms", type=float, default=None, help="fake engine step time"),
         *SERVICE_ARG_OPTIONS,
+        click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
+                     help="pin each instance to its own share of the cores (ferry up --pin-cores)"),
         click.option("--vocab-size", type=int, default=32000, show_default=True,
                      help="native: prompt token ids are drawn from [1000, this)"),
         click.option("--stream/--no-stream", default=True, show_default=True,

@@ -13,7 +13,8 @@ import grpc
 from ferry.pb import instance_pb2 as pb
 from ferry.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert, failpoints
-from libs.common.config import CommonConfig, opt
+from libs.common.config import CommonConfig, ConfigError, opt
+from libs.common.cpus import parse_cpus
 from libs.common.errors import (
     Code,
     FailedPrecondition,
@@ -64,6 +65,8 @@ class InstanceConfig(CommonConfig):
                      choices=("auto", "float32", "bfloat16", "float16"))
     torch_threads: int = opt(0, "native: torch intra-op threads (0 = torch's default, one per core); set 1 "
                              "when several instances share a machine's cores", min=0)
+    cpus: str = opt("", "pin this instance to these CPU cores, e.g. '0' or '0-3,8' (default: any core); "
+                    "`ferry up --pin-cores` gives each instance its own share")
     token_delay_ms: float = opt(10.0, "fake engine: time per step (ms)", min=0.0)
     profile: str = opt("llama-7b-a10", "sim engine: latency profile name or JSON path")
     seed: int = opt(0, "engine seed", min=0)
@@ -92,6 +95,14 @@ class InstanceConfig(CommonConfig):
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
                          "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cpus:
+            try:
+                parse_cpus(self.cpus)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
 
     def migration_config(self):
         from services.instance.migration import MigrationConfig
