@@ -98,13 +98,17 @@ async def test_autoscale_out_fills_by_migration_then_in_drains_without_cutting(t
                     return True
                 return False
             assert await wait_for(terminating, timeout=20)
-            assert marked["running"] >= 1  # scale-in started while streams ran there
+            # NOTE: marked["running"] may be 0 already: on a loaded machine the
+            # drain's migrations can end before the first status report that
+            # says terminating is read. That streams ran there when the
+            # scale-in began is asserted below, from the late requests' routes.
             assert await wait_for(lambda: _gone(c, seen["auto"]), timeout=30)
             assert all(not t.done() for t in late_tasks)  # drained and stopped mid-stream
             late_results = await asyncio.gather(*late_tasks)
         assert [t for t, _ in late_results] == [expected_fake_text(p, 700) for p in late]
         assert all(f["resumes"] == 0 for _, f in late_results)  # drained by migration, never cut
         on_auto = [f for _, f in late_results if f["instances"][0] == seen["auto"]]
+        assert on_auto, "no late request started on the newcomer: the scale-in drained nothing"
         assert len(on_auto) >= marked["running"]
         assert all(f["migrations"] >= 1 and f["instances"][-1] == "instance-0" for f in on_auto)
         assert len((await cluster_view(c)).instances) == 1
