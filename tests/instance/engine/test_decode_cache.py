@@ -108,25 +108,3 @@ def test_drop_frees_everything():
     dc.drop()
     assert dc.buf is None and _arena_ptrs(dc) == set() and dc._staging is None
     assert not any(dc._spares.values())
-
-
-def test_spares_are_zeroed_at_the_lowest_cpu_priority(monkeypatch):
-    """The helper thread must not take a core's time from the steps (with the
-    instance pinned to one core it took half of it right after a join)."""
-    import os
-    import threading
-
-    dc = _cache()
-    seen = []
-    zeros = dc._zeros
-
-    def spy(numel):
-        seen.append((threading.current_thread() is threading.main_thread(),
-                     os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        return zeros(numel)
-
-    monkeypatch.setattr(dc, "_zeros", spy)
-    dc.prewarm(40)
-    _settle(dc)
-    helper = [prio for on_main, prio in seen if not on_main]
-    assert helper and all(p == 19 for p in helper)

@@ -37,12 +37,6 @@ into a spare: after a resize (so that the next one finds a spare as large)
 and on a hint that a long context is about to join (``prewarm``: an incoming
 migration's reservation, a long prompt's admission). A resize that needs
 a spare still being zeroed waits for it (sooner than zeroing its own).
-The helper thread runs at the lowest CPU priority (nice 19): it zeroes in
-the time the engine thread leaves, and never takes a core's time from the
-steps. When the instance is pinned to one core (``--cpus``), a helper at the
-engine's priority took half of that core for the steps right after a
-migrated request joined. A resize that waits for a fill lets it run at full
-speed (the engine thread is blocked then), so the wait is no longer.
 
 A slot is trusted only while its length equals the chunk's start (the
 request's KV count before the step); anything else (preempted, recomputed,
@@ -53,7 +47,6 @@ the runner falls back to gathering; the buffer is dropped then.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
@@ -62,15 +55,6 @@ from services.instance.engine.core.request import Request
 
 _LEN_ROUND = 64
 _SPARES = 2  # spare arenas kept
-
-
-def _lowest_priority() -> None:
-    """Nice 19 for the calling thread only (Linux: a thread id is a PRIO_PROCESS
-    target); where that is not possible the thread keeps its priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _capacity(need_len: int) -> int:
@@ -178,7 +162,6 @@ class DecodeCache:
         gen = self._gen
 
         def fill():
-            _lowest_priority()
             n = numel
             try:
                 while True:
