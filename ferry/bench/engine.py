@@ -10,6 +10,10 @@ vLLM column) with its own defaults (its CPU backend binds its threads
 itself); native and vLLM take turns, --repeats rounds per batch size, and
 the ratio is the median of the rounds' ratios (a shared machine's load
 changes by the minute; each round's two runs are seconds apart).
+Each round is also split into its two phases, measured the same way on both
+sides: prefill = until every request has its first token (vLLM: a batch with
+one output token, timed apart); decode = the rest of the run per output step
+((run - prefill) / (output_len - 1)).
 Also: instance ready time (engine construction + warmup from the cached model)
 and ``matches_reference``: greedy tokens of the native engine equal
 transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
@@ -40,25 +44,33 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def native_run(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """tok/s and CPU seconds (this process) of one batch, as vllm_offline reports them."""
-    c0 = time.process_time()
-    tok_s = native_tok_s(engine, prompts, output_len)
-    cpu = time.process_time() - c0
-    return {"tok_s": tok_s, "tokens": len(prompts) * output_len, "cpu_s": cpu}
-
-
-def native_tok_s(engine, prompts: list[list[int]], output_len: int) -> float:
+    """tok/s, CPU seconds (this process) and the prefill time of one batch,
+    as vllm_offline reports them (prefill: until every request has its first token)."""
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
 
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"bench-{i}", tuple(p), sp))
-    n = 0
+    n, started, prefill_s = 0, set(), None
     while engine.has_work():
-        n += len(engine.step())
-    return n / (time.perf_counter() - t0)
+        out = engine.step()
+        n += len(out)
+        if prefill_s is None:
+            started.update(o.request_id for o in out if o.token_id is not None)
+            if len(started) == len(prompts):
+                prefill_s = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return {"tok_s": n / seconds, "tokens": n, "seconds": seconds, "cpu_s": time.process_time() - c0,
+            "prefill_s": prefill_s}
+
+
+def decode_step_ms(seconds: float, prefill_s: float | None, output_len: int) -> float | None:
+    """The rest of a run after its prefill, per output step."""
+    if prefill_s is None or output_len < 2:
+        return None
+    return 1000 * (seconds - prefill_s) / (output_len - 1)
 
 
 def hf_tok_s(model, prompts: list[list[int]], output_len: int, device: str) -> float:
@@ -224,10 +236,15 @@ def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeat
     cost per token much less."""
     key = str(bs)
     runs: dict[str, list[dict]] = {"native": [], "vllm": []}
+
+    def vllm_run() -> dict:
+        first = vl.generate(prompts, 1)  # its prefill: the same prompts with one output token
+        return {**vl.generate(prompts, output_len), "prefill_s": first["seconds"]}
+
     for rep in range(repeats):
         turns = [("native", lambda: native_run(eng, prompts, output_len))]
         if vl is not None:
-            turns.append(("vllm", lambda: vl.generate(prompts, output_len)))
+            turns.append(("vllm", vllm_run))
         for name, run in turns[:: -1 if rep % 2 else 1]:
             runs[name].append(run())
         click.echo(f"bs={bs} round {rep + 1}: " + "  ".join(
@@ -236,6 +253,7 @@ def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeat
     result["native_runs"][key] = [round(x, 2) for x in native]
     result["native_tok_s"][key] = round(statistics.median(native), 2)
     result.setdefault("native_cpu_ms_per_token", {})[key] = _cpu_ms(runs["native"])
+    result.setdefault("native_phases", {})[key] = _phases(runs["native"], output_len)
     if vl is None:
         return
     v = result["vllm"] = result["vllm"] or {
@@ -246,9 +264,18 @@ def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeat
     v["runs"][key] = [round(x, 2) for x in other]
     v["tok_s"][key] = round(statistics.median(other), 2)
     v["cpu_ms_per_token"][key] = _cpu_ms(runs["vllm"])
+    v.setdefault("phases", {})[key] = _phases(runs["vllm"], output_len)
     rounds = [n / o for n, o in zip(native, other)]
     v["native_over_vllm_rounds"][key] = [round(x, 3) for x in rounds]
     v["native_over_vllm"][key] = round(statistics.median(rounds), 3)
+
+
+def _phases(runs: list[dict], output_len: int) -> dict:
+    """Medians over the rounds: prefill seconds and decode milliseconds per output step."""
+    pre = [r["prefill_s"] for r in runs if r.get("prefill_s") is not None]
+    dec = [d for r in runs if (d := decode_step_ms(r["seconds"], r.get("prefill_s"), output_len)) is not None]
+    return {"prefill_s": round(statistics.median(pre), 3) if pre else None,
+            "decode_step_ms": round(statistics.median(dec), 2) if dec else None}
 
 
 def _cpu_ms(runs: list[dict]) -> float | None:
@@ -272,6 +299,15 @@ def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
                     f"  {r.get('native_cpu_ms_per_token', {}).get(str(bs), '-')!s:>19}"
                     f"  {r['vllm']['cpu_ms_per_token'].get(str(bs), '-')!s:>6}")
         click.echo(row)
+    phases = r["vllm"].get("phases", {}) if vllm else {}
+    click.echo(f"{'batch':>5}  {'prefill s native':>16}" + (f"  {'vLLM':>6}" if vllm else "")
+               + f"  {'decode ms/step native':>21}" + (f"  {'vLLM':>6}" if vllm else ""))
+    for bs in bss:
+        n = r.get("native_phases", {}).get(str(bs), {})
+        v = phases.get(str(bs), {})
+        click.echo(f"{bs:>5}  {n.get('prefill_s', '-')!s:>16}" + (f"  {v.get('prefill_s', '-')!s:>6}" if vllm else "")
+                   + f"  {n.get('decode_step_ms', '-')!s:>21}"
+                   + (f"  {v.get('decode_step_ms', '-')!s:>6}" if vllm else ""))
     if r["vllm"] is None:
         click.echo("vLLM: not run (no interpreter with vllm; --vllm-python PATH)")
     elif r["vllm"].get("error"):
