@@ -108,3 +108,20 @@ def test_drop_frees_everything():
     dc.drop()
     assert dc.buf is None and _arena_ptrs(dc) == set() and dc._staging is None
     assert not any(dc._spares.values())
+
+
+def test_a_short_budget_still_leaves_headroom_instead_of_resizing_every_step():
+    """With a budget too small for the usual 25% headroom, the capacity takes
+    what the budget holds: a growing batch must not resize (and copy every
+    slot) at each step."""
+    kv = torch.randn(64, LAYERS, 2, BS, KVH, D)
+    per_token = LAYERS * 2 * KVH * D * kv.element_size()  # one slot's bytes per token
+    dc = DecodeCache(kv, 2 * 40 * per_token)  # two slots of 40 tokens at most
+    a, b = Req(list(range(10))), Req(list(range(10, 20)))
+    caps = []
+    for n in range(10, 40):
+        assert dc.prepare([a, b], [n, n]) is not None
+        dc.advance(2)
+        caps.append(dc.buf.shape[4])
+    assert caps[0] == 40 and set(caps) == {40}
+    assert dc.prepare([a, b], [40, 40]) is None  # past the budget: the runner gathers instead
