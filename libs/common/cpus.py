@@ -56,8 +56,10 @@ def available_cores() -> list[int]:
 
 
 def pin(text: str) -> list[int]:
-    """Pin this process (and the threads it starts from now on) to the cores
-    in ``text``; returns them. ValueError for cores this process may not use."""
+    """Pin the calling thread, and every thread it starts from now on, to the
+    cores in ``text``; returns them. Call it first in a process, before any
+    other thread exists, to pin the whole process. ValueError for cores this
+    process may not use."""
     cores = parse_cpus(text)
     allowed = set(available_cores())
     if not set(cores) <= allowed:
