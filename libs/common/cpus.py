@@ -1,10 +1,12 @@
 """CPU core sets for pinning instance processes (``--cpus``).
 
 Several native instances on one machine each run an engine thread that is
-busy every step. Unpinned, the kernel moves any thread to any core, so the
+busy every step. Unpinned, the kernel may run any thread on any core, so the
 work one instance does besides its steps (a migration's copies, a helper
-thread zeroing memory, gRPC) lands on the core another instance is stepping
-on. Pinned, an instance's extra work waits for its own core.
+thread zeroing memory, gRPC) can land on the core another instance is
+stepping on. Pinned, an instance's extra work waits for its own core, which
+delays its own steps instead (docs/results/README.md, "Pinning the instances
+to cores": on 2 cores that made a migrated request's stall longer).
 """
 
 from __future__ import annotations
