@@ -186,10 +186,7 @@ class ClusterSpec:
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    return len(available_cores())
 
 
 def threads_per_instance(instances: int, cores: int | None = None) -> int:
