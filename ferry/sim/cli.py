@@ -96,6 +96,10 @@ def sim_options(f):
     return apply_options(f, opts)
 
 
+JOBS_OPTION = click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+                           help="simulations run at once, in worker processes (the JSON does not change)")
+
+
 def options_from(kw: dict, seed: int) -> SimOptions:
     delays = Delays(dispatch_s=kw["dispatch_ms"] / 1e3, generate_s=kw["generate_ms"] / 1e3,
                     token_s=kw["token_ms"] / 1e3, report_s=kw["report_lag_ms"] / 1e3, rpc_s=kw["rpc_ms"] / 1e3,
@@ -110,27 +114,55 @@ def options_from(kw: dict, seed: int) -> SimOptions:
         pools=tuple(kw["pools"]), per_layer_threshold=kw["per_layer_threshold"])
 
 
-def run_compare(kw: dict, names: list[str], seeds: list[int], records: bool = True) -> dict:
+def _simulate_one(kw: dict, seed: int, name: str, keep: bool) -> dict:
+    """One run (in a worker process when ``--jobs`` > 1); a run whose records
+    are not kept comes back as its summary and timing only."""
+    run = simulate(options_from(kw, seed), name)
+    if not keep:
+        run = {"summary": run["summary"], "sim": run["sim"], "_wall_s": run["_wall_s"]}
+    return run
+
+
+def _runs(kw: dict, tasks: list[tuple[int, str, bool]], jobs: int):
+    """The runs of ``tasks`` in order. With ``jobs`` > 1 they run in that many
+    forked processes (no progress bars); each run is a pure function of its
+    options and seed, so the results do not depend on ``jobs``."""
+    if jobs <= 1:
+        for seed, name, keep in tasks:
+            yield _simulate_one(kw, seed, name, keep)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    quiet = {**kw, "no_progress": True}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(_simulate_one, quiet, seed, name, keep) for seed, name, keep in tasks]
+        for f in futures:
+            yield f.result()
+
+
+def run_compare(kw: dict, names: list[str], seeds: list[int], records: bool = True, jobs: int = 1) -> dict:
     """Every policy on every seed; the `ferry bench compare` JSON of the first
-    seed plus ``seeds``, ``per_seed``, ``over_seeds`` and ``p99_ttft_ratios``."""
+    seed plus ``seeds``, ``per_seed``, ``over_seeds`` and ``p99_ttft_ratios``.
+    ``jobs``: run that many simulations at once, in worker processes."""
     per_seed: dict[str, list[dict]] = {n: [] for n in names}
     runs: dict[str, dict] = {}
-    for seed in seeds:
-        opts = options_from(kw, seed)
-        for name in names:
-            try:
-                run = simulate(opts, name)
-            except wl.WorkloadError as e:
-                raise click.UsageError(str(e)) from e
-            wall = run.pop("_wall_s")
-            click.echo(f"[{name} seed {seed}] {run['summary']['completed']}/{run['summary']['requests']} in "
-                       f"{wall:.1f} s wall, {run['sim']['model_s']:.0f} s simulated "
-                       f"({run['sim']['model_s'] / wall:.3g} sim-s per wall-s)", err=True)
-            per_seed[name].append(run["summary"])
-            if seed == seeds[0]:
-                if not records:
-                    run["requests"] = []
-                runs[name] = run
+    tasks = [(seed, name, seed == seeds[0]) for seed in seeds for name in names]
+    results = _runs(kw, tasks, jobs)
+    for seed, name, _ in tasks:
+        try:
+            run = next(results)
+        except wl.WorkloadError as e:
+            raise click.UsageError(str(e)) from e
+        wall = run.pop("_wall_s")
+        click.echo(f"[{name} seed {seed}] {run['summary']['completed']}/{run['summary']['requests']} in "
+                   f"{wall:.1f} s wall, {run['sim']['model_s']:.0f} s simulated "
+                   f"({run['sim']['model_s'] / wall:.3g} sim-s per wall-s)", err=True)
+        per_seed[name].append(run["summary"])
+        if seed == seeds[0]:
+            if not records:
+                run["requests"] = []
+            runs[name] = run
     first = next(iter(runs.values()))
     return {"command": " ".join(sys.argv), "mode": "des", "workload": first["workload"],
             "time_scale": first["time_scale"], "options": first["options"],
@@ -164,7 +196,8 @@ def sim() -> None:
 @sim.command("compare")
 @sim_options
 @click.option("--policies", default=",".join(POLICIES), show_default=True, help="comma-separated dispatch policies")
-def compare(policies, seed, seeds, json_path, plots_dir, no_records, **kw) -> None:
+@JOBS_OPTION
+def compare(policies, seed, seeds, json_path, plots_dir, no_records, jobs, **kw) -> None:
     """Compare dispatch policies on one workload over one or more seeds (simulated)."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
@@ -172,7 +205,7 @@ def compare(policies, seed, seeds, json_path, plots_dir, no_records, **kw) -> No
         raise click.UsageError(f"unknown policies {bad}; known: {', '.join(POLICIES)}")
     seed_list = parse_seeds(seeds) if seeds else [seed]
     t0 = time.perf_counter()
-    result = run_compare({**kw, "no_records": no_records}, names, seed_list, records=not no_records)
+    result = run_compare({**kw, "no_records": no_records}, names, seed_list, records=not no_records, jobs=jobs)
     print_compare(result)
     click.echo(f"{len(names) * len(seed_list)} runs in {time.perf_counter() - t0:.1f} s wall", err=True)
     if json_path:

@@ -17,7 +17,7 @@ import click
 
 from ferry.bench.serving import POLICIES, write_json
 from ferry.sim import stats
-from ferry.sim.cli import parse_seeds, run_compare, sim_options
+from ferry.sim.cli import JOBS_OPTION, parse_seeds, run_compare, sim_options
 
 # (label, summary key, sub-key, unit) of the reported metrics.
 REPORTED = (("P99 TTFT", "ttft_ms", "p99", "s"), ("mean TTFT", "ttft_ms", "mean", "s"),
@@ -37,7 +37,7 @@ def parse_cell(spec: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-def run_cell(kw: dict, names: list[str], seeds: list[int], path: str) -> dict:
+def run_cell(kw: dict, names: list[str], seeds: list[int], path: str, jobs: int = 1) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
@@ -46,7 +46,7 @@ def run_cell(kw: dict, names: list[str], seeds: list[int], path: str) -> dict:
         if same:
             click.echo(f"kept {path}", err=True)
             return old
-    result = run_compare(kw, names, seeds, records=False)
+    result = run_compare(kw, names, seeds, records=False, jobs=jobs)
     for run in result["runs"].values():
         run["samples"] = []
     write_json(path, result)
@@ -199,7 +199,8 @@ def plot(results: list[dict], folder: str) -> list[str]:
 @click.option("--policies", default=",".join(POLICIES), show_default=True)
 @click.option("--baseline", default="infaas++", show_default=True, help="the report's ratios are to this policy")
 @click.option("--out", "out_dir", required=True, help="folder for one JSON per cell, report.md and plots/")
-def grid(cells, policies, baseline, out_dir, seed, seeds, json_path, plots_dir, no_records, **kw) -> None:
+@JOBS_OPTION
+def grid(cells, policies, baseline, out_dir, seed, seeds, json_path, plots_dir, no_records, jobs, **kw) -> None:
     """Run a grid of workloads (every policy, every seed) and report it."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     seed_list = parse_seeds(seeds) if seeds else [seed]
@@ -210,7 +211,7 @@ def grid(cells, policies, baseline, out_dir, seed, seeds, json_path, plots_dir, 
         lengths, arrivals = parse_cell(spec)
         t = time.perf_counter()
         path = os.path.join(out_dir, f"{slug(lengths, arrivals)}.json")
-        results.append(run_cell({**kw, "lengths": lengths, "arrivals": arrivals}, names, seed_list, path))
+        results.append(run_cell({**kw, "lengths": lengths, "arrivals": arrivals}, names, seed_list, path, jobs))
         click.echo(f"[{lengths} {arrivals}] {time.perf_counter() - t:.0f} s wall", err=True)
     text = report(results, baseline) + "\n" + verdicts(results, baseline)
     with open(os.path.join(out_dir, "report.md"), "w") as f:

@@ -55,6 +55,12 @@ def test_the_same_command_writes_the_same_bytes(tmp_path):
     assert json.loads(c.read_text())["per_seed"] != json.loads(a.read_text())["per_seed"]
 
 
+def test_jobs_run_in_worker_processes_and_change_nothing_in_the_json(tmp_path):
+    a, _ = run(tmp_path, "a.json", "--seeds", "4,5")
+    b, _ = run(tmp_path, "b.json", "--seeds", "4,5", "--jobs", "3")
+    assert a.read_bytes() == b.read_bytes()
+
+
 def test_parse_seeds():
     assert parse_seeds("0-3") == [0, 1, 2, 3]
     assert parse_seeds("5,1,5, 2-3") == [5, 1, 2, 3]
