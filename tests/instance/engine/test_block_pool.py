@@ -63,3 +63,65 @@ def test_integrity_detects_leaks_and_double_ownership():
         pool.check_integrity([a, a])  # two owners, refcount 1
     pool.check_integrity([a])
     pool.free(a)
+
+
+# --- grow / shrink (KunServe: parameter memory lent to the KV cache and given back) ---
+
+
+def test_grow_adds_free_blocks_after_the_existing_ones():
+    pool = BlockPool(4)
+    held = pool.allocate(4)
+    assert not pool.can_allocate(1)
+    assert pool.grow(3) == 7 and pool.num_free == 3
+    assert pool.allocate(3) == [4, 5, 6]
+    pool.free(held)
+    pool.check_integrity([[4, 5, 6]])
+
+
+def test_shrink_takes_free_blocks_at_once_and_the_rest_as_they_are_freed():
+    pool = BlockPool(6)
+    a = pool.allocate(4)
+    assert pool.shrink(3) == 1  # two free ones now, one more to come
+    assert pool.capacity == 4 and pool.num_free == 0 and pool.shrinking == 1
+    assert not pool.can_allocate(1)
+    pool.free(a[:2])  # the first freed block is retired, the second is free again
+    assert pool.capacity == 3 and pool.shrinking == 0 and pool.num_free == 1
+    pool.check_integrity([a[2:]])
+    pool.free(a[2:])
+    assert pool.num_free == 3
+    pool.check_integrity()
+
+
+def test_grow_after_shrink_reuses_retired_ids_and_cancels_a_shrink_under_way():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    pool.shrink(2)  # 1 free retired now, 1 pending
+    assert pool.grow(1) == 3 and pool.shrinking == 0  # cancels the pending one
+    assert pool.grow(2) == 5 and pool.num_blocks == 5  # one retired id back, one new
+    pool.free(a)
+    assert pool.num_free == 5
+    pool.check_integrity()
+
+
+def test_shrink_more_than_the_capacity_is_refused_and_a_leak_is_still_caught():
+    pool = BlockPool(3)
+    with pytest.raises(ValueError):
+        pool.shrink(4)
+    pool.shrink(1)
+    with pytest.raises(ValueError):
+        pool.shrink(3)
+    held = pool.allocate(2)
+    with pytest.raises(IntegrityError):
+        pool.check_integrity([held[:1]])  # the second block is owned by nobody
+
+
+def test_an_engine_reports_the_capacity_in_circulation():
+    from services.instance.engine.base import EngineConfig
+    from services.instance.engine.core.engine import CoreEngine
+    from services.instance.engine.fake import FakeExecutor
+
+    eng = CoreEngine(EngineConfig(block_size=4), FakeExecutor(16, 4, 0.0), 16, 64)
+    eng.pool.grow(8)
+    assert eng.load().total_blocks == 24 and eng.load().free_blocks == 24
+    eng.pool.shrink(10)
+    assert eng.load().total_blocks == 14

@@ -24,11 +24,25 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._reserved: set[int] = set()
+        # Capacity given back (KunServe's restore, ``shrink``): ids out of
+        # circulation, and how many more to take out as blocks are freed.
+        self._retired: set[int] = set()
+        self._to_retire = 0
         # The pool is mutated by the engine thread only; the lock keeps the
         # counters coherent for readers on other threads (status reports).
         self._lock = threading.Lock()
 
     # --- queries ------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Blocks in circulation: ``num_blocks`` less the retired ones."""
+        return self.num_blocks - len(self._retired)
+
+    @property
+    def shrinking(self) -> int:
+        """Blocks a ``shrink`` still has to take out (in use until freed)."""
+        return self._to_retire
+
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -65,7 +79,11 @@ class BlockPool:
                     raise IntegrityError(f"double free of block {b}")
                 self._ref[b] -= 1
                 if self._ref[b] == 0:
-                    self._free.append(b)
+                    if self._to_retire:
+                        self._retired.add(b)
+                        self._to_retire -= 1
+                    else:
+                        self._free.append(b)
 
     def share(self, block_ids: list[int]) -> None:
         """Add a reference (a block used by a second owner, e.g. a prefix)."""
@@ -74,6 +92,39 @@ class BlockPool:
                 if self._ref[b] <= 0:
                     raise IntegrityError(f"share of free block {b}")
                 self._ref[b] += 1
+
+    def grow(self, n: int) -> int:
+        """Add n free blocks (KunServe: memory freed by dropping parameters).
+        A shrink still under way is cancelled first, then retired ids come
+        back before new ones are made. Returns the new capacity."""
+        if n < 0:
+            raise ValueError(f"grow({n}): n must be >= 0")
+        with self._lock:
+            cancel = min(n, self._to_retire)
+            self._to_retire -= cancel
+            n -= cancel
+            back = sorted(self._retired)[:n]
+            self._retired.difference_update(back)
+            self._free.extend(back)
+            new = n - len(back)
+            self._free.extend(range(self.num_blocks, self.num_blocks + new))
+            self._ref.extend([0] * new)
+            self.num_blocks += new
+            return self.capacity
+
+    def shrink(self, n: int) -> int:
+        """Take n blocks out of circulation (KunServe: memory given back to
+        restored parameters): free ones at once, the rest as they are freed
+        (``shrinking`` says how many are left). Only the count matters here:
+        the ids retired are whichever come free. Returns how many are left."""
+        if n < 0 or n > self.capacity - self._to_retire:
+            raise ValueError(f"shrink({n}) of a pool of {self.capacity} blocks ({self._to_retire} already going)")
+        with self._lock:
+            now = min(n, len(self._free))
+            for _ in range(now):
+                self._retired.add(self._free.pop())
+            self._to_retire += n - now
+            return self._to_retire
 
     def reserve(self, n: int) -> list[int] | None:
         """Blocks for an incoming migration, keeping the watermark free."""
@@ -117,5 +168,7 @@ class BlockPool:
             for b in range(self.num_blocks):
                 if self._ref[b] != counts[b]:
                     raise IntegrityError(f"block {b}: refcount {self._ref[b]} but {counts[b]} owners")
-            if set(free) != {b for b in range(self.num_blocks) if counts[b] == 0}:
+            if self._retired & ({b for b in range(self.num_blocks) if counts[b]} | set(free)):
+                raise IntegrityError("a retired block is in use or on the free list")
+            if set(free) != {b for b in range(self.num_blocks) if counts[b] == 0} - self._retired:
                 raise IntegrityError("free list does not match unowned blocks (leak)")

@@ -81,7 +81,7 @@ class CoreEngine(Engine):
 
     # --- static facts -------------------------------------------------------
     block_size = property(lambda self: self._block_size)
-    num_total_blocks = property(lambda self: self.pool.num_blocks)
+    num_total_blocks = property(lambda self: self.pool.capacity)
     max_model_len = property(lambda self: self._max_model_len)
     kv_layout: KvLayout = property(lambda self: self.executor.kv_layout)
     num_free_blocks = property(lambda self: self.pool.num_free)
@@ -96,7 +96,7 @@ class CoreEngine(Engine):
             raise EngineError(f"request {rid!r} already exists")
         sp = request.sampling
         n_ctx = check_request(request, self._max_model_len, self.vocab_size)
-        if cdiv(n_ctx + 1, self._block_size) > self.pool.num_blocks - self.pool.watermark_blocks:
+        if cdiv(n_ctx + 1, self._block_size) > self.pool.capacity - self.pool.watermark_blocks:
             raise EngineError(f"prompt of {n_ctx} tokens needs more KV blocks than this engine has")
         self._seq += 1
         req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
@@ -257,7 +257,7 @@ class CoreEngine(Engine):
                  for r in s.waiting]
         demands = [s.demand_blocks(r) for r in s.waiting]
         return EngineLoad(
-            total_blocks=self.pool.num_blocks,
+            total_blocks=self.pool.capacity,
             free_blocks=self.pool.num_free,
             block_size=self._block_size,
             requests=tuple(reqs),
