@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import click
 
@@ -123,20 +124,19 @@ def _simulate_one(kw: dict, seed: int, name: str, keep: bool) -> dict:
     return run
 
 
-def _runs(kw: dict, tasks: list[tuple[int, str, bool]], jobs: int):
-    """The runs of ``tasks`` in order. With ``jobs`` > 1 they run in that many
-    forked processes (no progress bars); each run is a pure function of its
-    options and seed, so the results do not depend on ``jobs``."""
+def run_parallel(fn: Callable, tasks: list[tuple], jobs: int):
+    """fn(*task) for each task, in order. With ``jobs`` > 1 they run in that
+    many forked processes; each simulation is a pure function of its
+    arguments, so the results do not depend on ``jobs``."""
     if jobs <= 1:
-        for seed, name, keep in tasks:
-            yield _simulate_one(kw, seed, name, keep)
+        for t in tasks:
+            yield fn(*t)
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    quiet = {**kw, "no_progress": True}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures = [pool.submit(_simulate_one, quiet, seed, name, keep) for seed, name, keep in tasks]
+        futures = [pool.submit(fn, *t) for t in tasks]
         for f in futures:
             yield f.result()
 
@@ -147,9 +147,11 @@ def run_compare(kw: dict, names: list[str], seeds: list[int], records: bool = Tr
     ``jobs``: run that many simulations at once, in worker processes."""
     per_seed: dict[str, list[dict]] = {n: [] for n in names}
     runs: dict[str, dict] = {}
-    tasks = [(seed, name, seed == seeds[0]) for seed in seeds for name in names]
-    results = _runs(kw, tasks, jobs)
-    for seed, name, _ in tasks:
+    if jobs > 1:
+        kw = {**kw, "no_progress": True}  # one bar per worker would interleave
+    tasks = [(kw, seed, name, seed == seeds[0]) for seed in seeds for name in names]
+    results = run_parallel(_simulate_one, tasks, jobs)
+    for _, seed, name, _ in tasks:
         try:
             run = next(results)
         except wl.WorkloadError as e:
@@ -188,6 +190,7 @@ def print_compare(result: dict) -> None:
                                   "calibrate": "ferry.sim.calibrate:calibrate",
                                   "crosscheck": "ferry.sim.crosscheck:crosscheck",
                                   "grid": "ferry.sim.grid:grid",
+                                  "kunserve": "ferry.sim.kunserve_cli:kunserve",
                                   "splitwise": "ferry.sim.splitwise_cli:splitwise"})
 def sim() -> None:
     """Discrete-event simulation of a sim cluster: Ferry's own policies and engine core on a virtual clock."""

@@ -64,13 +64,17 @@ class _Timed:
         self.profile = profile
         self.clock = clock
         self.observer: StepObserver | None = None
+        # KunServe's pipelined groups (ferry/sim/kunserve.py): the profile's
+        # step time in ms -> the step time this instance takes.
+        self.stretch: Callable[[float], float] | None = None
         self.prefill_tokens = 0  # tokens of chunks that start inside the prompt (recomputes included)
         self.decode_tokens = 0  # chunks that start past the prompt (one token each)
         self.busy_s = 0.0
 
     def _advance(self, chunks: list[ScheduledChunk]) -> None:
         start = self.clock.t
-        self.clock.t += self.profile.step_ms(*chunk_cost(chunks)) / 1000.0
+        ms = self.profile.step_ms(*chunk_cost(chunks))
+        self.clock.t += (ms if self.stretch is None else self.stretch(ms)) / 1000.0
         self.busy_s += self.clock.t - start
         for c in chunks:
             if c.start < len(c.request.prompt_token_ids):
@@ -99,6 +103,9 @@ class StepTimeExecutor(_Timed, Executor):
 
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return memoryview(b"")
+
+    def grow_kv(self, num_blocks: int) -> None:
+        pass  # stores no KV
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         pass

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import click
 
@@ -273,7 +274,7 @@ class Cluster:
             eng = inst.engine
             eng.check_integrity()
             left["requests"] += len(eng.requests)
-            left["used_blocks"] += eng.pool.num_blocks - eng.pool.num_free - eng.pool.num_reserved
+            left["used_blocks"] += eng.pool.capacity - eng.pool.num_free - eng.pool.num_reserved
             left["reserved_blocks"] += eng.pool.num_reserved
         return left
 
@@ -293,9 +294,12 @@ class Cluster:
         return total
 
 
-def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
+def simulate(opts: SimOptions, policy: str, label: str | None = None,
+             extend: Callable[[Cluster], Any] | None = None) -> dict:
     """One run. The result holds no wall-clock figure: the same options give
-    the same dict (wall time is returned under ``_wall_s``, kept out of JSON)."""
+    the same dict (wall time is returned under ``_wall_s``, kept out of JSON).
+    ``extend(cluster)``: wires more onto the cluster before it runs (KunServe)
+    and returns an object whose ``summary()`` goes into ``sim["extension"]``."""
     label = label or policy
     work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.sim_slowdown,
                     opts.high_priority_fraction, max_model_len_of(opts),
@@ -304,6 +308,7 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
         click.echo(f"[{label}] {work.clip.line()}", err=True)
     t_wall = time.perf_counter()
     cluster = Cluster(opts, policy, work)
+    extension = extend(cluster) if extend else None
     bar = None
     if opts.progress:
         from tqdm import tqdm
@@ -340,6 +345,8 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None) -> dict:
            "transfer": dataclasses.asdict(cluster.migration.transfer)}
     if cluster.autoscaler:
         sim["scale_events"] = cluster.autoscaler.events
+    if extension is not None:
+        sim["extension"] = extension.summary()
     if opts.pools:
         sim["pools"] = [p.spec for p in cluster.pools]
         sim["handoff"] = cluster.handoff.summary()

@@ -102,10 +102,18 @@ def test_cluster_forecast_sums_the_throttled_instances():
     assert [i.instance_id for i in f.instances if i.throttled] == ["a", "b"]
 
 
-def test_sample_of_status_counts_the_whole_queue():
-    st = InstanceStatus("a", timestamp=5.0, total_blocks=100, used_blocks=60, head_of_line_demand_blocks=10,
-                        waiting_demand_blocks=30)
-    assert sample_of(st) == MemorySample(5.0, 60, 100, 30)
+def test_sample_of_status_counts_the_whole_queue_when_memory_holds_its_head_back():
+    st = InstanceStatus("a", timestamp=5.0, total_blocks=100, free_blocks=8, used_blocks=92, num_waiting=3,
+                        head_of_line_demand_blocks=10, waiting_demand_blocks=30)
+    assert sample_of(st) == MemorySample(5.0, 92, 100, 30)
+
+
+def test_sample_of_status_ignores_a_queue_held_back_by_compute():
+    # The head fits in the free blocks: the batch limit or the token budget
+    # holds the queue, and more memory would not admit it.
+    st = InstanceStatus("a", timestamp=5.0, total_blocks=100, free_blocks=40, used_blocks=60, num_waiting=3,
+                        head_of_line_demand_blocks=10, waiting_demand_blocks=30)
+    assert sample_of(st) == MemorySample(5.0, 60, 100, 0)
 
 
 # ---------------------------------------------------------------- planner

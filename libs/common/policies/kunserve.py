@@ -35,9 +35,15 @@ class MemorySample:
 
 
 def sample_of(status: InstanceStatus) -> MemorySample:
-    """The sample in an instance's status report. The whole waiting queue
-    counts, not only its head: the memory freed must admit all of it."""
-    return MemorySample(status.timestamp, status.used_blocks, status.total_blocks, status.waiting_demand_blocks)
+    """The sample in an instance's status report. The queue counts when
+    memory is what holds it back (its head needs more blocks than are free),
+    and then all of it: the memory freed must admit the whole queue. A queue
+    held back by compute (the batch limit or the step's token budget, with
+    memory to spare) counts as nothing: parameters dropped would not admit
+    it, and a pipeline would serve it slower."""
+    blocked = status.num_waiting > 0 and status.head_of_line_demand_blocks > status.free_blocks
+    return MemorySample(status.timestamp, status.used_blocks, status.total_blocks,
+                        status.waiting_demand_blocks if blocked else 0)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,11 @@ class TokenKvExecutor(Executor):
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return memoryview(np.ascontiguousarray(self.cache[block_ids]).tobytes())
 
+    def grow_kv(self, num_blocks: int) -> None:
+        extra = num_blocks - self.cache.shape[0]
+        if extra > 0:
+            self.cache = np.concatenate([self.cache, np.zeros((extra,) + self.cache.shape[1:], np.float32)])
+
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         arr = np.frombuffer(data, dtype=np.float32).reshape((len(block_ids),) + self.cache.shape[1:])
         self.cache[block_ids] = arr

@@ -48,6 +48,9 @@ class SimProfile:
     machine_gpus: int = 0  # GPUs serving one instance (tensor parallel)
     machine_power_w: float = 0.0  # provisioned power of the machine (GPU TDP or power cap times GPUs)
     machine_cost: float = 0.0  # relative cost per machine-hour, a DGX-A100 = 1.0
+    # KunServe (ferry sim kunserve): one replica's parameter memory, which
+    # dropping layers lends to the KV cache. 0: unknown (refused there).
+    param_bytes: int = 0
     hardware: str = ""
     model: str = ""
     source: str = ""
@@ -65,7 +68,7 @@ class SimProfile:
     @classmethod
     def load(cls, name_or_path: str) -> SimProfile:
         path = pathlib.Path(name_or_path)
-        if not path.suffix:
+        if not path.is_file() and (PROFILE_DIR / f"{name_or_path}.json").is_file():  # a name (may hold dots)
             path = PROFILE_DIR / f"{name_or_path}.json"
         if not path.is_file():
             known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.json")))

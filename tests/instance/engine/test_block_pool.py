@@ -121,7 +121,30 @@ def test_an_engine_reports_the_capacity_in_circulation():
     from services.instance.engine.fake import FakeExecutor
 
     eng = CoreEngine(EngineConfig(block_size=4), FakeExecutor(16, 4, 0.0), 16, 64)
-    eng.pool.grow(8)
+    assert eng.grow_blocks(8) == 24 and eng.executor.cache.shape[0] == 24  # storage for the new ids
     assert eng.load().total_blocks == 24 and eng.load().free_blocks == 24
     eng.pool.shrink(10)
     assert eng.load().total_blocks == 14
+
+
+def test_an_executor_that_cannot_grow_its_kv_refuses_and_the_pool_is_unchanged():
+    from services.instance.engine.base import EngineConfig, EngineError, KvLayout
+    from services.instance.engine.core.engine import CoreEngine
+    from services.instance.engine.core.executor import Executor
+
+    class Fixed(Executor):
+        kv_layout = KvLayout("float32", 4, 1, 1, 1)
+
+        def execute(self, chunks):
+            return []
+
+        def gather_kv(self, block_ids):
+            return memoryview(b"")
+
+        def scatter_kv(self, block_ids, data):
+            pass
+
+    eng = CoreEngine(EngineConfig(block_size=4), Fixed(), 16, 64)
+    with pytest.raises(EngineError, match="cannot grow"):
+        eng.grow_blocks(4)
+    assert eng.pool.capacity == 16

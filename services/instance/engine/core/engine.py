@@ -339,6 +339,13 @@ class CoreEngine(Engine):
         r.layer_tap = None if tap is None else (tap, copy)
         return True
 
+    def grow_blocks(self, n: int) -> int:
+        """n more KV blocks (KunServe: a layer range's parameter memory),
+        storage first; returns the pool's capacity. ``pool.shrink`` gives
+        them back."""
+        self.executor.grow_kv(self.pool.num_blocks + n)
+        return self.pool.grow(n)
+
     def release_blocks(self, block_ids: list[int]) -> None:
         self.pool.release(list(block_ids))
 

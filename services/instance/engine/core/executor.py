@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 
-from services.instance.engine.base import KvLayout, LayerKv
+from services.instance.engine.base import EngineError, KvLayout, LayerKv
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
 
@@ -40,6 +40,11 @@ class Executor(abc.ABC):
     def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
         """One layer ``[n, 2, block_size, kv_heads, head_dim]`` into the blocks."""
         raise NotImplementedError
+
+    def grow_kv(self, num_blocks: int) -> None:
+        """Make the KV storage hold block ids 0 .. num_blocks-1 (KunServe:
+        parameter memory lent to the KV cache). Executors that cannot say so."""
+        raise EngineError(f"{type(self).__name__} cannot grow its KV cache")
 
     def expect_context(self, num_tokens: int) -> None:
         """A hint from any thread: a request with this much context may join

@@ -1,0 +1,154 @@
+"""KunServe in the simulator (ferry/sim/kunserve.py): drops grow the members'
+KV pools and restores give the memory back, nothing leaks, tokens are those
+of an undisturbed run, the static pipeline baseline, and the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ferry.sim.kunserve import KunServe, KunServeParams, layer_blocks
+from ferry.sim.kunserve_cli import kunserve, violation_pct
+from ferry.sim.run import SimOptions, simulate
+from services.instance.engine.sim import PROFILE_DIR, SimProfile
+
+OWN_BLOCKS = 1000  # the small profile's pool: 16,000 tokens of 16
+
+
+@pytest.fixture
+def small_profile(tmp_path):
+    """qwen2.5-14b-a800 with a small KV pool and parameter memory (9 blocks a
+    layer, 432 for the 48 layers), so a burst of a few hundred requests
+    throttles four instances."""
+    raw = json.loads((PROFILE_DIR / "qwen2.5-14b-a800.json").read_text())
+    raw.update(name="small-kunserve", kv_capacity_tokens=16_000, param_bytes=1_500_000_000, max_model_len=4096)
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def _opts(profile: str, **kw) -> SimOptions:
+    base = {"arrivals": "phases:4@20,40@5", "lengths": "fixed:128:512", "num_requests": 400, "instances": 4,
+            "profile": profile, "progress": False, "scheduler_args": ("--no-migration",),
+            "instance_args": ("--max-num-seqs=1024",)}
+    return SimOptions(**{**base, **kw})
+
+
+def _run(opts: SimOptions, params: KunServeParams | None = None):
+    """simulate() with KunServe, probing every member's pool once a second."""
+    seen = {"cluster": None, "probes": []}
+
+    def extend(cluster):
+        seen["cluster"] = cluster
+        ks = KunServe(cluster, params or KunServeParams())
+
+        def probe():
+            seen["probes"].append({iid: (i.engine.pool.capacity, iid in ks.groups)
+                                   for iid, i in cluster.instances.items()})
+            if cluster.recorder.done < len(cluster.work.requests):
+                cluster.k.after(1.0, probe)
+
+        cluster.k.after(1.0, probe)
+        return ks
+
+    run = simulate(opts, "llumnix", extend=extend)
+    return run, seen
+
+
+def test_layer_blocks_rounds_down_and_needs_the_parameter_memory():
+    p = SimProfile.load("qwen2.5-14b-a800")
+    # 28 GB / 48 layers / (16 tokens x 192 KiB) = 185.4 blocks a layer
+    assert layer_blocks(p) == 185
+    with pytest.raises(ValueError, match="param_bytes"):
+        layer_blocks(SimProfile.load("llama-7b-a10"))
+
+
+def test_a_burst_drops_layers_then_restores_them_and_nothing_leaks(small_profile):
+    run, seen = _run(_opts(small_profile))
+    s, ext = run["summary"], run["sim"]["extension"]
+    assert s["completed"] == s["requests"] == 400 and s["failed"] == 0
+    assert ext["drops"] >= 1 and ext["groups_formed"] >= 2 and ext["freed_blocks"] > 0
+    # Every group was restored once the burst passed, and every pool is back.
+    assert ext["restores"] == ext["groups_formed"] and ext["groups_at_end"] == 0
+    cluster = seen["cluster"]
+    left = cluster.settle()
+    assert left == {"requests": 0, "used_blocks": 0, "reserved_blocks": 0, "handoffs_under_way": 0}
+    assert all(i.engine.pool.capacity == OWN_BLOCKS and i.executor.stretch is None
+               for i in cluster.instances.values())
+    # While grouped, a member's pool held its own blocks and the lent ones.
+    lent = [cap for probe in seen["probes"] for cap, grouped in probe.values() if grouped]
+    assert lent and max(lent) == OWN_BLOCKS + 24 * 9  # a pair: each drops 24 layers of 9 blocks
+    assert all(cap == OWN_BLOCKS for probe in seen["probes"] for cap, grouped in probe.values() if not grouped)
+
+
+def test_the_drop_admits_the_queue_a_replica_would_preempt_for(small_profile):
+    base = simulate(_opts(small_profile), "llumnix")["summary"]
+    run, _ = _run(_opts(small_profile))
+    assert run["summary"]["preemptions"] < base["preemptions"]
+
+
+def test_tokens_are_those_of_an_undisturbed_run(small_profile):
+    opts = _opts(small_profile, fake_tokens=True, num_requests=200)
+    plain = simulate(opts, "llumnix")
+    run, _ = _run(opts)
+    assert run["sim"]["extension"]["drops"] >= 1
+    assert run["tokens"] == plain["tokens"]
+    assert all(len(t) == 512 for t in run["tokens"].values())
+
+
+def test_the_same_options_give_the_same_run(small_profile):
+    a, _ = _run(_opts(small_profile, num_requests=150))
+    b, _ = _run(_opts(small_profile, num_requests=150))
+    a.pop("_wall_s")
+    b.pop("_wall_s")
+    assert a == b
+
+
+def test_static_pipeline_groups_from_the_start_never_restore_and_run_slower(small_profile):
+    opts = _opts(small_profile, arrivals="poisson:2", num_requests=60)
+    plain = simulate(opts, "llumnix")["summary"]
+    run, seen = _run(opts, KunServeParams(static_group_size=2))
+    ext = run["sim"]["extension"]
+    assert ext["groups_formed"] == 2 and ext["restores"] == 0 and ext["groups_at_end"] == 2
+    assert all(grouped for probe in seen["probes"] for _, grouped in probe.values())
+    # Each step pays the pipeline's overhead and a hop: light load, so the TBT
+    # ratio is about 1 + pipeline_overhead.
+    ratio = run["summary"]["decode_ms"]["p50"] / plain["decode_ms"]["p50"]
+    assert 1.15 < ratio < 1.3
+
+
+def test_invalid_parameters_are_refused():
+    for bad in ({"static_group_size": 1}, {"restore_margin": 1.0}, {"interval_s": 0}, {"pipeline_overhead": -1}):
+        with pytest.raises(ValueError):
+            KunServeParams(**bad).validate()
+
+
+def test_violation_pct_counts_a_request_that_misses_either_slo():
+    slo = {"ttft_ms": 100.0, "tbt_ms": 10.0}
+    reqs = [{"error": None, "ttft_s": 0.05, "decode_s": 0.005}, {"error": None, "ttft_s": 0.2, "decode_s": 0.005},
+            {"error": None, "ttft_s": 0.05, "decode_s": 0.02}, {"error": None, "ttft_s": 0.05, "decode_s": None},
+            {"error": "boom", "ttft_s": None, "decode_s": None}]
+    assert violation_pct(reqs, slo) == pytest.approx(50.0)
+
+
+def test_the_command_compares_the_modes_and_writes_the_same_bytes(small_profile, tmp_path):
+    args = ["--instances", "4", "--profile", small_profile, "--arrivals", "phases:4@20,40@5", "--lengths",
+            "fixed:128:512", "-n", "150", "--seeds", "0,1", "--instance-arg=--max-num-seqs=1024"]
+    outs = []
+    for name in ("a.json", "b.json"):
+        res = CliRunner().invoke(kunserve, [*args, "--json", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        outs.append((tmp_path / name).read_bytes())
+    assert outs[0] == outs[1]
+    data = json.loads(outs[0])
+    assert list(data["per_seed"]) == ["replication", "migration", "pipeline", "kunserve"]
+    assert all(len(v) == 2 for v in data["per_seed"].values()) and len(data["slo"]) == 2
+    assert set(data["ratios"]) == {"replication", "migration", "pipeline"}
+    r = data["ratios"]["replication"]["p99_ttft_over_kunserve"]["per_seed"]
+    assert r == pytest.approx([a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"]
+                               for a, b in zip(data["per_seed"]["replication"], data["per_seed"]["kunserve"])])
+    assert "P99 TTFT / KunServe's" in res.output
+    bad = CliRunner().invoke(kunserve, [*args, "--modes", "kunserve,vllm"])
+    assert bad.exit_code != 0 and "unknown modes" in bad.output
