@@ -163,9 +163,7 @@ class KunServe:
 
     def _sample(self, iid: str, st: InstanceStatus, now: float) -> None:
         q = self.samples.setdefault(iid, deque())
-        if q and st.timestamp <= q[-1].time:
-            pass
-        else:
+        if not q or st.timestamp > q[-1].time:  # a report not seen yet
             q.append(sample_of(st))
         while q and q[0].time < now - self.p.window_s:
             q.popleft()
