@@ -48,8 +48,10 @@ Simplifications, each on the side of the pipeline's cost:
 - The pool shrinks by a count of blocks, whichever ids come free: in a real
   engine, the live restore moves KV off the memory the parameters return
   to; its transfer is charged to the restore time.
-- Groups are not re-planned once formed; a group that is throttled again
-  waits for restore like any other.
+- A group throttled again merges with the group that has the most free
+  memory (one replica's parameters more), as Algorithm 1 goes on merging;
+  one merge per monitor tick. Each merge is charged a KV exchange as if it
+  were a fresh drop.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class KunServe:
             fc = predict_throttle(free, self.p.horizon_s)
             if fc.throttled:
                 self._plan(fc, now)
+        self._maybe_merge(now)
         if self.c.recorder.done < len(self.c.work.requests):
             self.k.after(self.p.interval_s, self._tick)
 
@@ -184,6 +187,49 @@ class KunServe:
             self.log.append({"t": now - self.c.t0, "event": "drop", "needed_blocks": plan.needed_blocks,
                              "freed_blocks": plan.freed_blocks, "covered": plan.covered,
                              "groups": [[m.instance_id for m in g.members] for g in plan.groups]})
+
+    def _maybe_merge(self, now: float) -> None:
+        """A group throttled again merges with the group that has the most
+        free memory (Algorithm 1 goes on merging groups while memory is
+        short): one replica's parameters more are freed per merge. One
+        merge per tick; groups still exchanging KV, restoring, or static
+        are left alone."""
+        settled = [g for g in {id(g): g for g in self.groups.values()}.values()
+                   if g.state == "pipeline" and not g.static and now >= g.exchange_until]
+        if len(settled) < 2:
+            return
+        cap = min(self.num_layers, self.p.max_group_size or self.num_layers)
+        statuses = self.c.scheduler.statuses
+        for g in settled:
+            q = {i.instance_id: self.samples.get(i.instance_id) for i in g.members}
+            if not all(q.values()) or not predict_throttle(q, self.p.horizon_s).throttled:
+                continue
+            partners = [h for h in settled if h is not g and g.size + h.size <= cap]
+            if not partners:
+                return
+            h = max(partners, key=lambda h: (sum(statuses[i.instance_id].free_blocks for i in h.members
+                                                 if i.instance_id in statuses), -h.gid))
+            self._merge(g, h, now)
+            return
+
+    def _merge(self, g: Group, h: Group, now: float) -> None:
+        members = g.members + h.members
+        k = len(members)
+        before = {m.instance_id: m.freed_blocks for m in g.plan.members + h.plan.members}
+        plan = BuddyGroup(tuple(Member(inst.instance_id, s, e, (self.num_layers - (e - s)) * self.layer_blocks)
+                                for inst, (s, e) in zip(members, layer_ranges(self.num_layers, k))))
+        exchange_s = max(self._used_blocks(inst) * self.bytes_per_block * (k - 1) / k / self._link_bytes_per_s()
+                         for inst in members)
+        self._gids += 1
+        merged = Group(self._gids, plan, members, now, now + exchange_s)
+        merged.events = g.events + h.events + [{"t": now - self.c.t0, "event": "merge", "exchange_s": exchange_s}]
+        self.pipelined_s += g.size * (now - g.formed_at) + h.size * (now - h.formed_at)
+        for m, inst in zip(plan.members, members):
+            self.groups[inst.instance_id] = merged
+            inst.submit(self._drop, inst, merged, m.freed_blocks - before[inst.instance_id])
+        self.log.append({"t": now - self.c.t0, "event": "merge", "groups": [[i.instance_id for i in g.members],
+                                                                             [i.instance_id for i in h.members]],
+                         "freed_blocks": plan.freed_blocks - sum(before.values())})
 
     # --- drop and the exchange ---------------------------------------------------------------
     def _static_groups(self) -> None:
@@ -281,11 +327,12 @@ class KunServe:
     # --- results -------------------------------------------------------------------------------
     def summary(self) -> dict:
         drops = [e for e in self.log if e["event"] == "drop"]
+        merges = [e for e in self.log if e["event"] == "merge"]
         restores = [e for e in self.log if e["event"] == "restored"]
         open_ = list({id(g): g for g in self.groups.values()}.values())
         return {"layer_blocks": self.layer_blocks, "param_blocks": self.layer_blocks * self.num_layers,
-                "drops": len(drops), "groups_formed": self._gids, "restores": len(restores),
-                "freed_blocks": sum(e["freed_blocks"] for e in drops),
+                "drops": len(drops), "merges": len(merges), "groups_formed": self._gids,
+                "restores": len(restores), "freed_blocks": sum(e["freed_blocks"] for e in drops + merges),
                 "uncovered_drops": sum(not e["covered"] for e in drops),
                 "groups_at_end": len(open_),
                 "pipelined_instance_s": self.pipelined_s + sum(g.size * (self.k.now - g.formed_at) for g in open_),

@@ -70,17 +70,31 @@ def test_a_burst_drops_layers_then_restores_them_and_nothing_leaks(small_profile
     s, ext = run["summary"], run["sim"]["extension"]
     assert s["completed"] == s["requests"] == 400 and s["failed"] == 0
     assert ext["drops"] >= 1 and ext["groups_formed"] >= 2 and ext["freed_blocks"] > 0
-    # Every group was restored once the burst passed, and every pool is back.
-    assert ext["restores"] == ext["groups_formed"] and ext["groups_at_end"] == 0
+    # Every group was restored once the burst passed (a merge ends two groups
+    # and forms one), and every pool is back.
+    assert ext["restores"] == ext["groups_formed"] - 2 * ext["merges"] and ext["groups_at_end"] == 0
     cluster = seen["cluster"]
     left = cluster.settle()
     assert left == {"requests": 0, "used_blocks": 0, "reserved_blocks": 0, "handoffs_under_way": 0}
     assert all(i.engine.pool.capacity == OWN_BLOCKS and i.executor.stretch is None
                for i in cluster.instances.values())
     # While grouped, a member's pool held its own blocks and the lent ones.
-    lent = [cap for probe in seen["probes"] for cap, grouped in probe.values() if grouped]
-    assert lent and max(lent) == OWN_BLOCKS + 24 * 9  # a pair: each drops 24 layers of 9 blocks
+    lent = {cap for probe in seen["probes"] for cap, grouped in probe.values() if grouped}
+    assert OWN_BLOCKS + 24 * 9 in lent  # a pair: each member drops 24 of the 48 layers, 9 blocks each
+    assert lent <= {OWN_BLOCKS + 24 * 9, OWN_BLOCKS + 36 * 9}  # or, merged into fours, 36
     assert all(cap == OWN_BLOCKS for probe in seen["probes"] for cap, grouped in probe.values() if not grouped)
+
+
+def test_a_group_throttled_again_merges_and_lends_more(small_profile):
+    # A longer, heavier burst: the pairs fill up again and merge into a group of four.
+    run, seen = _run(_opts(small_profile, arrivals="phases:4@20,60@10", num_requests=600))
+    ext = run["sim"]["extension"]
+    assert ext["merges"] >= 1
+    merges = [e for e in ext["log"] if e["event"] == "merge"]
+    assert all(e["freed_blocks"] == 4 * (36 - 24) * 9 for e in merges)  # two pairs -> one four
+    assert OWN_BLOCKS + 36 * 9 in {cap for probe in seen["probes"] for cap, grouped in probe.values() if grouped}
+    assert seen["cluster"].settle()["used_blocks"] == 0
+    assert all(i.engine.pool.capacity == OWN_BLOCKS for i in seen["cluster"].instances.values())
 
 
 def test_the_drop_admits_the_queue_a_replica_would_preempt_for(small_profile):
