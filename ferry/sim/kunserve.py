@@ -56,18 +56,16 @@ Simplifications, each on the side of the pipeline's cost:
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ferry.sim.instance import SimInstance
 from libs.common.policies.kunserve import (
     BuddyGroup,
     Candidate,
-    Member,
     MemorySample,
+    buddy_group,
     forecast_instance,
-    layer_ranges,
     plan_buddy_groups,
     predict_throttle,
     sample_of,
@@ -152,7 +150,7 @@ class KunServe:
         now = self.k.now
         for iid, st in self.c.scheduler.statuses.items():
             self._sample(iid, st, now)
-        for g in {id(g): g for g in self.groups.values()}.values():
+        for g in self._live_groups():
             if g.state == "pipeline" and not g.static:
                 self._maybe_restore(g, now)
         free = {iid: s for iid, s in self.samples.items() if iid not in self.groups and s}
@@ -194,7 +192,7 @@ class KunServe:
         short): one replica's parameters more are freed per merge. One
         merge per tick; groups still exchanging KV, restoring, or static
         are left alone."""
-        settled = [g for g in {id(g): g for g in self.groups.values()}.values()
+        settled = [g for g in self._live_groups()
                    if g.state == "pipeline" and not g.static and now >= g.exchange_until]
         if len(settled) < 2:
             return
@@ -214,12 +212,9 @@ class KunServe:
 
     def _merge(self, g: Group, h: Group, now: float) -> None:
         members = g.members + h.members
-        k = len(members)
         before = {m.instance_id: m.freed_blocks for m in g.plan.members + h.plan.members}
-        plan = BuddyGroup(tuple(Member(inst.instance_id, s, e, (self.num_layers - (e - s)) * self.layer_blocks)
-                                for inst, (s, e) in zip(members, layer_ranges(self.num_layers, k))))
-        exchange_s = max(self._used_blocks(inst) * self.bytes_per_block * (k - 1) / k / self._link_bytes_per_s()
-                         for inst in members)
+        plan = buddy_group([i.instance_id for i in members], self.num_layers, self.layer_blocks)
+        exchange_s = self._exchange_s(members)
         self._gids += 1
         merged = Group(self._gids, plan, members, now, now + exchange_s)
         merged.events = g.events + h.events + [{"t": now - self.c.t0, "event": "merge", "exchange_s": exchange_s}]
@@ -236,19 +231,12 @@ class KunServe:
         ids = sorted(self.c.instances)
         k = self.p.static_group_size
         for i in range(0, len(ids) - k + 1, k):
-            ranges = layer_ranges(self.num_layers, k)
-            members = tuple(Member(iid, s, e, (self.num_layers - (e - s)) * self.layer_blocks)
-                            for iid, (s, e) in zip(ids[i:i + k], ranges))
-            self._form(BuddyGroup(members), self.k.now, static=True)
+            self._form(buddy_group(ids[i:i + k], self.num_layers, self.layer_blocks), self.k.now, static=True)
 
     def _form(self, bg: BuddyGroup, now: float, static: bool) -> None:
         members = [self.c.instances[m.instance_id] for m in bg.members]
-        k = len(members)
         self._gids += 1
-        # (k-1)/k of each member's KV goes to the members now holding those
-        # layers; every member sends and receives at once over its own link.
-        exchange_s = max(self._used_blocks(inst) * self.bytes_per_block * (k - 1) / k
-                         / self._link_bytes_per_s() for inst in members)
+        exchange_s = self._exchange_s(members)
         g = Group(self._gids, bg, members, now, now + exchange_s, static=static)
         g.events.append({"t": now - self.c.t0, "event": "drop", "exchange_s": exchange_s})
         for m, inst in zip(bg.members, members):
@@ -262,6 +250,16 @@ class KunServe:
         inst.engine.grow_blocks(freed)
         inst.executor.stretch = lambda ms, inst=inst, g=g: self._stretch(g, inst, ms)
         inst.poke()
+
+    def _exchange_s(self, members: list[SimInstance]) -> float:
+        """(k-1)/k of each member's KV goes to the members now holding those
+        layers; every member sends and receives at once over its own link."""
+        k = len(members)
+        return max(self._used_blocks(inst) * self.bytes_per_block * (k - 1) / k / self._link_bytes_per_s()
+                   for inst in members)
+
+    def _live_groups(self) -> list[Group]:
+        return list({id(g): g for g in self.groups.values()}.values())
 
     def _used_blocks(self, inst: SimInstance) -> int:
         pool = inst.engine.pool
@@ -329,17 +327,11 @@ class KunServe:
         drops = [e for e in self.log if e["event"] == "drop"]
         merges = [e for e in self.log if e["event"] == "merge"]
         restores = [e for e in self.log if e["event"] == "restored"]
-        open_ = list({id(g): g for g in self.groups.values()}.values())
+        open_ = self._live_groups()
         return {"layer_blocks": self.layer_blocks, "param_blocks": self.layer_blocks * self.num_layers,
                 "drops": len(drops), "merges": len(merges), "groups_formed": self._gids,
                 "restores": len(restores), "freed_blocks": sum(e["freed_blocks"] for e in drops + merges),
                 "uncovered_drops": sum(not e["covered"] for e in drops),
                 "groups_at_end": len(open_),
                 "pipelined_instance_s": self.pipelined_s + sum(g.size * (self.k.now - g.formed_at) for g in open_),
-                "params": _asdict(self.p), "log": self.log}
-
-
-def _asdict(p: KunServeParams) -> dict:
-    from dataclasses import asdict
-
-    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(p).items()}
+                "params": asdict(self.p), "log": self.log}

@@ -207,6 +207,13 @@ def layer_ranges(num_layers: int, k: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+def buddy_group(instance_ids: Sequence[str], num_layers: int, layer_blocks: int) -> BuddyGroup:
+    """The instances, in stage order, keeping contiguous layer ranges; each
+    frees the parameter memory of the layers it does not keep."""
+    return BuddyGroup(tuple(Member(iid, s, e, (num_layers - (e - s)) * layer_blocks)
+                            for iid, (s, e) in zip(instance_ids, layer_ranges(num_layers, len(instance_ids)))))
+
+
 def plan_buddy_groups(candidates: Sequence[Candidate], needed_blocks: int, num_layers: int, layer_blocks: int,
                       max_group_size: int | None = None) -> BuddyPlan:
     """KunServe's throughput-greedy buddy groups (§4.1, Algorithm 1).
@@ -260,7 +267,5 @@ def plan_buddy_groups(candidates: Sequence[Candidate], needed_blocks: int, num_l
     for head, k in zip(heads, sizes):
         chosen = [head] + spare[:k - 1]
         del spare[:k - 1]
-        members = tuple(Member(c.instance_id, s, e, (num_layers - (e - s)) * layer_blocks)
-                        for c, (s, e) in zip(chosen, layer_ranges(num_layers, k)))
-        groups.append(BuddyGroup(members))
+        groups.append(buddy_group([c.instance_id for c in chosen], num_layers, layer_blocks))
     return BuddyPlan(needed_blocks, tuple(groups))
