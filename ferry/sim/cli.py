@@ -191,6 +191,7 @@ def print_compare(result: dict) -> None:
                                   "crosscheck": "ferry.sim.crosscheck:crosscheck",
                                   "grid": "ferry.sim.grid:grid",
                                   "kunserve": "ferry.sim.kunserve_cli:kunserve",
+                                  "queueing": "ferry.sim.queueing_cli:queueing",
                                   "splitwise": "ferry.sim.splitwise_cli:splitwise"})
 def sim() -> None:
     """Discrete-event simulation of a sim cluster: Ferry's own policies and engine core on a virtual clock."""
