@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from libs.common import failpoints
 from libs.common.validation import out_of_vocab_message, sampling_problem
-from libs.common.types import FinishReason, RequestLoad, RequestState, TokenOutput
+from libs.common.types import FinishReason, RequestLoad, RequestState, SamplingParams, TokenOutput
 from services.instance.engine.base import (
     Engine,
     EngineBroken,
@@ -76,6 +76,8 @@ class CoreEngine(Engine):
         self.scheduler = Scheduler(self.pool, self._block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, clock=clock)
         self.requests: dict[str, Request] = {}  # every live request, any status
+        # A pipeline peer's requests whose layers run here (KunServe): their blocks only.
+        self.guests: dict[str, Request] = {}
         self._seq = 0
         self._failed_steps = 0  # steps in a row where every request failed
 
@@ -119,6 +121,8 @@ class CoreEngine(Engine):
 
     def step(self) -> list[TokenOutput]:
         sched = self.scheduler.schedule()
+        if sched.preempted:  # recomputed from scratch: a pipeline peer's part goes too
+            self.executor.release_requests([r.request_id for r in sched.preempted])
         if not sched.chunks:
             return []
         chunks, tokens, outputs = self._execute(sched.chunks)
@@ -240,6 +244,7 @@ class CoreEngine(Engine):
         return None
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.executor.release_requests([req.request_id])
         self.scheduler.remove(req)
         if req.block_ids:
             self.pool.free(req.block_ids)
@@ -278,7 +283,7 @@ class CoreEngine(Engine):
                 raise IntegrityError(f"{r.request_id}: {len(r.block_ids)} blocks for {have} computed blocks")
             if (r.status is RequestStatus.SUSPENDED) == (r in queued):
                 raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
-        self.pool.check_integrity([r.block_ids for r in live])
+        self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()])
 
     def request_stats(self, request_id: str) -> dict:
         r = self.requests.get(request_id)
@@ -299,13 +304,47 @@ class CoreEngine(Engine):
         r = self.requests.get(request_id)
         return None if r is None else (r.status.value, r.num_preemptions)
 
-    def full_blocks(self, request_id: str) -> list[int]:
+    def _local_kv(self, request_id: str) -> Request:
         r = self._get(request_id)
+        if request_id in self.executor.remote_requests:
+            raise EngineError(f"request {request_id!r} has KV on a pipeline peer: it cannot migrate")
+        return r
+
+    def full_blocks(self, request_id: str) -> list[int]:
+        r = self._local_kv(request_id)
         return list(r.block_ids[: r.num_computed_tokens // self._block_size])
 
     def all_blocks(self, request_id: str) -> list[int]:
-        r = self._get(request_id)
+        r = self._local_kv(request_id)
         return list(r.block_ids[: cdiv(r.num_computed_tokens, self._block_size)])
+
+    # --- a pipeline peer's requests (KunServe; native/pipeline.py) ------------------------
+    def forward_guest(self, layers: range, chunks, hidden):
+        """Run ``layers`` here for a peer's step (pipeline.GuestChunk's, the
+        hidden rows in their order); the guests' KV takes blocks of this
+        pool. Raises EngineError when the blocks are not there (nothing taken)."""
+        plan = []
+        for g in chunks:
+            r = self.guests.get(g.request_id)
+            need = cdiv(g.start + g.num_new, self._block_size) - (len(r.block_ids) if r else 0)
+            plan.append((g, r, max(0, need)))
+        total = sum(n for _, _, n in plan)
+        if not self.pool.can_allocate(total):
+            raise EngineError(f"{total} KV blocks for a pipeline peer's step, {self.pool.num_free} free here")
+        sched = []
+        for g, r, need in plan:
+            if r is None:
+                r = self.guests[g.request_id] = Request(g.request_id, [], SamplingParams(), arrival_time=1.0)
+            if need:
+                r.block_ids += self.pool.allocate(need)
+            sched.append(ScheduledChunk(r, g.start, g.num_new))
+        return self.executor.forward_guest(layers, sched, hidden)
+
+    def release_guests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            r = self.guests.pop(rid, None)
+            if r is not None and r.block_ids:
+                self.pool.free(r.block_ids)
 
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return self.executor.gather_kv(list(block_ids))

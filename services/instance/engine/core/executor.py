@@ -46,6 +46,20 @@ class Executor(abc.ABC):
         parameter memory lent to the KV cache). Executors that cannot say so."""
         raise EngineError(f"{type(self).__name__} cannot grow its KV cache")
 
+    # --- pipelined execution (KunServe; native/pipeline.py) ---------------------------
+    @property
+    def remote_requests(self) -> frozenset[str]:
+        """Requests whose KV is partly on a pipeline peer (they cannot migrate)."""
+        return frozenset()
+
+    def release_requests(self, request_ids: list[str]) -> None:
+        """These requests finished, were preempted or left: whatever a peer
+        keeps for them goes."""
+
+    def forward_guest(self, layers: range, chunks: list[ScheduledChunk], hidden):
+        """Run ``layers`` for a peer's requests (this engine's guests)."""
+        raise EngineError(f"{type(self).__name__} cannot run layers for a pipeline peer")
+
     def expect_context(self, num_tokens: int) -> None:
         """A hint from any thread: a request with this much context may join
         the batch soon. An executor may get buffers ready off the step path."""

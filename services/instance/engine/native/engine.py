@@ -97,9 +97,50 @@ class NativeEngine(CoreEngine):
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)
         self.dtype = dtype
+        self._lent_blocks = 0  # blocks of dropped layers' memory in the pool (drop_layers)
+        self._dropped_bytes: dict[int, int] = {}  # layer -> the parameter bytes it held
         if config.extra.get("warmup", True):
             self.warmup()
         self.ready_s = time.perf_counter() - t0
+
+    # --- KunServe: layers dropped into KV memory, pipelined with peers (pipeline.py) -----
+    def drop_layers(self, layers: range) -> int:
+        """Drop these layers' parameters and lend their memory to the KV cache:
+        the pool grows by the whole blocks it holds. Returns the blocks added.
+        Run them on a peer (``set_pipeline``) before the next step needs them."""
+        if self.config.extra.get("share_weights"):
+            raise EngineError("this engine shares its weights with others in the process: it cannot drop layers")
+        model = self.executor.model
+        for i in layers:
+            if i not in self._dropped_bytes:
+                self._dropped_bytes[i] = model.layer_bytes(range(i, i + 1))
+        model.drop_layers(layers)
+        n = sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
+        if n > 0:
+            self.grow_blocks(n)
+            self._lent_blocks += n
+        return max(0, n)
+
+    def restore_layers(self, source, layers: range) -> int:
+        """Take these layers back (``source``: a model holding them: a host
+        copy or a peer's) and start giving back the blocks their memory lent:
+        free ones at once, used ones as they are freed (BlockPool.shrink).
+        Returns the blocks asked back."""
+        self.executor.model.restore_layers(source, layers)
+        for i in layers:
+            self._dropped_bytes.pop(i, None)
+        back = self._lent_blocks - sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block
+        if back > 0:
+            self.pool.shrink(back)
+            self._lent_blocks -= back
+        return max(0, back)
+
+    def set_pipeline(self, own: range, peers: list) -> None:
+        """Layers ``own`` run here, each (range, LayerPeer) there; see pipeline.py."""
+        try:
+            self.executor.set_pipeline(own, peers)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
 
     @staticmethod
     def _kv_bytes(config: EngineConfig, device: torch.device) -> float:

@@ -138,11 +138,74 @@ class LlamaModel(nn.Module):
         ``after_layer(i)``: called once layer i wrote its K/V into kv_cache."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, meta)
+        x = self.run_layers(x, cos, sin, kv_cache, meta, range(len(self.layers)), after_layer)
+        return self.head(x, logits_index)
+
+    # --- the pieces of forward, for pipelined execution (KunServe) ------------------
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMeta, layers: range,
+                   after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] through layers ``layers`` (a contiguous range)."""
+        for i in layers:
+            x = self.layers[i](x, cos, sin, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
+        return x
+
+    def head(self, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head over the rows that sample -> fp32 logits."""
         x = self.norm(x.index_select(0, logits_index))
         if self.lm_head_packed is not None:
             return packed_linear(x, self.lm_head_packed).float()
         return F.linear(x, self.lm_head_weight).float()
+
+    def layer_bytes(self, layers: range) -> int:
+        """Parameter bytes of these layers, prepacked copies included (what dropping them frees)."""
+        total = 0
+        for i in layers:
+            total += sum(p.numel() * p.element_size() for p in self.layers[i].parameters())
+            total += sum(m.packed.numel() * m.packed.element_size() for m in self.layers[i].modules()
+                         if isinstance(m, Linear) and m.packed is not None)
+        return total
+
+    def drop_layers(self, layers: range) -> int:
+        """Forget these layers' parameters; returns the bytes they held. A
+        dropped layer raises if run. The embedding, the final norm and the LM
+        head stay: a request's owner embeds and samples."""
+        freed = 0
+        for i in layers:
+            if isinstance(self.layers[i], DroppedLayer):
+                continue
+            freed += self.layer_bytes(range(i, i + 1))
+            self.layers[i] = DroppedLayer(i)
+        return freed
+
+    def restore_layers(self, source: LlamaModel, layers: range) -> None:
+        """Take these layers back from ``source`` (a copy in host memory, or a
+        peer's layers), as this model's own copies on its device and dtype."""
+        w = self.embed_tokens.weight
+        gone = [i for i in source.dropped() if i in layers]
+        if gone:
+            raise ValueError(f"the source has dropped layers {gone} too")
+        for i in layers:
+            layer = DecoderLayer(self.config, i).to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
+            layer.load_state_dict(source.layers[i].state_dict())
+            if self.lm_head_packed is not None:  # this model runs prepacked projections
+                for m in layer.modules():
+                    if isinstance(m, Linear):
+                        m.pack()
+            self.layers[i] = layer
+
+    def dropped(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, DroppedLayer)]
+
+
+class DroppedLayer(nn.Module):
+    """Stands where a dropped layer was: running it is a bug, never a silent identity."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args):
+        raise RuntimeError(f"layer {self.index} was dropped on this instance; its pipeline peer runs it")

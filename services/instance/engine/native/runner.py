@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.instance.engine.base import KvLayout
+from services.instance.engine.base import EngineError, KvLayout
 from services.instance.engine.core.executor import Executor, TappedChunk, tapped_chunks
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.native.attention import AttentionMeta, build_dense, build_group
 from services.instance.engine.native.decode_cache import DecodeCache
 from services.instance.engine.native.model import LlamaModel
+from services.instance.engine.native.pipeline import GuestChunk, LayerPeer, plan_segments
 from services.instance.engine.native.sampler import (
     generator_state,
     new_generator,
@@ -53,20 +54,39 @@ class ModelRunner(Executor):
             decode_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.decode_cache = (DecodeCache(self.kv_cache, decode_cache_bytes)
                              if device.type == "cpu" and decode_cache_bytes > 0 else None)
+        self._decode_cache_bytes = decode_cache_bytes
+        # Pipelined execution (pipeline.py): which layers run here and which on a peer.
+        self._segments: list[tuple[range, LayerPeer | None]] = [(range(cfg.num_hidden_layers), None)]
+        self._remote: set[str] = set()  # requests with KV on a peer
+        self._guest_cache: DecodeCache | None = None  # guests' decodes: their own slots
 
     @property
     def kv_layout(self) -> KvLayout:
         return self._layout
 
     # --- forward --------------------------------------------------------------
-    def _metadata(self, chunks: list[ScheduledChunk], dense: bool):
+    @staticmethod
+    def _order(chunks: list[ScheduledChunk], cache: DecodeCache | None) -> tuple[list[ScheduledChunk], bool]:
+        """The step's chunks as attention wants them: decodes first (in the
+        dense cache's slot order when it holds them: then True), then prefills."""
+        decodes = [c for c in chunks if c.num_new == 1]
+        order = (cache.prepare([c.request for c in decodes], [c.start for c in decodes])
+                 if decodes and cache is not None else None)
+        if order is not None:
+            decodes = [decodes[i] for i in order]
+        return decodes + [c for c in chunks if c.num_new != 1], order is not None
+
+    def _metadata(self, chunks: list[ScheduledChunk], dense: bool, cache: DecodeCache | None = None,
+                  with_ids: bool = True):
         """chunks are ordered decodes first (see attention.py); dense: the
-        decodes are in DecodeCache slot order and read from it."""
+        decodes are in ``cache``'s slot order (default: the decode cache) and
+        read from it. ``with_ids``: the token ids (a guest's layers need none)."""
         bs, layers = self._layout.block_size, self._layout.num_layers
         ids, pos, slots = [], [], []
         for c in chunks:
             r = c.request
-            ids += r.tokens(c.start, c.end)
+            if with_ids:
+                ids += r.tokens(c.start, c.end)
             p = range(c.start, c.end)
             pos += p
             slots += [r.block_ids[i // bs] * (layers * 2 * bs) + i % bs for i in p]
@@ -83,7 +103,7 @@ class ModelRunner(Executor):
         meta = AttentionMeta(torch.tensor(slots, device=dev), groups[0], groups[1], layers, bs)
         if dense:
             starts = [c.start for c in chunks if c.num_new == 1]
-            dc = self.decode_cache
+            dc = cache or self.decode_cache
             meta.dense = build_dense(dc.buf, dc.slot_rows(starts), starts)
         last_rows, row = [], 0
         for c in chunks:
@@ -95,22 +115,107 @@ class ModelRunner(Executor):
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        decodes = [c for c in chunks if c.num_new == 1]
-        order = (self.decode_cache.prepare([c.request for c in decodes], [c.start for c in decodes])
-                 if decodes and self.decode_cache is not None else None)
-        if order is not None:
-            decodes = [decodes[i] for i in order]
-        ordered = decodes + [c for c in chunks if c.num_new != 1]
-        input_ids, positions, meta, logits_index = self._metadata(ordered, order is not None)
+        ordered, dense = self._order(chunks, self.decode_cache)
+        input_ids, positions, meta, logits_index = self._metadata(ordered, dense)
         sampling = [c.request for c in ordered if c.samples]
         tapped = tapped_chunks(ordered, self._layout)
         after_layer = (lambda i: self._emit_layer(tapped, i)) if tapped else None
-        logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index, after_layer)
-        if order is not None:
-            self.decode_cache.advance(len(decodes))
+        if len(self._segments) == 1:
+            logits = self.model(input_ids, positions, self.kv_cache, meta, logits_index, after_layer)
+        else:
+            if tapped:
+                raise EngineError("a per-layer KV handoff of a request served by a pipeline is not supported")
+            logits = self._pipelined(ordered, input_ids, positions, meta, logits_index)
+        if dense:
+            self.decode_cache.advance(sum(c.num_new == 1 for c in ordered))
         tokens = sample(logits, sampling, self.eos_token_ids) if sampling else []
         by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
         return [by_id[c.request.request_id] if c.samples else None for c in chunks]
+
+    # --- pipelined execution (pipeline.py) ----------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        return len(self._segments) > 1
+
+    def set_pipeline(self, own: range, peers: list[tuple[range, LayerPeer]]) -> None:
+        """Run layers ``own`` here and each peer's range there, from the next
+        step; ``own`` = every layer and no peers ends the pipeline. Refused
+        while a request still has KV on a peer (it would lose it)."""
+        segs = plan_segments(self._layout.num_layers, own, peers)
+        if self._remote and [p for _, p in segs if p is not None] != [p for _, p in self._segments
+                                                                      if p is not None]:
+            raise EngineError(f"{len(self._remote)} requests have KV on the current peers")
+        dropped = [i for i in self.model.dropped() if i in own]
+        if dropped:
+            raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
+        self._segments = segs
+
+    def _pipelined(self, ordered: list[ScheduledChunk], input_ids, positions, meta, logits_index):
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, x.dtype)
+        guest = [GuestChunk(c.request.request_id, c.start, c.num_new) for c in ordered]
+        for layers, peer in self._segments:
+            if peer is None:
+                x = self.model.run_layers(x, cos, sin, self.kv_cache, meta, layers)
+            else:
+                self._remote.update(g.request_id for g in guest)
+                x = peer.forward_layers(layers, guest, x)
+        return self.model.head(x, logits_index)
+
+    def release_requests(self, request_ids: list[str]) -> None:
+        gone = [r for r in request_ids if r in self._remote]
+        if not gone:
+            return
+        for _, peer in self._segments:
+            if peer is not None:
+                peer.release(gone)
+        self._remote.difference_update(gone)
+
+    @property
+    def remote_requests(self) -> frozenset[str]:
+        return frozenset(self._remote)
+
+    @torch.inference_mode()
+    def forward_guest(self, layers: range, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """Run ``layers`` (held here) for a peer's step: ``chunks`` over this
+        engine's guests, ``hidden`` their rows in that order; returns the rows
+        after the layers, in the same order."""
+        missing = [i for i in self.model.dropped() if i in layers]
+        if missing:
+            raise EngineError(f"layers {missing} are not held here")
+        if self._guest_cache is None and self.decode_cache is not None:
+            self._guest_cache = DecodeCache(self.kv_cache, self._decode_cache_bytes)
+        offsets, at = {}, 0
+        for c in chunks:
+            offsets[id(c)] = at
+            at += c.num_new
+        if at != hidden.shape[0]:
+            raise EngineError(f"{hidden.shape[0]} hidden rows for {at} tokens")
+        ordered, dense = self._order(chunks, self._guest_cache)
+        _, positions, meta, _ = self._metadata(ordered, dense, self._guest_cache, with_ids=False)
+        rows = torch.tensor([offsets[id(c)] + k for c in ordered for k in range(c.num_new)], device=self.device)
+        x = hidden.to(self.device, self.kv_cache.dtype).index_select(0, rows)
+        cos, sin = self.model.rotary(positions, x.dtype)
+        y = self.model.run_layers(x, cos, sin, self.kv_cache, meta, layers)
+        if dense:
+            self._guest_cache.advance(sum(c.num_new == 1 for c in ordered))
+        return torch.empty_like(y).index_copy_(0, rows, y)
+
+    def grow_kv(self, num_blocks: int) -> None:
+        """Make the cache hold block ids 0..num_blocks-1 (parameter memory
+        lent to KV): a larger tensor, the blocks copied over."""
+        have = self.kv_cache.shape[0]
+        if num_blocks <= have:
+            return
+        bigger = torch.zeros((num_blocks,) + tuple(self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,
+                             device=self.device)
+        bigger[:have].copy_(self.kv_cache)
+        self.kv_cache = bigger
+        if self._np_cache is not None:
+            self._np_cache = bigger.view(torch.uint8).numpy().reshape(num_blocks, self._layout.num_layers, -1)
+        for dc in (self.decode_cache, self._guest_cache):
+            if dc is not None:
+                dc.kv_cache = bigger
 
     def _layer_rows(self, block_ids, layer: int) -> torch.Tensor:
         """Rows of (block, layer, K) and (block, layer, V) in the block-row

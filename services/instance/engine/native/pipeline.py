@@ -1,0 +1,78 @@
+"""Pipelined execution across instances (KunServe, paper 002 §4): an instance
+that dropped some layers serves its requests with a peer that holds them.
+
+Each request stays with its owner, the instance it was dispatched to: the
+owner schedules it (continuous batching, preemption, sampling, its RNG),
+embeds its tokens and samples its next token. For each step the owner runs
+the layers it holds and hands the step's hidden states to the peer that holds
+the next range of layers, which runs them over the KV it keeps for those
+layers and hands the hidden states back. A *guest* is the peer's record of
+such a request: blocks from the peer's own pool, for the layers the peer
+runs. Guests are released when the request finishes, is preempted (its
+recompute starts over) or leaves the owner.
+
+The contract between them (``LayerPeer``):
+
+- ``forward_layers(layers, chunks, hidden)``: ``hidden`` is ``[T, hidden]``,
+  the rows of ``chunks`` in order (``num_new`` rows each, positions ``start``
+  onwards); the peer returns the same rows after ``layers``.
+- ``release(request_ids)``: forget those guests (free their blocks).
+
+``LocalPeer`` calls another engine in this process (tests, benchmarks); a
+gRPC peer is the same contract between instance agents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class GuestChunk:
+    """One request's part of a pipelined step, as its owner scheduled it."""
+
+    request_id: str
+    start: int  # tokens with KV before this step
+    num_new: int  # tokens whose KV this step computes
+
+
+class LayerPeer(Protocol):
+    def forward_layers(self, layers: range, chunks: list[GuestChunk], hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+
+class LocalPeer:
+    """A peer engine in this process. ``calls`` counts the forwards it ran."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls = 0
+
+    def forward_layers(self, layers: range, chunks: list[GuestChunk], hidden: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.engine.forward_guest(layers, chunks, hidden)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.engine.release_guests(request_ids)
+
+
+def plan_segments(num_layers: int, own: range, peers: list[tuple[range, LayerPeer]]):
+    """[(layers, peer or None for this instance)] in layer order, covering
+    0..num_layers-1 exactly once; ValueError otherwise."""
+    segs = sorted([(own, None)] + list(peers), key=lambda s: s[0].start)
+    at = 0
+    for layers, _ in segs:
+        if layers.step != 1 or len(layers) == 0:
+            raise ValueError(f"a layer range must be contiguous and non-empty, got {layers}")
+        if layers.start != at:
+            raise ValueError(f"layers {at}..{layers.start - 1} have no holder" if layers.start > at
+                             else f"layer {layers.start} has two holders")
+        at = layers.stop
+    if at != num_layers:
+        raise ValueError(f"layers {at}..{num_layers - 1} have no holder" if at < num_layers
+                         else f"{at} layers for a {num_layers}-layer model")
+    return segs

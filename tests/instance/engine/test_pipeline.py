@@ -1,0 +1,183 @@
+"""Pipelined execution across two native engines (KunServe; native/pipeline.py):
+each drops half the layers into its KV pool and runs them on the other. Tokens
+are exactly those of the full model, greedy and seeded; guests' blocks come
+back on finish and preemption; a request with KV on a peer refuses to migrate;
+restoring the layers gives the blocks back and serves alone again."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from services.instance.engine import create_engine
+from services.instance.engine.base import EngineConfig, EngineError
+from services.instance.engine.native.pipeline import LocalPeer, plan_segments
+from tests.instance.engine.helpers import req, run
+
+N = 24
+PROMPTS = {
+    "a0": list(range(200, 260)),
+    "a1": [7, 99, 123, 42] * 9,
+    "b0": list(range(300, 400, 3)),
+    "b1": [11, 12, 13] * 30,
+}
+SAMPLING = {"a0": {}, "a1": {"temperature": 0.8, "top_p": 0.9, "seed": 5}, "b0": {"temperature": 1.0, "seed": 9},
+            "b1": {}}
+
+
+def _engine(model: str, **kw):
+    return create_engine(EngineConfig(engine="native", model=model, num_blocks=kw.pop("num_blocks", 64),
+                                      extra={"warmup": False, **kw.pop("extra", {})}, **kw))
+
+
+def _add(engine, names):
+    for n in names:
+        engine.add_request(req(n, PROMPTS[n], max_tokens=N, min_tokens=N, **SAMPLING[n]))
+
+
+def _run_pair(a, b, outputs):
+    while a.has_work() or b.has_work():
+        for e, peer in ((a, b), (b, a)):
+            if e.has_work():
+                for o in e.step():
+                    outputs.setdefault(o.request_id, []).append(o.token_id)
+            e.check_integrity()
+            for rid in peer.guests:  # a guest lives only while its request runs on its owner
+                assert e.requests[rid].status.value == "running", rid
+    return outputs
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", pytest.param("smollm2", marks=pytest.mark.model)])
+def model(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The full model, each owner's requests batched as they will be."""
+    out = {}
+    for names in (("a0", "a1"), ("b0", "b1")):
+        e = _engine(model, extra={"share_weights": True})
+        _add(e, names)
+        out.update(run(e))
+    return out
+
+
+def _split(model, **kw):
+    """A holds the first half of the layers, B the second; each runs the other half on the other."""
+    a, b = _engine(model, **kw), _engine(model, **kw)
+    layers = a.kv_layout.num_layers
+    first, second = range(layers // 2), range(layers // 2, layers)
+    before = (a.num_total_blocks, b.num_total_blocks)
+    grown = (a.drop_layers(second), b.drop_layers(first))
+    a.set_pipeline(first, [(second, LocalPeer(b))])
+    b.set_pipeline(second, [(first, LocalPeer(a))])
+    return a, b, before, grown
+
+
+def _sampled_logits(monkeypatch, serve) -> dict:
+    """Every sampled row's logits while ``serve()`` runs, by (request, output index)."""
+    from services.instance.engine.native import runner
+
+    got, real = {}, runner.sample
+
+    def spy(lg, reqs, eos):
+        for row, r in zip(lg, reqs):
+            got[(r.request_id, len(r.output_token_ids))] = row.clone()
+        return real(lg, reqs, eos)
+
+    with monkeypatch.context() as m:
+        m.setattr(runner, "sample", spy)
+        serve()
+    return got
+
+
+def test_a_pipeline_gives_the_full_models_logits(monkeypatch):
+    """Closer than tokens (a small random model's greedy tokens hide a lot):
+    every sampled row's logits match the full model's."""
+    def full():
+        e = _engine("tiny-llama", extra={"share_weights": True})
+        _add(e, ("a0", "a1"))
+        run(e)
+
+    def pipeline():
+        a, b, _, _ = _split("tiny-llama")
+        _add(a, ("a0", "a1"))
+        _run_pair(a, b, {})
+
+    want, got = _sampled_logits(monkeypatch, full), _sampled_logits(monkeypatch, pipeline)
+    assert want.keys() == got.keys() and len(want) == 2 * N
+    for k, row in want.items():
+        assert torch.allclose(row, got[k], rtol=0, atol=1e-5), k
+
+
+def test_a_pipeline_of_two_engines_gives_the_full_models_tokens(model, reference):
+    a, b, before, grown = _split(model)
+    assert all(g > 0 for g in grown)  # the dropped layers' memory became blocks
+    assert (a.num_total_blocks, b.num_total_blocks) == (before[0] + grown[0], before[1] + grown[1])
+    _add(a, ("a0", "a1"))
+    _add(b, ("b0", "b1"))
+    got = _run_pair(a, b, {})
+    assert got == reference
+    for e in (a, b):  # every guest released as its request finished
+        assert not e.guests
+        assert e.num_free_blocks == e.num_total_blocks
+
+
+def test_guests_are_released_on_preemption_and_recompute_is_exact(model, reference):
+    # 4 blocks of 16 tokens: a0 and a1 (60 and 36 tokens + 24 new) cannot both stay: one is preempted.
+    a, b, _, _ = _split(model, num_blocks=7)
+    a.pool.shrink(a.num_total_blocks - 7)  # back to 7 blocks: memory pressure on A alone
+    _add(a, ("a0", "a1"))
+    got = _run_pair(a, b, {})
+    assert a.scheduler.num_preemptions > 0
+    assert {k: got[k] for k in ("a0", "a1")} == {k: reference[k] for k in ("a0", "a1")}
+    assert not b.guests and b.num_free_blocks == b.num_total_blocks
+
+
+def test_a_request_with_kv_on_a_peer_refuses_to_migrate():
+    a, b, _, _ = _split("tiny-llama")
+    _add(a, ("a0",))
+    a.step()
+    with pytest.raises(EngineError, match="pipeline peer"):
+        a.full_blocks("a0")
+    assert a.abort_request("a0")
+    assert not b.guests  # the abort released it on the peer
+
+
+def test_restore_gives_the_blocks_back_and_serves_alone(model, reference):
+    a, b, before, _ = _split(model)
+    _add(a, ("a0", "a1"))
+    _run_pair(a, b, {})
+    host = _engine(model, extra={"share_weights": True}).executor.model  # a full copy in host memory
+    layers = a.kv_layout.num_layers
+    a.restore_layers(host, range(layers // 2, layers))
+    a.set_pipeline(range(layers), [])
+    assert a.num_total_blocks == before[0]
+    assert a.executor.model.dropped() == []
+    _add(a, ("a0", "a1"))
+    assert run(a) == {k: reference[k] for k in ("a0", "a1")}
+
+
+def test_a_dropped_layer_cannot_run_here():
+    a = _engine("tiny-llama")
+    a.drop_layers(range(1, 2))
+    with pytest.raises(EngineError, match="dropped here"):
+        a.set_pipeline(range(2), [])
+    with pytest.raises(EngineError, match="not held here"):
+        a.forward_guest(range(1, 2), [], torch.zeros(0, 64))
+    shared = _engine("tiny-llama", extra={"share_weights": True})
+    with pytest.raises(EngineError, match="shares its weights"):
+        shared.drop_layers(range(1))
+
+
+def test_plan_segments_covers_every_layer_once():
+    p = object()
+    assert [s for s, _ in plan_segments(4, range(2), [(range(2, 4), p)])] == [range(2), range(2, 4)]
+    with pytest.raises(ValueError, match="no holder"):
+        plan_segments(4, range(2), [(range(3, 4), p)])
+    with pytest.raises(ValueError, match="two holders"):
+        plan_segments(4, range(3), [(range(2, 4), p)])
+    with pytest.raises(ValueError, match="no holder"):
+        plan_segments(4, range(2), [])
