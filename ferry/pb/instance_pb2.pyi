@@ -7,6 +7,82 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LayerRange(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class DropLayersRequest(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: LayerRange
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
+
+class DropLayersReply(_message.Message):
+    __slots__ = ("blocks_added", "total_blocks")
+    BLOCKS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks_added: int
+    total_blocks: int
+    def __init__(self, blocks_added: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class PipelinePeer(_message.Message):
+    __slots__ = ("layers", "address")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    layers: LayerRange
+    address: str
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+
+class SetPipelineRequest(_message.Message):
+    __slots__ = ("own", "peers")
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    own: LayerRange
+    peers: _containers.RepeatedCompositeFieldContainer[PipelinePeer]
+    def __init__(self, own: _Optional[_Union[LayerRange, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PipelinePeer, _Mapping]]] = ...) -> None: ...
+
+class SetPipelineReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GuestChunk(_message.Message):
+    __slots__ = ("request_id", "start", "num_new")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: int
+    num_new: int
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., num_new: _Optional[int] = ...) -> None: ...
+
+class LayerStep(_message.Message):
+    __slots__ = ("layers", "chunks", "hidden", "dtype", "hidden_size", "release")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    layers: LayerRange
+    chunks: _containers.RepeatedCompositeFieldContainer[GuestChunk]
+    hidden: bytes
+    dtype: str
+    hidden_size: int
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[GuestChunk, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LayerStepReply(_message.Message):
+    __slots__ = ("hidden", "error")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    hidden: bytes
+    error: str
+    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

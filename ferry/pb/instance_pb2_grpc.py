@@ -102,6 +102,21 @@ class InstanceStub:
                 request_serializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
                 _registered_method=True)
+        self.DropLayers = channel.unary_unary(
+                '/ferry.v1.Instance/DropLayers',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.DropLayersRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.DropLayersReply.FromString,
+                _registered_method=True)
+        self.SetPipeline = channel.unary_unary(
+                '/ferry.v1.Instance/SetPipeline',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
+                _registered_method=True)
+        self.ForwardLayers = channel.stream_stream(
+                '/ferry.v1.Instance/ForwardLayers',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.LayerStepReply.FromString,
+                _registered_method=True)
 
 
 class InstanceServicer:
@@ -195,6 +210,28 @@ class InstanceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropLayers(self, request, context):
+        """KunServe (docs/kunserve.md): drop a layer range into the KV pool, serve
+        as a pipeline with peers that hold the rest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPipeline(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForwardLayers(self, request_iterator, context):
+        """A pipeline peer's steps, in order on one stream: each message runs the
+        layers for one owner step (or releases guests) and gets one reply.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InstanceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +299,21 @@ def add_InstanceServicer_to_server(servicer, server):
                     servicer.MigrationSettled,
                     request_deserializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.SerializeToString,
+            ),
+            'DropLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropLayers,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.DropLayersRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.DropLayersReply.SerializeToString,
+            ),
+            'SetPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPipeline,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.SetPipelineReply.SerializeToString,
+            ),
+            'ForwardLayers': grpc.stream_stream_rpc_method_handler(
+                    servicer.ForwardLayers,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.LayerStep.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.LayerStepReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -617,6 +669,87 @@ class Instance:
             '/ferry.v1.Instance/MigrationSettled',
             ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
             ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Instance/DropLayers',
+            ferry_dot_pb_dot_instance__pb2.DropLayersRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.DropLayersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Instance/SetPipeline',
+            ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForwardLayers(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ferry.v1.Instance/ForwardLayers',
+            ferry_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.LayerStepReply.FromString,
             options,
             channel_credentials,
             insecure,

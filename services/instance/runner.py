@@ -2,6 +2,12 @@
 loop without blocking either: commands go in through a thread-safe queue and
 run between steps; outputs come back once per step via call_soon_threadsafe.
 
+Pipeline peers' steps (KunServe, services/instance/pipeline.py) come in on a
+second queue, ``guest_call``: they run between steps like commands, and also
+*inside* a step while that step waits for a peer (``wait_serving_guests``).
+Two instances that are each other's peers would otherwise deadlock, each
+engine thread waiting on the other.
+
 If the thread dies (the engine raised out of a step), the step callback gets
 ``load=None`` once, and every command queued or sent afterwards fails at
 once with EngineBroken: nobody awaits a dead engine forever."""
@@ -9,6 +15,7 @@ once with EngineBroken: nobody awaits a dead engine forever."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 import time
@@ -33,6 +40,8 @@ class EngineRunner:
         self.on_step = on_step
         self.idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._guests: queue.SimpleQueue = queue.SimpleQueue()
+        self._guest_wake = threading.Event()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -59,6 +68,34 @@ class EngineRunner:
             self._fail_pending()
         return await fut
 
+    async def guest_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a pipeline peer's work on the engine thread: between steps, or
+        inside a step that waits for a peer (module doc); await its result."""
+        fut = self.loop.create_future()
+        self._guests.put((fn, args, fut))
+        self._guest_wake.set()
+        self._wake.set()
+        if self.dead:
+            self._fail_pending()
+        return await fut
+
+    def wait_serving_guests(self, fut: concurrent.futures.Future, timeout_s: float) -> Any:
+        """On the engine thread, inside a step: wait for ``fut`` (a call to a
+        pipeline peer) while running the peers' work queued here. Raises
+        TimeoutError after ``timeout_s``."""
+        fut.add_done_callback(lambda _: self._guest_wake.set())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._guest_wake.clear()  # NOTE: before draining, so that no wake is lost
+            self._drain(self._guests)
+            if fut.done():
+                return fut.result()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                fut.cancel()
+                raise TimeoutError(f"no reply from a pipeline peer in {timeout_s:g} s")
+            self._guest_wake.wait(min(left, 0.05))
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (errors are logged)."""
         self._cmds.put((fn, args, None))
@@ -66,12 +103,13 @@ class EngineRunner:
 
     def _fail_pending(self) -> None:
         err = EngineBroken(f"the engine thread died: {self.error!r}")
-        while True:
-            try:
-                _, _, fut = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            self._resolve(fut, exc=err)
+        for q in (self._cmds, self._guests):
+            while True:
+                try:
+                    _, _, fut = q.get_nowait()
+                except queue.Empty:
+                    break
+                self._resolve(fut, exc=err)
 
     def _resolve(self, fut: asyncio.Future | None, result: Any = None, exc: BaseException | None = None):
         if fut is None:
@@ -89,11 +127,15 @@ class EngineRunner:
 
         self.loop.call_soon_threadsafe(settle)
 
-    def _drain(self) -> bool:
+    def _drain(self, q: queue.SimpleQueue | None = None) -> bool:
+        """Run what is queued: pipeline peers' work first, then commands (or only ``q``)."""
+        if q is None:
+            ran = self._drain(self._guests)
+            return self._drain(self._cmds) or ran
         ran = False
         while True:
             try:
-                fn, args, fut = self._cmds.get_nowait()
+                fn, args, fut = q.get_nowait()
             except queue.Empty:
                 return ran
             ran = True

@@ -182,6 +182,7 @@ class InstanceService(Service):
         self.reporter: StatusReporter | None = None
         self.info: InstanceInfo | None = None
         self.migration = None  # set in start(): services.instance.migration.MigrationManager
+        self.pipeline = None  # set in start(): services.instance.pipeline.PipelineHost (KunServe)
         self.migration_rpcs = None
 
     # --- lifecycle --------------------------------------------------------------
@@ -205,6 +206,9 @@ class InstanceService(Service):
                              decodes=lambda: self.role.decodes)
         self.migration = MigrationManager(host, self.config.migration_config())
         self.migration_rpcs = MigrationRpcs(self.migration)
+        from services.instance.pipeline import PipelineHost
+
+        self.pipeline = PipelineHost(self.engine, self.runner)
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
 
@@ -218,6 +222,8 @@ class InstanceService(Service):
     async def stop(self) -> None:
         if self.migration:
             await self.migration.close()
+        if self.pipeline:
+            await self.pipeline.close()
         if self.reporter:
             await self.reporter.stop(deregister=True)
         if self.runner:
@@ -455,6 +461,22 @@ class InstanceServicer(pb_grpc.InstanceServicer):
 
     async def MigrationSettled(self, request, context):
         return await self._migration().settled(request)
+
+    # KunServe's pipeline: services/instance/pipeline.py.
+    async def DropLayers(self, request, context):
+        return await self._pipeline().drop_layers(request)
+
+    async def SetPipeline(self, request, context):
+        return await self._pipeline().set_pipeline(request)
+
+    async def ForwardLayers(self, request_iterator, context):
+        async for reply in self._pipeline().serve(request_iterator):
+            yield reply
+
+    def _pipeline(self):
+        if self.svc.pipeline is None:
+            raise FailedPrecondition("this instance is not serving yet")
+        return self.svc.pipeline
 
     def _migration(self):
         if self.svc.migration is None:

@@ -1,0 +1,194 @@
+"""KunServe's pipeline between instance agents (docs/kunserve.md): the gRPC
+side of services/instance/engine/native/pipeline.py.
+
+- ``GrpcPeer`` is a ``LayerPeer`` for an engine thread: each owner step is one
+  ``LayerStep`` on a ``ForwardLayers`` stream to the peer holding the layers,
+  and its reply. Releases travel on the same stream, so that a release never
+  overtakes the step before it nor follows the next. While it waits, the engine
+  thread runs the peers' steps queued for it (``EngineRunner.wait_serving_guests``):
+  two instances that are each other's peers never wait on each other. A
+  peer that cannot be reached raises EngineBroken: this instance has dropped
+  layers that nobody runs, so it stops and its requests resume elsewhere
+  (DESIGN §7).
+- ``PipelineHost`` serves ``DropLayers``, ``SetPipeline`` and the peers'
+  ``ForwardLayers`` streams (their steps run on the engine thread via
+  ``EngineRunner.guest_call``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from ferry.pb import instance_pb2 as pb
+from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.common import rpc
+from libs.common.errors import FailedPrecondition, InvalidArgument
+from libs.common.logging import get_logger
+from services.instance.engine.base import EngineBroken, EngineError
+
+log = get_logger(__name__)
+
+STEP_TIMEOUT_S = 60.0
+
+
+def _dtypes():
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def encode_hidden(hidden) -> tuple[bytes, str, int]:
+    """A [T, H] tensor -> (row-major bytes, dtype name, H)."""
+    import torch
+
+    names = {v: k for k, v in _dtypes().items()}
+    h = hidden.detach().to("cpu").contiguous()
+    return h.view(torch.uint8).numpy().tobytes(), names[h.dtype], int(h.shape[1]) if h.dim() == 2 else 0
+
+
+def decode_hidden(data: bytes, dtype: str, hidden_size: int):
+    import torch
+
+    try:
+        dt = _dtypes()[dtype]
+    except KeyError:
+        raise ValueError(f"hidden states of dtype {dtype!r}; known: {', '.join(_dtypes())}") from None
+    if hidden_size <= 0:
+        raise ValueError(f"hidden_size {hidden_size}")
+    elt = torch.tensor([], dtype=dt).element_size()
+    if len(data) % (elt * hidden_size):
+        raise ValueError(f"{len(data)} bytes are not rows of {hidden_size} {dtype} values")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).view(-1, hidden_size)
+
+
+def _range(r: pb.LayerRange) -> range:
+    return range(r.start, r.stop)
+
+
+def _pb_range(r: range) -> pb.LayerRange:
+    return pb.LayerRange(start=r.start, stop=r.stop)
+
+
+class GrpcPeer:
+    """A LayerPeer over gRPC, called from the engine thread (module doc)."""
+
+    def __init__(self, address: str, runner, timeout_s: float = STEP_TIMEOUT_S):
+        self.address = address
+        self.runner = runner
+        self.loop = runner.loop
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._call = None
+        self.steps = 0
+
+    async def _exchange(self, msg: pb.LayerStep) -> pb.LayerStepReply:
+        if self._call is None:
+            self._channel = rpc.channel(self.address)
+            self._call = pb_grpc.InstanceStub(self._channel).ForwardLayers()
+        await self._call.write(msg)
+        reply = await self._call.read()
+        if reply is grpc.aio.EOF:
+            raise ConnectionError("the peer ended the stream")
+        return reply
+
+    def _send(self, msg: pb.LayerStep) -> pb.LayerStepReply:
+        fut = asyncio.run_coroutine_threadsafe(self._exchange(msg), self.loop)
+        try:
+            return self.runner.wait_serving_guests(fut, self.timeout_s)
+        except (grpc.RpcError, ConnectionError, TimeoutError) as e:
+            self._call = None
+            raise EngineBroken(f"pipeline peer {self.address} is gone ({e!r}): layers dropped here have no "
+                               "holder") from e
+
+    def forward_layers(self, layers: range, chunks, hidden):
+        data, dtype, size = encode_hidden(hidden)
+        msg = pb.LayerStep(layers=_pb_range(layers), hidden=data, dtype=dtype, hidden_size=size,
+                           chunks=[pb.GuestChunk(request_id=c.request_id, start=c.start, num_new=c.num_new)
+                                   for c in chunks])
+        reply = self._send(msg)
+        if reply.error:
+            raise RuntimeError(f"pipeline peer {self.address}: {reply.error}")
+        self.steps += 1
+        return decode_hidden(reply.hidden, dtype, size).to(hidden.device)
+
+    def release(self, request_ids: list[str]) -> None:
+        self._send(pb.LayerStep(release=list(request_ids)))
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+
+class PipelineHost:
+    """The agent's side of KunServe's pipeline (module doc)."""
+
+    def __init__(self, engine, runner):
+        self.engine = engine
+        self.runner = runner
+        self.peers: dict[str, GrpcPeer] = {}
+
+    def _native(self):
+        if not hasattr(self.engine, "drop_layers"):
+            raise FailedPrecondition(f"the {self.engine.name} engine cannot drop layers or join a pipeline")
+        return self.engine
+
+    def _check(self, r: range, what: str) -> range:
+        layers = self.engine.kv_layout.num_layers
+        if not 0 <= r.start < r.stop <= layers:
+            raise InvalidArgument(f"{what}: layers {r.start}..{r.stop - 1} of a {layers}-layer model", param=what)
+        return r
+
+    async def drop_layers(self, request: pb.DropLayersRequest) -> pb.DropLayersReply:
+        engine = self._native()
+        layers = self._check(_range(request.layers), "layers")
+        try:
+            added = await self.runner.call(engine.drop_layers, layers)
+        except EngineError as e:
+            raise FailedPrecondition(str(e)) from None
+        log.info("layers dropped", layers=f"{layers.start}-{layers.stop - 1}", blocks_added=added)
+        return pb.DropLayersReply(blocks_added=added, total_blocks=engine.num_total_blocks)
+
+    async def set_pipeline(self, request: pb.SetPipelineRequest) -> pb.SetPipelineReply:
+        engine = self._native()
+        own = self._check(_range(request.own), "own")
+        peers = []
+        for p in request.peers:
+            if not p.address:
+                raise InvalidArgument("a pipeline peer without an address", param="peers")
+            if p.address not in self.peers:
+                self.peers[p.address] = GrpcPeer(p.address, self.runner)
+            peers.append((self._check(_range(p.layers), "peers"), self.peers[p.address]))
+        try:
+            await self.runner.call(engine.set_pipeline, own, peers)
+        except EngineError as e:
+            raise FailedPrecondition(str(e)) from None
+        log.info("pipeline set", own=f"{own.start}-{own.stop - 1}",
+                 peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers])
+        return pb.SetPipelineReply()
+
+    async def serve(self, steps):
+        """The peers' steps, one reply each, in order."""
+        from services.instance.engine.native.pipeline import GuestChunk
+
+        async for step in steps:
+            if step.release:
+                await self.runner.guest_call(self.engine.release_guests, list(step.release))
+            if not step.chunks:
+                yield pb.LayerStepReply()
+                continue
+            try:
+                hidden = decode_hidden(step.hidden, step.dtype, step.hidden_size)
+                chunks = [GuestChunk(c.request_id, c.start, c.num_new) for c in step.chunks]
+                out = await self.runner.guest_call(self.engine.forward_guest, _range(step.layers), chunks, hidden)
+            except (EngineError, ValueError) as e:
+                yield pb.LayerStepReply(error=str(e))
+                continue
+            yield pb.LayerStepReply(hidden=encode_hidden(out)[0])
+
+    async def close(self) -> None:
+        for p in self.peers.values():
+            await p.close()

@@ -1,0 +1,148 @@
+"""KunServe's pipeline between two instance agents over gRPC on loopback
+(services/instance/pipeline.py): each drops half the layers and runs the
+other half on the other, both serving at once. The tokens are the full
+model's; no block or guest is left; bad orders get clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+pytest.importorskip("torch")
+
+from ferry.pb import common_pb2 as cpb
+from ferry.pb import instance_pb2 as pb
+from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.common import convert
+from libs.common.server import serve
+from libs.common.types import SamplingParams
+from services.instance.engine import create_engine
+from services.instance.engine.base import EngineConfig
+from services.instance.service import InstanceConfig, InstanceService
+from tests.instance.engine.helpers import req, run
+
+N = 20
+PROMPTS = {"a0": list(range(100, 150)), "a1": [5, 6, 7] * 11, "b0": list(range(300, 340)), "b1": [9, 8] * 20}
+SEEDS = {"a1": 3, "b0": 4}
+
+
+def _sampling(rid: str) -> SamplingParams:
+    if rid in SEEDS:
+        return SamplingParams(max_tokens=N, min_tokens=N, temperature=0.9, seed=SEEDS[rid])
+    return SamplingParams(max_tokens=N, min_tokens=N)
+
+
+def _reference() -> dict[str, list[int]]:
+    out = {}
+    for names in (("a0", "a1"), ("b0", "b1")):
+        e = create_engine(EngineConfig(engine="native", model="tiny-llama", num_blocks=64,
+                                       extra={"share_weights": True, "warmup": False}))
+        for n in names:
+            s = _sampling(n)
+            e.add_request(req(n, PROMPTS[n], max_tokens=N, min_tokens=N, temperature=s.temperature, seed=s.seed))
+        out.update(run(e))
+    return out
+
+
+class Agents:
+    """Instance agents served in this event loop, on loopback ports."""
+
+    def __init__(self):
+        self.addresses: list[str] = []
+        self.services: list[InstanceService] = []
+        self._stops: list[asyncio.Event] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, **kw) -> pb_grpc.InstanceStub:
+        cfg = InstanceConfig(host="127.0.0.1", meta_store="127.0.0.1:1", heartbeat_s=5.0, **kw)
+        svc = InstanceService(cfg)
+        ready = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+        self._tasks.append(asyncio.create_task(serve(svc, "127.0.0.1", 0, ready=ready.set_result, stop_event=stop,
+                                                     grace_s=0.5)))
+        address = await asyncio.wait_for(ready, 60)
+        self.addresses.append(address)
+        self.services.append(svc)
+        self._stops.append(stop)
+        return pb_grpc.InstanceStub(grpc.aio.insecure_channel(address))
+
+    async def stop(self):
+        for s in self._stops:
+            s.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@pytest.fixture
+async def agents():
+    a = Agents()
+    yield a
+    await a.stop()
+
+
+async def _generate(stub, rid: str) -> list[int]:
+    tokens = []
+    call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=PROMPTS[rid],
+                                            sampling=convert.sampling_to_pb(_sampling(rid)),
+                                            priority=cpb.PRIORITY_NORMAL))
+    async for ev in call:
+        assert ev.index == len(tokens)
+        tokens += list(ev.token_ids)
+        if ev.finish_reason:
+            assert ev.finish_reason == "length", ev
+    return tokens
+
+
+def _rng(a: int, b: int) -> pb.LayerRange:
+    return pb.LayerRange(start=a, stop=b)
+
+
+async def test_two_agents_serve_as_each_others_pipeline_with_the_full_models_tokens(agents):
+    want = _reference()
+    a = await agents.start(engine="native", model="tiny-llama", num_blocks=64)
+    b = await agents.start(engine="native", model="tiny-llama", num_blocks=64)
+    addr_a, addr_b = agents.addresses
+    da = await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2)))
+    db = await b.DropLayers(pb.DropLayersRequest(layers=_rng(0, 1)))
+    assert da.blocks_added > 0 and da.total_blocks == 64 + da.blocks_added
+    assert db.blocks_added > 0
+    await a.SetPipeline(pb.SetPipelineRequest(own=_rng(0, 1), peers=[pb.PipelinePeer(layers=_rng(1, 2),
+                                                                                      address=addr_b)]))
+    await b.SetPipeline(pb.SetPipelineRequest(own=_rng(1, 2), peers=[pb.PipelinePeer(layers=_rng(0, 1),
+                                                                                      address=addr_a)]))
+    # Both at once: each engine thread waits on the other while serving its steps.
+    got = await asyncio.wait_for(asyncio.gather(*(_generate(a if n[0] == "a" else b, n) for n in PROMPTS)), 120)
+    assert dict(zip(PROMPTS, got)) == want
+    for stub, svc in zip((a, b), agents.services):
+        r = await stub.CheckIntegrity(pb.CheckIntegrityRequest())
+        assert r.ok, r.error
+        assert r.free_blocks == r.total_blocks
+        assert not svc.engine.guests
+    assert all(p.steps > 0 for svc in agents.services for p in svc.pipeline.peers.values())
+
+
+async def test_bad_pipeline_orders_get_clear_errors(agents):
+    a = await agents.start(engine="native", model="tiny-llama", num_blocks=64)
+    fake = await agents.start(engine="fake", num_blocks=64)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 5)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # layer 1 has no holder
+        await a.SetPipeline(pb.SetPipelineRequest(own=_rng(0, 1)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no holder" in e.value.details()
+    await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2)))
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # it cannot run a layer it dropped
+        await a.SetPipeline(pb.SetPipelineRequest(own=_rng(0, 2)))
+    assert "dropped here" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await fake.DropLayers(pb.DropLayersRequest(layers=_rng(0, 1)))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # A peer's step for layers not held here is answered with an error, not a crash.
+    call = a.ForwardLayers()
+    await call.write(pb.LayerStep(layers=_rng(1, 2), chunks=[pb.GuestChunk(request_id="x", start=0, num_new=1)],
+                                  hidden=bytes(64 * 4), dtype="float32", hidden_size=64))
+    reply = await call.read()
+    assert "not held here" in reply.error
+    await call.done_writing()
