@@ -46,8 +46,40 @@ class SetPipelineRequest(_message.Message):
     def __init__(self, own: _Optional[_Union[LayerRange, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PipelinePeer, _Mapping]]] = ...) -> None: ...
 
 class SetPipelineReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("requests_moved",)
+    REQUESTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    requests_moved: int
+    def __init__(self, requests_moved: _Optional[int] = ...) -> None: ...
+
+class RestoreLayersRequest(_message.Message):
+    __slots__ = ("layers", "from_address")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FROM_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    layers: LayerRange
+    from_address: str
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., from_address: _Optional[str] = ...) -> None: ...
+
+class RestoreLayersReply(_message.Message):
+    __slots__ = ("blocks_returned", "total_blocks")
+    BLOCKS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks_returned: int
+    total_blocks: int
+    def __init__(self, blocks_returned: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class LayerTensor(_message.Message):
+    __slots__ = ("layer", "name", "dtype", "shape", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GuestChunk(_message.Message):
     __slots__ = ("request_id", "start", "num_new")
@@ -60,28 +92,38 @@ class GuestChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., num_new: _Optional[int] = ...) -> None: ...
 
 class LayerStep(_message.Message):
-    __slots__ = ("layers", "chunks", "hidden", "dtype", "hidden_size", "release")
+    __slots__ = ("layers", "chunks", "hidden", "dtype", "hidden_size", "release", "push_kv", "fetch_kv", "kv_tokens", "kv")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_KV_FIELD_NUMBER: _ClassVar[int]
+    FETCH_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     layers: LayerRange
     chunks: _containers.RepeatedCompositeFieldContainer[GuestChunk]
     hidden: bytes
     dtype: str
     hidden_size: int
     release: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[GuestChunk, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
+    push_kv: str
+    fetch_kv: str
+    kv_tokens: int
+    kv: bytes
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[GuestChunk, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., push_kv: _Optional[str] = ..., fetch_kv: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ...) -> None: ...
 
 class LayerStepReply(_message.Message):
-    __slots__ = ("hidden", "error")
+    __slots__ = ("hidden", "error", "kv")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     hidden: bytes
     error: str
-    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
+    kv: bytes
+    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ..., kv: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff")

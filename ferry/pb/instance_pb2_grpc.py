@@ -112,6 +112,16 @@ class InstanceStub:
                 request_serializer=ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
                 _registered_method=True)
+        self.RestoreLayers = channel.unary_unary(
+                '/ferry.v1.Instance/RestoreLayers',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersReply.FromString,
+                _registered_method=True)
+        self.FetchLayers = channel.unary_stream(
+                '/ferry.v1.Instance/FetchLayers',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.LayerRange.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.LayerTensor.FromString,
+                _registered_method=True)
         self.ForwardLayers = channel.stream_stream(
                 '/ferry.v1.Instance/ForwardLayers',
                 request_serializer=ferry_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
@@ -219,6 +229,24 @@ class InstanceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetPipeline(self, request, context):
+        """Run `own` here and the rest on the peers from the next step, handing
+        them the KV of their layers for the requests running here; `own` = every
+        layer and no peers ends the pipeline, taking that KV back (the layers
+        must be back first: RestoreLayers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreLayers(self, request, context):
+        """Take layers back from a peer that holds them (their parameters stream
+        from its FetchLayers); the KV pool gives their memory back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchLayers(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -309,6 +337,16 @@ def add_InstanceServicer_to_server(servicer, server):
                     servicer.SetPipeline,
                     request_deserializer=ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_instance__pb2.SetPipelineReply.SerializeToString,
+            ),
+            'RestoreLayers': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreLayers,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersReply.SerializeToString,
+            ),
+            'FetchLayers': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchLayers,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.LayerRange.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.LayerTensor.SerializeToString,
             ),
             'ForwardLayers': grpc.stream_stream_rpc_method_handler(
                     servicer.ForwardLayers,
@@ -723,6 +761,60 @@ class Instance:
             '/ferry.v1.Instance/SetPipeline',
             ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
             ferry_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Instance/RestoreLayers',
+            ferry_dot_pb_dot_instance__pb2.RestoreLayersRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.RestoreLayersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchLayers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferry.v1.Instance/FetchLayers',
+            ferry_dot_pb_dot_instance__pb2.LayerRange.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.LayerTensor.FromString,
             options,
             channel_credentials,
             insecure,

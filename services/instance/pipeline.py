@@ -116,6 +116,26 @@ class GrpcPeer:
     def release(self, request_ids: list[str]) -> None:
         self._send(pb.LayerStep(release=list(request_ids)))
 
+    # KV moves one layer per message (a message is at most 64 MiB: rpc.GRPC_OPTIONS).
+    def fetch_kv(self, layers: range, request_id: str, num_tokens: int) -> bytes:
+        parts = []
+        for i in layers:
+            reply = self._send(pb.LayerStep(layers=_pb_range(range(i, i + 1)), fetch_kv=request_id,
+                                            kv_tokens=num_tokens))
+            if reply.error:
+                raise EngineError(f"pipeline peer {self.address}: {reply.error}")
+            parts.append(reply.kv)
+        return b"".join(parts)
+
+    def push_kv(self, layers: range, request_id: str, num_tokens: int, data) -> None:
+        per = len(data) // max(1, len(layers))
+        view = memoryview(data)
+        for j, i in enumerate(layers):
+            reply = self._send(pb.LayerStep(layers=_pb_range(range(i, i + 1)), push_kv=request_id,
+                                            kv_tokens=num_tokens, kv=bytes(view[j * per:(j + 1) * per])))
+            if reply.error:
+                raise EngineError(f"pipeline peer {self.address}: {reply.error}")
+
     async def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
@@ -162,13 +182,55 @@ class PipelineHost:
             if p.address not in self.peers:
                 self.peers[p.address] = GrpcPeer(p.address, self.runner)
             peers.append((self._check(_range(p.layers), "peers"), self.peers[p.address]))
+        solo = not peers and len(own) == engine.kv_layout.num_layers
         try:
-            await self.runner.call(engine.set_pipeline, own, peers)
+            if solo:
+                moved = await self.runner.call(engine.leave_pipeline)
+            else:
+                moved = await self.runner.call(engine.enter_pipeline, own, peers)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
-        log.info("pipeline set", own=f"{own.start}-{own.stop - 1}",
+        log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,
                  peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers])
-        return pb.SetPipelineReply()
+        return pb.SetPipelineReply(requests_moved=moved)
+
+    async def restore_layers(self, request: pb.RestoreLayersRequest) -> pb.RestoreLayersReply:
+        """Fetch the layers' parameters from the peer that holds them, then
+        take them back between steps (the pool gives their memory back)."""
+        engine = self._native()
+        layers = self._check(_range(request.layers), "layers")
+        if not request.from_address:
+            raise InvalidArgument("from_address: the instance that holds the layers", param="from_address")
+        states: dict[int, dict] = {i: {} for i in layers}
+        async with rpc.channel(request.from_address) as ch:
+            try:
+                async for t in pb_grpc.InstanceStub(ch).FetchLayers(_pb_range(layers)):
+                    if t.layer not in states:
+                        raise FailedPrecondition(f"the peer sent layer {t.layer}, not asked for")
+                    states[t.layer][t.name] = decode_hidden(t.data, t.dtype, 1).view(tuple(t.shape))
+            except grpc.aio.AioRpcError as e:
+                raise FailedPrecondition(f"layers from {request.from_address}: {e.details()}") from None
+        try:
+            back = await self.runner.call(engine.restore_layers, states)
+        except (EngineError, RuntimeError) as e:  # a missing or misshapen tensor: load_state_dict says which
+            raise FailedPrecondition(f"restoring layers: {e}") from None
+        log.info("layers restored", layers=f"{layers.start}-{layers.stop - 1}", source=request.from_address,
+                 blocks_returned=back)
+        return pb.RestoreLayersReply(blocks_returned=back,
+                                     total_blocks=engine.pool.capacity - engine.pool.shrinking)
+
+    async def fetch_layers(self, request: pb.LayerRange):
+        """This instance's parameters of these layers, one tensor per message."""
+        engine = self._native()
+        layers = self._check(_range(request), "layers")
+        try:
+            states = await self.runner.call(engine.layer_states, layers)
+        except EngineError as e:
+            raise FailedPrecondition(str(e)) from None
+        for i, state in states.items():
+            for name, t in state.items():
+                data, dtype, _ = encode_hidden(t.reshape(1, -1))
+                yield pb.LayerTensor(layer=i, name=name, dtype=dtype, shape=list(t.shape), data=data)
 
     async def serve(self, steps):
         """The peers' steps, one reply each, in order."""
@@ -177,6 +239,9 @@ class PipelineHost:
         async for step in steps:
             if step.release:
                 await self.runner.guest_call(self.engine.release_guests, list(step.release))
+            if step.push_kv or step.fetch_kv:
+                yield await self._kv(step)
+                continue
             if not step.chunks:
                 yield pb.LayerStepReply()
                 continue
@@ -188,6 +253,18 @@ class PipelineHost:
                 yield pb.LayerStepReply(error=str(e))
                 continue
             yield pb.LayerStepReply(hidden=encode_hidden(out)[0])
+
+    async def _kv(self, step: pb.LayerStep) -> pb.LayerStepReply:
+        layers = _range(step.layers)
+        try:
+            if step.push_kv:
+                await self.runner.guest_call(self.engine.adopt_guest_kv, step.push_kv, layers, step.kv_tokens,
+                                             step.kv)
+                return pb.LayerStepReply()
+            kv = await self.runner.guest_call(self.engine.guest_kv, step.fetch_kv, layers, step.kv_tokens)
+            return pb.LayerStepReply(kv=bytes(kv))
+        except (EngineError, ValueError) as e:
+            return pb.LayerStepReply(error=str(e))
 
     async def close(self) -> None:
         for p in self.peers.values():

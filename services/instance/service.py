@@ -469,6 +469,13 @@ class InstanceServicer(pb_grpc.InstanceServicer):
     async def SetPipeline(self, request, context):
         return await self._pipeline().set_pipeline(request)
 
+    async def RestoreLayers(self, request, context):
+        return await self._pipeline().restore_layers(request)
+
+    async def FetchLayers(self, request, context):
+        async for t in self._pipeline().fetch_layers(request):
+            yield t
+
     async def ForwardLayers(self, request_iterator, context):
         async for reply in self._pipeline().serve(request_iterator):
             yield reply

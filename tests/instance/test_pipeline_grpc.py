@@ -135,7 +135,10 @@ async def test_bad_pipeline_orders_get_clear_errors(agents):
     await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2)))
     with pytest.raises(grpc.aio.AioRpcError) as e:  # it cannot run a layer it dropped
         await a.SetPipeline(pb.SetPipelineRequest(own=_rng(0, 2)))
-    assert "dropped here" in e.value.details()
+    assert "still dropped" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await a.RestoreLayers(pb.RestoreLayersRequest(layers=_rng(1, 2)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await fake.DropLayers(pb.DropLayersRequest(layers=_rng(0, 1)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -146,3 +149,43 @@ async def test_bad_pipeline_orders_get_clear_errors(agents):
     reply = await call.read()
     assert "not held here" in reply.error
     await call.done_writing()
+
+
+@pytest.mark.model
+async def test_a_request_lives_through_drop_pipeline_and_restore_between_agents(agents):
+    """SmolLM2: a request decoding on A goes on while A hands B the KV of half
+    its layers and drops them, runs pipelined, takes the layers and the KV
+    back from B, and finishes alone, with the tokens of an undisturbed run."""
+    n, prompt = 48, list(range(1000, 1040))
+    ref = create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=64,
+                                     extra={"share_weights": True, "warmup": False}))
+    ref.add_request(req("r", prompt, max_tokens=n, min_tokens=n))
+    want = run(ref)["r"]
+    a = await agents.start(engine="native", model="smollm2", num_blocks=64, dtype="float32", torch_threads=1)
+    await agents.start(engine="native", model="smollm2", num_blocks=64, dtype="float32", torch_threads=1)
+    addr_b = agents.addresses[1]
+    layers = agents.services[0].engine.kv_layout.num_layers
+    first, second = _rng(0, layers // 2), _rng(layers // 2, layers)
+    moves = []
+    tokens = []
+    call = a.Generate(pb.GenerateRequest(request_id="r", prompt_token_ids=prompt,
+                                         sampling=convert.sampling_to_pb(SamplingParams(max_tokens=n, min_tokens=n)),
+                                         priority=cpb.PRIORITY_NORMAL))
+    async for ev in call:
+        tokens += list(ev.token_ids)
+        if len(tokens) >= 8 and not moves:
+            moves.append((await a.SetPipeline(pb.SetPipelineRequest(
+                own=first, peers=[pb.PipelinePeer(layers=second, address=addr_b)]))).requests_moved)
+            dropped = await a.DropLayers(pb.DropLayersRequest(layers=second))
+            assert dropped.blocks_added > 0
+        elif len(tokens) >= 24 and len(moves) == 1:
+            back = await a.RestoreLayers(pb.RestoreLayersRequest(layers=second, from_address=addr_b))
+            assert back.total_blocks == 64
+            moves.append((await a.SetPipeline(pb.SetPipelineRequest(own=_rng(0, layers)))).requests_moved)
+    assert moves == [1, 1]  # the request was running at both moves: its KV went over and came back
+    assert tokens == want
+    for svc in agents.services:
+        assert not svc.engine.guests
+        r = await pb_grpc.InstanceStub(grpc.aio.insecure_channel(svc.info.address)).CheckIntegrity(
+            pb.CheckIntegrityRequest())
+        assert r.ok and r.free_blocks == r.total_blocks == 64, r

@@ -150,14 +150,55 @@ def test_restore_gives_the_blocks_back_and_serves_alone(model, reference):
     a, b, before, _ = _split(model)
     _add(a, ("a0", "a1"))
     _run_pair(a, b, {})
-    host = _engine(model, extra={"share_weights": True}).executor.model  # a full copy in host memory
+    host = _engine(model, extra={"share_weights": True})  # a full copy in host memory
     layers = a.kv_layout.num_layers
-    a.restore_layers(host, range(layers // 2, layers))
+    a.restore_layers(host.layer_states(range(layers // 2, layers)))
     a.set_pipeline(range(layers), [])
     assert a.num_total_blocks == before[0]
     assert a.executor.model.dropped() == []
     _add(a, ("a0", "a1"))
     assert run(a) == {k: reference[k] for k in ("a0", "a1")}
+
+
+def _steps(engine, outputs, n):
+    for _ in range(n):
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o.token_id)
+        engine.check_integrity()
+
+
+def test_requests_live_through_drop_pipeline_and_restore_with_exact_tokens(model, reference):
+    """Requests decoding on A when A enters a pipeline (their KV of the
+    dropped layers handed to B), run pipelined, then A takes its layers back
+    from B and the KV back, and they finish alone: the full model's tokens."""
+    a, b = _engine(model), _engine(model)
+    layers = a.kv_layout.num_layers
+    first, second = range(layers // 2), range(layers // 2, layers)
+    own_blocks = a.num_total_blocks
+    _add(a, ("a0", "a1"))
+    got: dict = {}
+    _steps(a, got, 5)  # prefills and a few decodes, alone
+    assert a.enter_pipeline(first, [(second, LocalPeer(b))]) == 2  # both requests' KV moved
+    assert set(b.guests) == {"a0", "a1"}
+    assert a.drop_layers(second) > 0
+    _steps(a, got, 8)  # pipelined
+    assert a.executor.model.dropped() == list(second)
+    a.restore_layers(b.layer_states(second))
+    assert a.leave_pipeline() == 2  # both requests' KV came back
+    assert not b.guests and b.num_free_blocks == b.num_total_blocks
+    run(a, got)
+    assert {k: got[k] for k in ("a0", "a1")} == {k: reference[k] for k in ("a0", "a1")}
+    assert a.num_total_blocks == own_blocks and a.num_free_blocks == own_blocks
+
+
+def test_leaving_a_pipeline_needs_the_layers_back():
+    a, b = _engine("tiny-llama"), _engine("tiny-llama")
+    a.enter_pipeline(range(1), [(range(1, 2), LocalPeer(b))])
+    a.drop_layers(range(1, 2))
+    with pytest.raises(EngineError, match="still dropped"):
+        a.leave_pipeline()
+    with pytest.raises(EngineError, match="dropped here too"):
+        a.layer_states(range(2))
 
 
 def test_a_dropped_layer_cannot_run_here():

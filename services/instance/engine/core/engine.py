@@ -340,6 +340,38 @@ class CoreEngine(Engine):
             sched.append(ScheduledChunk(r, g.start, g.num_new))
         return self.executor.forward_guest(layers, sched, hidden)
 
+    def guest_kv(self, request_id: str, layers: range, num_tokens: int) -> memoryview:
+        """A guest's KV of these layers for its first ``num_tokens`` tokens
+        (whole blocks, layer-major), for its owner taking it back."""
+        r = self.guests.get(request_id)
+        n = cdiv(num_tokens, self._block_size)
+        if r is None or len(r.block_ids) < n:
+            raise EngineError(f"no KV here for {num_tokens} tokens of guest {request_id!r}")
+        return self.executor.gather_kv_layers(r.block_ids[:n], layers)
+
+    def adopt_guest_kv(self, request_id: str, layers: range, num_tokens: int, data: bytes | memoryview) -> None:
+        """A guest with its owner's KV of these layers for ``num_tokens``
+        tokens (``guest_kv``'s layout): the owner enters a pipeline while the
+        request runs. A guest of that size takes more layers (a transfer in
+        pieces). Raises EngineError when the blocks are not there."""
+        n = cdiv(num_tokens, self._block_size)
+        g = self.guests.get(request_id)
+        if g is not None:
+            if len(g.block_ids) != n:
+                raise EngineError(f"guest {request_id!r} is here with {len(g.block_ids)} blocks, not {n}")
+            self.executor.scatter_kv_layers(g.block_ids, layers, data)
+            return
+        if not self.pool.can_allocate(n):
+            raise EngineError(f"{n} KV blocks for guest {request_id!r}, {self.pool.num_free} free here")
+        r = Request(request_id, [], SamplingParams(), arrival_time=1.0)
+        r.block_ids = self.pool.allocate(n)
+        self.guests[request_id] = r
+        try:
+            self.executor.scatter_kv_layers(r.block_ids, layers, data)
+        except Exception:
+            self.release_guests([request_id])
+            raise
+
     def release_guests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             r = self.guests.pop(rid, None)

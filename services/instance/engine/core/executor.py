@@ -60,6 +60,12 @@ class Executor(abc.ABC):
         """Run ``layers`` for a peer's requests (this engine's guests)."""
         raise EngineError(f"{type(self).__name__} cannot run layers for a pipeline peer")
 
+    def gather_kv_layers(self, block_ids: list[int], layers: range) -> memoryview:
+        raise EngineError(f"{type(self).__name__} cannot hand KV to a pipeline peer")
+
+    def scatter_kv_layers(self, block_ids: list[int], layers: range, data: bytes | memoryview) -> None:
+        raise EngineError(f"{type(self).__name__} cannot take KV from a pipeline peer")
+
     def expect_context(self, num_tokens: int) -> None:
         """A hint from any thread: a request with this much context may join
         the batch soon. An executor may get buffers ready off the step path."""

@@ -121,19 +121,69 @@ class NativeEngine(CoreEngine):
             self._lent_blocks += n
         return max(0, n)
 
-    def restore_layers(self, source, layers: range) -> int:
-        """Take these layers back (``source``: a model holding them: a host
-        copy or a peer's) and start giving back the blocks their memory lent:
-        free ones at once, used ones as they are freed (BlockPool.shrink).
-        Returns the blocks asked back."""
-        self.executor.model.restore_layers(source, layers)
-        for i in layers:
+    def restore_layers(self, states: dict) -> int:
+        """Take layers back from their parameters (``{layer: state_dict}``,
+        ``LlamaModel.layer_states`` of a host copy or a peer) and start giving
+        back the blocks their memory lent: free ones at once, used ones as they
+        are freed (BlockPool.shrink). Returns the blocks asked back."""
+        bad = [i for i in states if not 0 <= i < self.kv_layout.num_layers]
+        if bad:
+            raise EngineError(f"layers {bad} of a {self.kv_layout.num_layers}-layer model")
+        self.executor.model.restore_layers(states)
+        for i in states:
             self._dropped_bytes.pop(i, None)
         back = self._lent_blocks - sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block
         if back > 0:
             self.pool.shrink(back)
             self._lent_blocks -= back
         return max(0, back)
+
+    def layer_states(self, layers: range) -> dict:
+        try:
+            return self.executor.model.layer_states(layers)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+
+    def enter_pipeline(self, own: range, peers: list) -> int:
+        """Between steps: run layers ``own`` here and each peer's there from
+        the next step, first handing each peer the KV of its layers for every
+        request that has some, so that requests running here go on (the KV
+        exchange; here a pause between two steps, not the paper's remote
+        attention). Returns the requests whose KV moved."""
+        self.set_pipeline(own, peers)
+        ex = self.executor
+        moved = 0
+        for rid, r in sorted(self.requests.items()):
+            if not r.num_computed_tokens:
+                continue
+            blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
+            for layers, peer in ex.peer_segments():
+                peer.push_kv(layers, rid, r.num_computed_tokens, ex.gather_kv_layers(blocks, layers))
+            ex.mark_remote(rid)
+            moved += 1
+        return moved
+
+    def leave_pipeline(self) -> int:
+        """Between steps: bring back from the peers the KV of every layer they
+        ran for this engine's requests (into the requests' own blocks, which
+        have room for every layer), release the guests there, and run every
+        layer here from the next step. The layers must be back first
+        (``restore_layers``). Returns the requests whose KV came back."""
+        ex = self.executor
+        if ex.model.dropped():
+            raise EngineError(f"layers {ex.model.dropped()} are still dropped: restore them first")
+        moved = 0
+        for rid in sorted(ex.remote_requests):
+            r = self.requests.get(rid)
+            if r is None or not r.num_computed_tokens:
+                continue
+            blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
+            for layers, peer in ex.peer_segments():
+                ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, rid, r.num_computed_tokens))
+            moved += 1
+        ex.release_requests(sorted(ex.remote_requests))
+        ex.set_pipeline(range(self.kv_layout.num_layers), [])
+        return moved
 
     def set_pipeline(self, own: range, peers: list) -> None:
         """Layers ``own`` run here, each (range, LayerPeer) there; see pipeline.py."""

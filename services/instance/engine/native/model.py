@@ -180,16 +180,21 @@ class LlamaModel(nn.Module):
             self.layers[i] = DroppedLayer(i)
         return freed
 
-    def restore_layers(self, source: LlamaModel, layers: range) -> None:
-        """Take these layers back from ``source`` (a copy in host memory, or a
-        peer's layers), as this model's own copies on its device and dtype."""
-        w = self.embed_tokens.weight
-        gone = [i for i in source.dropped() if i in layers]
+    def layer_states(self, layers: range) -> dict[int, dict[str, torch.Tensor]]:
+        """The parameters of these layers (what a peer restores from)."""
+        gone = [i for i in self.dropped() if i in layers]
         if gone:
-            raise ValueError(f"the source has dropped layers {gone} too")
-        for i in layers:
+            raise ValueError(f"layers {gone} are dropped here too")
+        return {i: self.layers[i].state_dict() for i in layers}
+
+    def restore_layers(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Take layers back from their parameters (a copy in host memory, or a
+        peer's, ``layer_states``), as this model's own copies on its device
+        and dtype."""
+        w = self.embed_tokens.weight
+        for i, state in states.items():
             layer = DecoderLayer(self.config, i).to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
-            layer.load_state_dict(source.layers[i].state_dict())
+            layer.load_state_dict(state)
             if self.lm_head_packed is not None:  # this model runs prepacked projections
                 for m in layer.modules():
                     if isinstance(m, Linear):

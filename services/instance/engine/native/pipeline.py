@@ -17,6 +17,11 @@ The contract between them (``LayerPeer``):
   the rows of ``chunks`` in order (``num_new`` rows each, positions ``start``
   onwards); the peer returns the same rows after ``layers``.
 - ``release(request_ids)``: forget those guests (free their blocks).
+- ``fetch_kv(layers, request_id, num_tokens)``: a guest's KV of those layers
+  (whole blocks, layer-major), for its owner taking it back when the
+  pipeline ends (``NativeEngine.leave_pipeline``).
+- ``push_kv(layers, request_id, num_tokens, data)``: the inverse, when the
+  owner enters a pipeline with requests running (``enter_pipeline``).
 
 ``LocalPeer`` calls another engine in this process (tests, benchmarks); a
 gRPC peer is the same contract between instance agents.
@@ -44,6 +49,10 @@ class LayerPeer(Protocol):
 
     def release(self, request_ids: list[str]) -> None: ...
 
+    def fetch_kv(self, layers: range, request_id: str, num_tokens: int) -> bytes | memoryview: ...
+
+    def push_kv(self, layers: range, request_id: str, num_tokens: int, data: bytes | memoryview) -> None: ...
+
 
 class LocalPeer:
     """A peer engine in this process. ``calls`` counts the forwards it ran."""
@@ -58,6 +67,12 @@ class LocalPeer:
 
     def release(self, request_ids: list[str]) -> None:
         self.engine.release_guests(request_ids)
+
+    def fetch_kv(self, layers: range, request_id: str, num_tokens: int) -> memoryview:
+        return self.engine.guest_kv(request_id, layers, num_tokens)
+
+    def push_kv(self, layers: range, request_id: str, num_tokens: int, data: bytes | memoryview) -> None:
+        self.engine.adopt_guest_kv(request_id, layers, num_tokens, data)
 
 
 def plan_segments(num_layers: int, own: range, peers: list[tuple[range, LayerPeer]]):

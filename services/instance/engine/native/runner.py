@@ -175,6 +175,28 @@ class ModelRunner(Executor):
     def remote_requests(self) -> frozenset[str]:
         return frozenset(self._remote)
 
+    def mark_remote(self, request_id: str) -> None:
+        """This request's KV is now on the peers too (enter_pipeline)."""
+        self._remote.add(request_id)
+
+    def peer_segments(self) -> list[tuple[range, LayerPeer]]:
+        return [(layers, p) for layers, p in self._segments if p is not None]
+
+    def gather_kv_layers(self, block_ids: list[int], layers: range) -> memoryview:
+        """These layers of the blocks, layer-major: ``[layers][n, 2, block_size, kv_heads, head_dim]``."""
+        return memoryview(b"".join(bytes(self._gather_layer(block_ids, i)) for i in layers))
+
+    def scatter_kv_layers(self, block_ids: list[int], layers: range, data: bytes | memoryview) -> None:
+        """The inverse of ``gather_kv_layers``. The dense decode cache is
+        dropped: its slots of these layers are stale (the peer held them)."""
+        per = len(block_ids) * self._layout.bytes_per_block // self._layout.num_layers
+        if len(data) != per * len(layers):
+            raise EngineError(f"{len(data)} bytes for {len(layers)} layers of {len(block_ids)} blocks")
+        for j, i in enumerate(layers):
+            self.scatter_kv_layer(block_ids, i, memoryview(data)[j * per:(j + 1) * per])
+        if self.decode_cache is not None:
+            self.decode_cache.drop()
+
     @torch.inference_mode()
     def forward_guest(self, layers: range, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
         """Run ``layers`` (held here) for a peer's step: ``chunks`` over this
