@@ -57,18 +57,18 @@ Simplifications, each on the side of the pipeline's cost:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from ferry.sim.instance import SimInstance
 from libs.common.policies.kunserve import (
     BuddyGroup,
     Candidate,
     MemorySample,
+    add_sample,
     buddy_group,
-    forecast_instance,
+    fits_own_memory,
     plan_buddy_groups,
     predict_throttle,
-    sample_of,
 )
 from libs.common.types import InstanceStatus
 
@@ -163,11 +163,7 @@ class KunServe:
             self.k.after(self.p.interval_s, self._tick)
 
     def _sample(self, iid: str, st: InstanceStatus, now: float) -> None:
-        q = self.samples.setdefault(iid, deque())
-        if not q or st.timestamp > q[-1].time:  # a report not seen yet
-            q.append(sample_of(st))
-        while q and q[0].time < now - self.p.window_s:
-            q.popleft()
+        add_sample(self.samples.setdefault(iid, deque()), st, now, self.p.window_s)
         self.own_blocks.setdefault(iid, st.total_blocks)
 
     def _plan(self, fc, now: float) -> None:
@@ -283,14 +279,8 @@ class KunServe:
             return
         for inst in g.members:
             iid = inst.instance_id
-            own = self.own_blocks[iid]
-            q = self.samples.get(iid)
-            if not q:
-                return
-            last = q[-1]
-            if last.requirement > (1 - self.p.restore_margin) * own:
-                return
-            if forecast_instance(iid, [replace(s, total_blocks=own) for s in q], self.p.horizon_s).throttled:
+            if not fits_own_memory(iid, self.samples.get(iid) or (), self.own_blocks[iid], self.p.restore_margin,
+                                   self.p.horizon_s):
                 return
         g.state = "draining"
         g.events.append({"t": now - self.c.t0, "event": "restore"})

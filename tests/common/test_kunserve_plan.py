@@ -12,6 +12,8 @@ from libs.common.policies.kunserve import (
     BuddyPlan,
     Candidate,
     MemorySample,
+    add_sample,
+    fits_own_memory,
     forecast_instance,
     plan_buddy_groups,
     predict_throttle,
@@ -282,3 +284,30 @@ def test_forecast_feeds_the_planner():
     plan = plan_buddy_groups(cands, f.deficit_blocks, num_layers=40, layer_blocks=8)  # P = 320 >= 10 + 300
     assert plan.covered and plan.disturbed == 2
     assert [m.instance_id for m in plan.groups[0].members] == ["c", "b"]
+
+
+def _st(t: float, used: int, total: int = 100) -> InstanceStatus:
+    return InstanceStatus("a", timestamp=t, total_blocks=total, free_blocks=total - used, used_blocks=used)
+
+
+def test_add_sample_keeps_new_reports_within_the_window():
+    from collections import deque
+
+    w = deque()
+    for t in (1.0, 1.5, 1.5, 2.0, 3.2):  # 1.5 twice: the same report read twice counts once
+        add_sample(w, _st(t, 10), now=t, window_s=1.0)
+    assert [s.time for s in w] == [3.2]
+    w.clear()
+    for t in (1.0, 1.5, 1.5, 2.0):
+        add_sample(w, _st(t, 10), now=t, window_s=1.0)
+    assert [s.time for s in w] == [1.0, 1.5, 2.0]
+
+
+def test_a_member_restores_only_when_its_own_memory_holds_it_and_no_growth_threatens():
+    own = 100  # its memory without the lent blocks; the samples show the pool with them (200)
+    flat = [MemorySample(t, 70, 200) for t in (0.0, 0.5, 1.0)]
+    assert fits_own_memory("a", flat, own, margin=0.2)
+    assert not fits_own_memory("a", [MemorySample(t, 85, 200) for t in (0.0, 0.5, 1.0)], own, margin=0.2)
+    rising = [MemorySample(0.0, 40, 200), MemorySample(0.5, 60, 200), MemorySample(1.0, 78, 200)]
+    assert not fits_own_memory("a", rising, own, margin=0.2)  # 78 fits 80, but within a second it will not fit 100
+    assert not fits_own_memory("a", [], own, margin=0.2)

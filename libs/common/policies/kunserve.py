@@ -1,15 +1,17 @@
 """KunServe's scheduling pieces (KunServe, §4.1 and §4.3), as pure functions
-over snapshots: when to drop parameters (``predict_throttle``) and which
-instances drop which layers (``plan_buddy_groups``). The engine side (layer
-drop and restore, pipelined execution, KV exchange) is not built yet
-(docs/kunserve.md)."""
+over snapshots: when to drop parameters (``predict_throttle``), which
+instances drop which layers (``plan_buddy_groups``), and when a group may
+restore (``fits_own_memory``). The simulator's controller (ferry/sim/kunserve.py)
+and the scheduler's loop (services/scheduler/kunserve.py) both call them; the
+engine side is services/instance/engine/native/pipeline.py (docs/kunserve.md)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from libs.common.types import InstanceStatus
 
@@ -32,6 +34,27 @@ class MemorySample:
     @property
     def requirement(self) -> int:
         return self.used_blocks + self.queued_blocks
+
+
+def add_sample(window: deque, status: InstanceStatus, now: float, window_s: float) -> None:
+    """Keep an instance's recent samples: a report not seen yet joins the
+    window; samples older than ``window_s`` before ``now`` leave it."""
+    if not window or status.timestamp > window[-1].time:
+        window.append(sample_of(status))
+    while window and window[0].time < now - window_s:
+        window.popleft()
+
+
+def fits_own_memory(instance_id: str, samples: Sequence[MemorySample], own_blocks: int, margin: float,
+                    horizon: float = DEFAULT_HORIZON_S) -> bool:
+    """May this group member give its lent memory back (§4.2, restore)? Its
+    requirement (used + queued) fits ``1 - margin`` of its own memory (what it
+    has without the dropped layers' blocks), and its forecast against that
+    memory is not throttled within the horizon."""
+    if not samples or samples[-1].requirement > (1 - margin) * own_blocks:
+        return False
+    return not forecast_instance(instance_id, [replace(s, total_blocks=own_blocks) for s in samples],
+                                 horizon).throttled
 
 
 def sample_of(status: InstanceStatus) -> MemorySample:
