@@ -60,6 +60,15 @@ class SchedulerConfig(CommonConfig):
     scale_out_max_launch: int = opt(1, "auto-scaling: most instances one scale-out launches, sized by the "
                                        "freeness shortfall (1: one per action, as Llumnix)", min=1)
     autoscale_interval_s: float = opt(0.5, "auto-scaling: sampling interval (s)", min=0.01)
+    # KunServe (services/scheduler/kunserve.py, docs/kunserve.md).
+    kunserve: bool = opt(False, "KunServe: under KV memory throttling, drop layers into buddy groups that serve as "
+                                "pipelines; restore when pressure ends (native instances)")
+    kunserve_layers: int = opt(0, "KunServe: the model's layer count (instances do not report it)", min=0)
+    kunserve_layer_blocks: int = opt(0, "KunServe: one layer's parameter memory in KV blocks (SmolLM2, 16-token "
+                                        "blocks: 19 in fp32, 38 in bf16 with prepacked weights)", min=0)
+    kunserve_min_group_s: float = opt(5.0, "KunServe: a group lasts at least this long", min=0.0)
+    kunserve_restore_margin: float = opt(0.2, "KunServe: restore once each member's requirement fits (1 - this) "
+                                              "of its own memory", min=0.0, max=0.99)
 
     @property
     def policy(self) -> Policy:
@@ -162,6 +171,7 @@ class SchedulerService(Service):
         self.rescheduler = None
         self.launcher = None
         self.autoscaler = None
+        self.kunserve = None
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
@@ -188,8 +198,20 @@ class SchedulerService(Service):
                 c.scale_out_below, c.scale_in_above, c.scale_window_s, c.min_instances, c.max_instances,
                 c.scale_cooldown_s, max_launch=c.scale_out_max_launch), interval_s=c.autoscale_interval_s)
             self.autoscaler.start()
+        if self.config.kunserve:
+            from services.scheduler.kunserve import KunServeConfig, KunServeLoop
+
+            c = self.config
+            if not (c.kunserve_layers and c.kunserve_layer_blocks):
+                raise ValueError("--kunserve needs --kunserve-layers and --kunserve-layer-blocks")
+            self.kunserve = KunServeLoop(self.view, KunServeConfig(
+                c.kunserve_layers, c.kunserve_layer_blocks, min_group_s=c.kunserve_min_group_s,
+                restore_margin=c.kunserve_restore_margin))
+            self.kunserve.start()
 
     async def stop(self) -> None:
+        if self.kunserve is not None:
+            await self.kunserve.stop()
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         if self.launcher is not None:

@@ -1,0 +1,241 @@
+"""KunServe's monitor in the scheduler (``--kunserve``; docs/kunserve.md): the
+live twin of the simulator's controller, on the same pure decisions
+(libs/common/policies/kunserve.py).
+
+Every ``interval_s`` it reads the cluster view's status reports into a
+window per instance (``add_sample``), then:
+
+- **restore** each group older than ``min_group_s`` whose every member's
+  requirement fits its own memory (``fits_own_memory``): each member fetches
+  the layers it dropped from the members that hold them (``RestoreLayers``)
+  and leaves the pipeline, taking back the KV its peers held
+  (``SetPipeline`` to every layer);
+- **drop** when the instances outside groups are about to throttle
+  (``predict_throttle``): ``plan_buddy_groups`` picks groups; each member
+  enters the pipeline (``SetPipeline``: its peers receive the KV of their
+  layers for its running requests), then drops the layers it does not keep
+  (``DropLayers``: its KV pool grows).
+
+Not here yet (the simulator has them): merging a group throttled again with
+another, and restore by live migration (members take the KV back in place).
+
+The planner needs the model's layer count and one layer's parameter memory
+in KV blocks (``--kunserve-layers``, ``--kunserve-layer-blocks``): instances
+do not report them. Counters and gauges are Prometheus metrics
+(``ferry_kunserve_*``), exported where the process serves /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from ferry.pb import instance_pb2 as ipb
+from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.common import rpc
+from libs.common.logging import get_logger
+from libs.common.policies.kunserve import (
+    BuddyGroup,
+    Candidate,
+    MemorySample,
+    add_sample,
+    fits_own_memory,
+    plan_buddy_groups,
+    predict_throttle,
+)
+
+log = get_logger(__name__)
+
+DROPS = Counter("ferry_kunserve_drops_total", "buddy groups formed (layers dropped into KV memory)")
+RESTORES = Counter("ferry_kunserve_restores_total", "buddy groups restored (layers and KV back)")
+FAILURES = Counter("ferry_kunserve_failures_total", "group formations or restores that failed", ["action"])
+GROUPS = Gauge("ferry_kunserve_groups", "buddy groups serving as pipelines now")
+FREED = Gauge("ferry_kunserve_freed_blocks", "KV blocks lent by dropped layers now")
+
+
+@dataclass(frozen=True)
+class KunServeConfig:
+    num_layers: int
+    layer_blocks: int  # one layer's parameter memory in KV blocks
+    interval_s: float = 0.1
+    window_s: float = 1.0
+    horizon_s: float = 1.0
+    restore_margin: float = 0.2
+    min_group_s: float = 5.0
+    max_group_size: int | None = None
+
+
+@dataclass
+class LiveGroup:
+    plan: BuddyGroup
+    addresses: dict[str, str]
+    formed_at: float
+    own_blocks: dict[str, int]  # each member's pool before the drop
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[str]:
+        return [m.instance_id for m in self.plan.members]
+
+
+def _lr(r: range) -> ipb.LayerRange:
+    return ipb.LayerRange(start=r.start, stop=r.stop)
+
+
+def dropped_ranges(num_layers: int, start: int, end: int) -> list[range]:
+    """The layers a member keeping [start, end) drops: before and after."""
+    return [r for r in (range(start), range(end, num_layers)) if len(r)]
+
+
+def holders(plan: BuddyGroup, layers: range) -> list[tuple[range, str]]:
+    """Which members keep which part of ``layers``: (sub-range, instance)."""
+    out = []
+    for m in plan.members:
+        lo, hi = max(layers.start, m.start), min(layers.stop, m.end)
+        if lo < hi:
+            out.append((range(lo, hi), m.instance_id))
+    return out
+
+
+class KunServeLoop:
+    def __init__(self, view, config: KunServeConfig, stub_for=None, clock=time.time):
+        """``view``: the scheduler's ClusterView (``views()``, ``address()``);
+        ``stub_for(address)``: an Instance stub (tests pass fakes)."""
+        self.view = view
+        self.cfg = config
+        self.clock = clock
+        self._stub_for = stub_for
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.samples: dict[str, deque[MemorySample]] = {}
+        self.groups: dict[str, LiveGroup] = {}  # member -> its group
+        self.log: list[dict] = []
+        self._task: asyncio.Task | None = None
+
+    def stub(self, address: str):
+        if self._stub_for is not None:
+            return self._stub_for(address)
+        if address not in self._channels:
+            self._channels[address] = rpc.channel(address)
+        return ipb_grpc.InstanceStub(self._channels[address])
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the loop must go on
+                log.error("kunserve tick failed", error=repr(e))
+
+    # --- one tick ---------------------------------------------------------------------------
+    def _live_groups(self) -> list[LiveGroup]:
+        return list({id(g): g for g in self.groups.values()}.values())
+
+    async def tick(self) -> None:
+        now = self.clock()
+        statuses = {v.instance_id: v.status for v in self.view.views()}
+        for iid in list(self.samples):
+            if iid not in statuses:  # gone: forget it
+                del self.samples[iid]
+        for iid, st in statuses.items():
+            add_sample(self.samples.setdefault(iid, deque()), st, now, self.cfg.window_s)
+        for g in self._live_groups():
+            if now - g.formed_at >= self.cfg.min_group_s and all(
+                    fits_own_memory(i, self.samples.get(i) or (), g.own_blocks[i], self.cfg.restore_margin,
+                                    self.cfg.horizon_s) for i in g.ids):
+                await self.restore(g)
+        outside = {iid: q for iid, q in self.samples.items() if q and iid not in self.groups}
+        if not outside:
+            return
+        fc = predict_throttle(outside, self.cfg.horizon_s)
+        if not fc.throttled:
+            return
+        deficits = {f.instance_id: f.deficit_blocks for f in fc.instances}
+        cands = [Candidate(iid, st.free_blocks, deficits.get(iid, 0),
+                           eligible=iid not in self.groups and not st.terminating and self.view.address(iid) is not None)
+                 for iid, st in sorted(statuses.items())]
+        plan = plan_buddy_groups(cands, fc.deficit_blocks, self.cfg.num_layers, self.cfg.layer_blocks,
+                                 self.cfg.max_group_size)
+        for bg in plan.groups:
+            await self.form(bg, {i: statuses[i].total_blocks for i in (m.instance_id for m in bg.members)})
+
+    # --- actions ----------------------------------------------------------------------------
+    async def form(self, plan: BuddyGroup, own_blocks: dict[str, int]) -> LiveGroup | None:
+        """Every member enters the pipeline (its peers get the KV of their
+        layers), then drops the layers it does not keep. On a failure, the
+        members already in leave it again."""
+        addresses = {m.instance_id: self.view.address(m.instance_id) for m in plan.members}
+        g = LiveGroup(plan, addresses, self.clock(), own_blocks)
+        entered = []
+        try:
+            for m in plan.members:
+                peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
+                         for o in plan.members if o is not m]
+                await self.stub(addresses[m.instance_id]).SetPipeline(
+                    ipb.SetPipelineRequest(own=_lr(range(m.start, m.end)), peers=peers))
+                entered.append(m)
+            for m in plan.members:
+                for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
+                    await self.stub(addresses[m.instance_id]).DropLayers(ipb.DropLayersRequest(layers=_lr(r)))
+        except grpc.aio.AioRpcError as e:
+            FAILURES.labels("drop").inc()
+            log.error("kunserve: forming a group failed", members=g.ids, error=e.details())
+            for m in entered:
+                try:
+                    await self._restore_member(g, m)
+                except grpc.aio.AioRpcError as e2:
+                    log.error("kunserve: undoing a member failed", member=m.instance_id, error=e2.details())
+            return None
+        for i in g.ids:
+            self.groups[i] = g
+        DROPS.inc()
+        GROUPS.set(len(self._live_groups()))
+        FREED.inc(plan.freed_blocks)
+        self.log.append({"t": g.formed_at, "event": "drop", "members": g.ids, "freed_blocks": plan.freed_blocks})
+        log.info("kunserve: group formed", members=g.ids, freed_blocks=plan.freed_blocks,
+                 layers=[(m.start, m.end) for m in plan.members])
+        return g
+
+    async def _restore_member(self, g: LiveGroup, m) -> None:
+        stub = self.stub(g.addresses[m.instance_id])
+        for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
+            for part, holder in holders(g.plan, r):
+                await stub.RestoreLayers(ipb.RestoreLayersRequest(layers=_lr(part),
+                                                                  from_address=g.addresses[holder]))
+        await stub.SetPipeline(ipb.SetPipelineRequest(own=_lr(range(self.cfg.num_layers))))
+
+    async def restore(self, g: LiveGroup) -> bool:
+        """Each member takes its layers back from those that keep them, then
+        the KV its peers held; the group dissolves."""
+        try:
+            for m in g.plan.members:
+                await self._restore_member(g, m)
+        except grpc.aio.AioRpcError as e:
+            FAILURES.labels("restore").inc()
+            log.error("kunserve: restoring a group failed (tried again next tick)", members=g.ids,
+                      error=e.details())
+            return False
+        for i in g.ids:
+            self.groups.pop(i, None)
+        RESTORES.inc()
+        GROUPS.set(len(self._live_groups()))
+        FREED.dec(g.plan.freed_blocks)
+        self.log.append({"t": self.clock(), "event": "restore", "members": g.ids})
+        log.info("kunserve: group restored", members=g.ids, after_s=round(self.clock() - g.formed_at, 2))
+        return True
