@@ -74,7 +74,7 @@ async def test_throttle_forms_a_group_and_pressure_gone_restores_it():
     names = [(a, n) for a, n, _ in rec.calls]
     assert names == [("addr-a", "SetPipeline"), ("addr-b", "SetPipeline"), ("addr-a", "DropLayers"),
                      ("addr-b", "DropLayers")]  # both enter the pipeline before either drops a layer
-    sp_a, _sp_b, drop_a, drop_b = (r for _, _, r in rec.calls)
+    sp_a, sp_b, drop_a, drop_b = (r for _, _, r in rec.calls)
     assert (sp_a.own.start, sp_a.own.stop) == (0, 2)
     assert [(p.layers.start, p.layers.stop, p.address) for p in sp_a.peers] == [(2, 4, "addr-b")]
     assert (drop_a.layers.start, drop_a.layers.stop) == (2, 4)
