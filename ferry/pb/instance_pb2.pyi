@@ -16,10 +16,12 @@ class LayerRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class DropLayersRequest(_message.Message):
-    __slots__ = ("layers",)
+    __slots__ = ("layers", "hold")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     layers: LayerRange
-    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
+    hold: bool
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class DropLayersReply(_message.Message):
     __slots__ = ("blocks_added", "total_blocks")
@@ -116,14 +118,16 @@ class LayerStep(_message.Message):
     def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[GuestChunk, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., push_kv: _Optional[str] = ..., fetch_kv: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ...) -> None: ...
 
 class LayerStepReply(_message.Message):
-    __slots__ = ("hidden", "error", "kv")
+    __slots__ = ("hidden", "error", "kv", "short")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    SHORT_FIELD_NUMBER: _ClassVar[int]
     hidden: bytes
     error: str
     kv: bytes
-    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ..., kv: _Optional[bytes] = ...) -> None: ...
+    short: bool
+    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ..., kv: _Optional[bytes] = ..., short: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff")

@@ -26,7 +26,7 @@ from ferry.pb import instance_pb2_grpc as pb_grpc
 from libs.common import rpc
 from libs.common.errors import FailedPrecondition, InvalidArgument
 from libs.common.logging import get_logger
-from services.instance.engine.base import EngineBroken, EngineError
+from services.instance.engine.base import EngineBroken, EngineError, PeerShort
 
 log = get_logger(__name__)
 
@@ -108,6 +108,8 @@ class GrpcPeer:
                            chunks=[pb.GuestChunk(request_id=c.request_id, start=c.start, num_new=c.num_new)
                                    for c in chunks])
         reply = self._send(msg)
+        if reply.short:
+            raise PeerShort(f"pipeline peer {self.address}: {reply.error}")
         if reply.error:
             raise RuntimeError(f"pipeline peer {self.address}: {reply.error}")
         self.steps += 1
@@ -166,7 +168,7 @@ class PipelineHost:
         engine = self._native()
         layers = self._check(_range(request.layers), "layers")
         try:
-            added = await self.runner.call(engine.drop_layers, layers)
+            added = await self.runner.call(engine.drop_layers, layers, request.hold)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("layers dropped", layers=f"{layers.start}-{layers.stop - 1}", blocks_added=added)
@@ -250,7 +252,7 @@ class PipelineHost:
                 chunks = [GuestChunk(c.request_id, c.start, c.num_new) for c in step.chunks]
                 out = await self.runner.guest_call(self.engine.forward_guest, _range(step.layers), chunks, hidden)
             except (EngineError, ValueError) as e:
-                yield pb.LayerStepReply(error=str(e))
+                yield pb.LayerStepReply(error=str(e), short=isinstance(e, PeerShort))
                 continue
             yield pb.LayerStepReply(hidden=encode_hidden(out)[0])
 

@@ -177,22 +177,24 @@ class KunServeLoop:
 
     # --- actions ----------------------------------------------------------------------------
     async def form(self, plan: BuddyGroup, own_blocks: dict[str, int]) -> LiveGroup | None:
-        """Every member enters the pipeline (its peers get the KV of their
-        layers), then drops the layers it does not keep. On a failure, the
-        members already in leave it again."""
+        """Every member drops the layers it does not keep and holds its steps
+        (its pool grows), then every member enters the pipeline: its peers,
+        with room now, get the KV of their layers, and it steps again. On a
+        failure, the members already touched take their layers back."""
         addresses = {m.instance_id: self.view.address(m.instance_id) for m in plan.members}
         g = LiveGroup(plan, addresses, self.clock(), own_blocks)
         entered = []
         try:
             for m in plan.members:
+                entered.append(m)
+                for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
+                    await self.stub(addresses[m.instance_id]).DropLayers(ipb.DropLayersRequest(layers=_lr(r),
+                                                                                               hold=True))
+            for m in plan.members:
                 peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
                          for o in plan.members if o is not m]
                 await self.stub(addresses[m.instance_id]).SetPipeline(
                     ipb.SetPipelineRequest(own=_lr(range(m.start, m.end)), peers=peers))
-                entered.append(m)
-            for m in plan.members:
-                for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
-                    await self.stub(addresses[m.instance_id]).DropLayers(ipb.DropLayersRequest(layers=_lr(r)))
         except grpc.aio.AioRpcError as e:
             FAILURES.labels("drop").inc()
             log.error("kunserve: forming a group failed", members=g.ids, error=e.details())

@@ -72,9 +72,11 @@ async def test_throttle_forms_a_group_and_pressure_gone_restores_it():
         await loop.tick()
     assert set(loop.groups) == {"a", "b"}
     names = [(a, n) for a, n, _ in rec.calls]
-    assert names == [("addr-a", "SetPipeline"), ("addr-b", "SetPipeline"), ("addr-a", "DropLayers"),
-                     ("addr-b", "DropLayers")]  # both enter the pipeline before either drops a layer
-    sp_a, sp_b, drop_a, drop_b = (r for _, _, r in rec.calls)
+    # Both drop (and hold) before either enters: each then has room for the KV the other hands over.
+    assert names == [("addr-a", "DropLayers"), ("addr-b", "DropLayers"), ("addr-a", "SetPipeline"),
+                     ("addr-b", "SetPipeline")]
+    drop_a, drop_b, sp_a, sp_b = (r for _, _, r in rec.calls)
+    assert drop_a.hold and drop_b.hold
     assert (sp_a.own.start, sp_a.own.stop) == (0, 2)
     assert [(p.layers.start, p.layers.stop, p.address) for p in sp_a.peers] == [(2, 4, "addr-b")]
     assert (drop_a.layers.start, drop_a.layers.stop) == (2, 4)

@@ -120,6 +120,12 @@ class RequestFailed(EngineError):
         self.code = code
 
 
+class PeerShort(EngineError):
+    """A pipeline peer has not the KV blocks for this step's guests (KunServe).
+    The engine preempts the step's lowest-priority, latest request and runs
+    the step again without it, as it would when short of blocks itself."""
+
+
 class EngineBroken(RuntimeError):
     """The engine cannot step for anyone (every request of a step fails on
     its own, step after step): the instance must stop and let its requests

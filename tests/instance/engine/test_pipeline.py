@@ -222,3 +222,33 @@ def test_plan_segments_covers_every_layer_once():
         plan_segments(4, range(3), [(range(2, 4), p)])
     with pytest.raises(ValueError, match="no holder"):
         plan_segments(4, range(2), [])
+
+
+def test_a_short_peer_preempts_the_latest_request_and_the_step_goes_on():
+    """The peer has not the blocks for every guest: the owner preempts its
+    latest request (as when short itself) instead of failing the step; every
+    request still gets the full model's tokens."""
+    a, b = _engine("tiny-llama"), _engine("tiny-llama", num_blocks=9)
+    a.set_pipeline(range(1), [(range(1, 2), LocalPeer(b))])
+    b.drop_layers(range(0, 1))
+    b.pool.shrink(b.num_total_blocks - 9)  # 9 blocks: a0 and a1 (5 + 3 blocks, growing) cannot both live there
+    full = _engine("tiny-llama", extra={"share_weights": True})
+    _add(full, ("a0", "a1"))
+    want = run(full)
+    _add(a, ("a0", "a1"))
+    got = run(a)
+    assert a.scheduler.num_preemptions > 0
+    assert got == want
+    assert not b.guests and b.num_free_blocks == b.num_total_blocks
+
+
+def test_an_engine_holds_its_steps_between_a_drop_and_its_pipeline():
+    a, b = _engine("tiny-llama"), _engine("tiny-llama")
+    _add(a, ("a0",))
+    got: dict = {}
+    _steps(a, got, 1)
+    a.drop_layers(range(1, 2), hold=True)
+    assert not a.has_work()  # it would run a dropped layer otherwise
+    a.enter_pipeline(range(1), [(range(1, 2), LocalPeer(b))])
+    assert a.has_work()
+    assert len(run(a, got)["a0"]) == N

@@ -18,6 +18,7 @@ from services.instance.engine.base import (
     EngineRequest,
     IntegrityError,
     KvLayout,
+    PeerShort,
     RequestFailed,
 )
 from services.instance.engine.core.block_pool import BlockPool
@@ -177,6 +178,15 @@ class CoreEngine(Engine):
         when the engine fails for everyone."""
         try:
             tokens = self._run(chunks)
+        except PeerShort:
+            # A pipeline peer cannot hold the step's guests: make room as for
+            # our own blocks (NOTE: the step wrote KV for the others at the
+            # layers held here; the rerun writes the same KV again).
+            victim = min((c.request for c in chunks), key=lambda r: (int(r.priority), -r.arrival_time, -r.seq))
+            self.scheduler.preempt(victim)
+            self.executor.release_requests([victim.request_id])
+            rest = [c for c in chunks if c.request is not victim]
+            return self._execute(rest) if rest else ([], [], [])
         except RequestFailed as e:
             failed = {rid: (e.code, str(e)) for rid in e.request_ids}
             rest = [c for c in chunks if c.request.request_id not in failed]
@@ -330,7 +340,7 @@ class CoreEngine(Engine):
             plan.append((g, r, max(0, need)))
         total = sum(n for _, _, n in plan)
         if not self.pool.can_allocate(total):
-            raise EngineError(f"{total} KV blocks for a pipeline peer's step, {self.pool.num_free} free here")
+            raise PeerShort(f"{total} KV blocks for a pipeline peer's step, {self.pool.num_free} free here")
         sched = []
         for g, r, need in plan:
             if r is None:

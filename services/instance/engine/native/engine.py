@@ -22,6 +22,9 @@ from services.instance.engine.native.loader import DTYPES, load_model, random_mo
 from services.instance.engine.native.runner import ModelRunner
 
 DEFAULT_CPU_KV_GB = 1.0
+# Most time an engine holds its steps between dropping layers and joining the
+# pipeline that runs them (after that it steps, and fails, breaking the engine).
+HOLD_S = 30.0
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -99,15 +102,21 @@ class NativeEngine(CoreEngine):
         self.dtype = dtype
         self._lent_blocks = 0  # blocks of dropped layers' memory in the pool (drop_layers)
         self._dropped_bytes: dict[int, int] = {}  # layer -> the parameter bytes it held
+        self._held_until = 0.0  # no step before this (monotonic), between a drop and its pipeline
         if config.extra.get("warmup", True):
             self.warmup()
         self.ready_s = time.perf_counter() - t0
 
     # --- KunServe: layers dropped into KV memory, pipelined with peers (pipeline.py) -----
-    def drop_layers(self, layers: range) -> int:
+    def drop_layers(self, layers: range, hold: bool = False) -> int:
         """Drop these layers' parameters and lend their memory to the KV cache:
         the pool grows by the whole blocks it holds. Returns the blocks added.
-        Run them on a peer (``set_pipeline``) before the next step needs them."""
+        Run them on a peer (``set_pipeline``) before the next step needs them.
+        ``hold``: take no step until the pipeline is set (at most ``HOLD_S``):
+        a group's members all drop first, so that each has the room for the
+        KV its peers then hand over (``enter_pipeline``)."""
+        if hold:
+            self._held_until = time.monotonic() + HOLD_S
         if self.config.extra.get("share_weights"):
             raise EngineError("this engine shares its weights with others in the process: it cannot drop layers")
         model = self.executor.model
@@ -151,6 +160,7 @@ class NativeEngine(CoreEngine):
         exchange; here a pause between two steps, not the paper's remote
         attention). Returns the requests whose KV moved."""
         self.set_pipeline(own, peers)
+        self._held_until = 0.0
         ex = self.executor
         moved = 0
         for rid, r in sorted(self.requests.items()):
@@ -183,7 +193,13 @@ class NativeEngine(CoreEngine):
             moved += 1
         ex.release_requests(sorted(ex.remote_requests))
         ex.set_pipeline(range(self.kv_layout.num_layers), [])
+        self._held_until = 0.0
         return moved
+
+    def has_work(self) -> bool:
+        if self._held_until and time.monotonic() < self._held_until:
+            return False  # held between a drop and the pipeline (drop_layers)
+        return super().has_work()
 
     def set_pipeline(self, own: range, peers: list) -> None:
         """Layers ``own`` run here, each (range, LayerPeer) there; see pipeline.py."""
