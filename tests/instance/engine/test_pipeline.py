@@ -230,7 +230,7 @@ def test_a_short_peer_preempts_the_latest_request_and_the_step_goes_on():
     request still gets the full model's tokens."""
     a, b = _engine("tiny-llama"), _engine("tiny-llama", num_blocks=9)
     a.set_pipeline(range(1), [(range(1, 2), LocalPeer(b))])
-    b.drop_layers(range(0, 1))
+    b.drop_layers(range(1))
     b.pool.shrink(b.num_total_blocks - 9)  # 9 blocks: a0 and a1 (5 + 3 blocks, growing) cannot both live there
     full = _engine("tiny-llama", extra={"share_weights": True})
     _add(full, ("a0", "a1"))
