@@ -252,3 +252,33 @@ def test_an_engine_holds_its_steps_between_a_drop_and_its_pipeline():
     a.enter_pipeline(range(1), [(range(1, 2), LocalPeer(b))])
     assert a.has_work()
     assert len(run(a, got)["a0"]) == N
+
+
+def test_a_guest_handed_over_during_the_owners_step_leaves_the_step_alone():
+    """Between agents, a peer's KV hand-over runs on the owner's engine thread
+    while the owner's own step waits on that peer: it must not disturb the
+    step (it once dropped the owner's dense decode slots mid-step)."""
+    a, b = _engine("tiny-llama"), _engine("tiny-llama")
+    full = _engine("tiny-llama", extra={"share_weights": True})
+    _add(full, ("a0", "a1"))
+    want = run(full)
+
+    class HandsOverOnce(LocalPeer):
+        done = False
+
+        def forward_layers(self, layers, chunks, hidden):
+            if not self.done and all(c.num_new == 1 for c in chunks):  # a decode step, dense slots in use
+                self.done = True
+                a.adopt_guest_kv("b-guest", range(0, 1), 20, a.executor.gather_kv_layers([0, 1], range(0, 1)))
+            return super().forward_layers(layers, chunks, hidden)
+
+    def isolate(chunks, error):  # the engine would rerun each request alone: the step failed
+        raise AssertionError(f"the step failed: {error!r}")
+
+    a._isolate = isolate
+    peer = HandsOverOnce(b)
+    a.set_pipeline(range(1), [(range(1, 2), peer)])
+    _add(a, ("a0", "a1"))
+    got = run(a)
+    assert peer.done and got == want
+    a.release_guests(["b-guest"])

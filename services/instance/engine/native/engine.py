@@ -191,6 +191,8 @@ class NativeEngine(CoreEngine):
             for layers, peer in ex.peer_segments():
                 ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, rid, r.num_computed_tokens))
             moved += 1
+        if moved:
+            ex.forget_dense_slots()
         ex.release_requests(sorted(ex.remote_requests))
         ex.set_pipeline(range(self.kv_layout.num_layers), [])
         self._held_until = 0.0

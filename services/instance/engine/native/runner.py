@@ -187,13 +187,18 @@ class ModelRunner(Executor):
         return memoryview(b"".join(bytes(self._gather_layer(block_ids, i)) for i in layers))
 
     def scatter_kv_layers(self, block_ids: list[int], layers: range, data: bytes | memoryview) -> None:
-        """The inverse of ``gather_kv_layers``. The dense decode cache is
-        dropped: its slots of these layers are stale (the peer held them)."""
+        """The inverse of ``gather_kv_layers``. NOTE: runs inside the owner's
+        step when a peer hands a guest over (it touches only the guests'
+        blocks then); the owner's dense cache is the caller's to forget."""
         per = len(block_ids) * self._layout.bytes_per_block // self._layout.num_layers
         if len(data) != per * len(layers):
             raise EngineError(f"{len(data)} bytes for {len(layers)} layers of {len(block_ids)} blocks")
         for j, i in enumerate(layers):
             self.scatter_kv_layer(block_ids, i, memoryview(data)[j * per:(j + 1) * per])
+
+    def forget_dense_slots(self) -> None:
+        """The decoding requests' dense copies are stale (their KV of some
+        layers came back from a peer): reload them from the paged cache."""
         if self.decode_cache is not None:
             self.decode_cache.drop()
 
