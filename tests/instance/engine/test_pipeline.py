@@ -269,7 +269,7 @@ def test_a_guest_handed_over_during_the_owners_step_leaves_the_step_alone():
         def forward_layers(self, layers, chunks, hidden):
             if not self.done and all(c.num_new == 1 for c in chunks):  # a decode step, dense slots in use
                 self.done = True
-                a.adopt_guest_kv("b-guest", range(0, 1), 20, a.executor.gather_kv_layers([0, 1], range(0, 1)))
+                a.adopt_guest_kv("b-guest", range(1), 20, a.executor.gather_kv_layers([0, 1], range(1)))
             return super().forward_layers(layers, chunks, hidden)
 
     def isolate(chunks, error):  # the engine would rerun each request alone: the step failed
