@@ -65,6 +65,7 @@ class ServingOptions:
     vocab_size: int = 32000
     sample_interval_s: float = 0.5
     log_dir: str | None = None
+    log_level: str = "warning"
     progress: bool = True
     stream: bool = True
     startup_timeout_s: float = 120.0
@@ -131,7 +132,7 @@ def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
     spec = ClusterSpec(instances=opts.instances, prefill=opts.prefill, decode=opts.decode, engine=opts.engine,
                        port=free_port(), dispatch=dispatch,
                        instance_args=args, scheduler_args=sched_args, log_dir=log_dir,
-                       log_level="warning", pin_cores=opts.pin_cores)
+                       log_level=opts.log_level, pin_cores=opts.pin_cores)
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=opts.startup_timeout_s)
     return cluster
@@ -326,6 +327,9 @@ def serving_options(f):
         click.option("--stream/--no-stream", default=True, show_default=True,
                      help="stream tokens (client-side TTFT) or not (frontend-measured TTFT, less CPU)"),
         click.option("--log-dir", default=None, help="keep the cluster's logs here (default: a temp dir)"),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="warning",
+                     show_default=True, help="the cluster's log level (info: the services' events, e.g. KunServe's "
+                                             "drops and restores with their durations)"),
         click.option("--no-progress", "no_progress", is_flag=True, help="no progress bar"),
         click.option("--json", "json_path", default=None, help="write results here"),
         click.option("--plots", "plots_dir", default=None, help="write PNG plots into this folder"),

@@ -183,6 +183,7 @@ class KunServeLoop:
         failure, the members already touched take their layers back."""
         addresses = {m.instance_id: self.view.address(m.instance_id) for m in plan.members}
         g = LiveGroup(plan, addresses, self.clock(), own_blocks)
+        t0 = time.perf_counter()
         entered = []
         try:
             for m in plan.members:
@@ -209,9 +210,11 @@ class KunServeLoop:
         DROPS.inc()
         GROUPS.set(len(self._live_groups()))
         FREED.inc(plan.freed_blocks)
-        self.log.append({"t": g.formed_at, "event": "drop", "members": g.ids, "freed_blocks": plan.freed_blocks})
+        took = time.perf_counter() - t0
+        self.log.append({"t": g.formed_at, "event": "drop", "members": g.ids, "freed_blocks": plan.freed_blocks,
+                         "took_s": took})
         log.info("kunserve: group formed", members=g.ids, freed_blocks=plan.freed_blocks,
-                 layers=[(m.start, m.end) for m in plan.members])
+                 layers=[(m.start, m.end) for m in plan.members], took_ms=round(took * 1000, 1))
         return g
 
     async def _restore_member(self, g: LiveGroup, m) -> None:
@@ -225,6 +228,7 @@ class KunServeLoop:
     async def restore(self, g: LiveGroup) -> bool:
         """Each member takes its layers back from those that keep them, then
         the KV its peers held; the group dissolves."""
+        t0 = time.perf_counter()
         try:
             for m in g.plan.members:
                 await self._restore_member(g, m)
@@ -238,6 +242,8 @@ class KunServeLoop:
         RESTORES.inc()
         GROUPS.set(len(self._live_groups()))
         FREED.dec(g.plan.freed_blocks)
-        self.log.append({"t": self.clock(), "event": "restore", "members": g.ids})
-        log.info("kunserve: group restored", members=g.ids, after_s=round(self.clock() - g.formed_at, 2))
+        took = time.perf_counter() - t0
+        self.log.append({"t": self.clock(), "event": "restore", "members": g.ids, "took_s": took})
+        log.info("kunserve: group restored", members=g.ids, after_s=round(self.clock() - g.formed_at, 2),
+                 took_ms=round(took * 1000, 1))
         return True
