@@ -189,3 +189,21 @@ async def test_a_request_lives_through_drop_pipeline_and_restore_between_agents(
         r = await pb_grpc.InstanceStub(grpc.aio.insecure_channel(svc.info.address)).CheckIntegrity(
             pb.CheckIntegrityRequest())
         assert r.ok and r.free_blocks == r.total_blocks == 64, r
+
+
+def test_kv_moves_in_as_few_messages_as_fit_the_budget(monkeypatch):
+    from services.instance import pipeline
+
+    peer = pipeline.GrpcPeer.__new__(pipeline.GrpcPeer)
+    monkeypatch.setattr(pipeline, "KV_MESSAGE_BYTES", 100)
+    assert peer._pieces(range(2, 9), 30) == [range(2, 5), range(5, 8), range(8, 9)]
+    assert peer._pieces(range(4), 1000) == [range(1), range(1, 2), range(2, 3), range(3, 4)]  # one at least
+    sent = []
+    peer._send = lambda msg: (sent.append((msg.layers.start, msg.layers.stop, bytes(msg.kv))), pb.LayerStepReply())[1]
+    peer.push_kv(range(2, 9), "r", 16, bytes(range(7)) * 1)  # 7 layers of 1 byte... at 100 bytes a message: one
+    assert sent == [(2, 9, bytes(range(7)))]
+    sent.clear()
+    data = b"".join(bytes([i]) * 40 for i in range(5))  # 5 layers of 40 bytes: 2 a message
+    peer.push_kv(range(5), "r", 16, data)
+    assert [(a, b) for a, b, _ in sent] == [(0, 2), (2, 4), (4, 5)]
+    assert b"".join(kv for _, _, kv in sent) == data

@@ -189,7 +189,8 @@ class NativeEngine(CoreEngine):
                 continue
             blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
             for layers, peer in ex.peer_segments():
-                ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, rid, r.num_computed_tokens))
+                layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
+                ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, rid, r.num_computed_tokens, layer_bytes))
             moved += 1
         if moved:
             ex.forget_dense_slots()

@@ -17,8 +17,9 @@ The contract between them (``LayerPeer``):
   the rows of ``chunks`` in order (``num_new`` rows each, positions ``start``
   onwards); the peer returns the same rows after ``layers``.
 - ``release(request_ids)``: forget those guests (free their blocks).
-- ``fetch_kv(layers, request_id, num_tokens)``: a guest's KV of those layers
-  (whole blocks, layer-major), for its owner taking it back when the
+- ``fetch_kv(layers, request_id, num_tokens, layer_bytes)``: a guest's KV of
+  those layers (whole blocks, layer-major; ``layer_bytes`` a layer, for a
+  transport that sends it in pieces), for its owner taking it back when the
   pipeline ends (``NativeEngine.leave_pipeline``).
 - ``push_kv(layers, request_id, num_tokens, data)``: the inverse, when the
   owner enters a pipeline with requests running (``enter_pipeline``).
@@ -49,7 +50,8 @@ class LayerPeer(Protocol):
 
     def release(self, request_ids: list[str]) -> None: ...
 
-    def fetch_kv(self, layers: range, request_id: str, num_tokens: int) -> bytes | memoryview: ...
+    def fetch_kv(self, layers: range, request_id: str, num_tokens: int,
+                 layer_bytes: int = 0) -> bytes | memoryview: ...
 
     def push_kv(self, layers: range, request_id: str, num_tokens: int, data: bytes | memoryview) -> None: ...
 
@@ -68,7 +70,7 @@ class LocalPeer:
     def release(self, request_ids: list[str]) -> None:
         self.engine.release_guests(request_ids)
 
-    def fetch_kv(self, layers: range, request_id: str, num_tokens: int) -> memoryview:
+    def fetch_kv(self, layers: range, request_id: str, num_tokens: int, layer_bytes: int = 0) -> memoryview:
         return self.engine.guest_kv(request_id, layers, num_tokens)
 
     def push_kv(self, layers: range, request_id: str, num_tokens: int, data: bytes | memoryview) -> None:
