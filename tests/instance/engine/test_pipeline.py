@@ -282,3 +282,31 @@ def test_a_guest_handed_over_during_the_owners_step_leaves_the_step_alone():
     got = run(a)
     assert peer.done and got == want
     a.release_guests(["b-guest"])
+
+
+def test_a_failed_hand_over_leaves_nothing_half_moved():
+    """The peer refuses the second request's KV: the first one's is released
+    there, no request counts as remote, and the engine holds its steps until
+    its layers are back; then both requests finish with the full model's tokens."""
+    a, b = _engine("tiny-llama"), _engine("tiny-llama")
+    full = _engine("tiny-llama", extra={"share_weights": True})
+    _add(full, ("a0", "a1"))
+    want = run(full)
+
+    class RefusesTheSecond(LocalPeer):
+        def push_kv(self, layers, request_id, num_tokens, data):
+            if request_id == "a1":
+                raise EngineError("no room here")
+            super().push_kv(layers, request_id, num_tokens, data)
+
+    _add(a, ("a0", "a1"))
+    got: dict = {}
+    _steps(a, got, 3)
+    a.drop_layers(range(1, 2), hold=True)
+    with pytest.raises(EngineError, match="no room"):
+        a.enter_pipeline(range(1), [(range(1, 2), RefusesTheSecond(b))])
+    assert not b.guests and not a.executor.remote_requests
+    assert not a.has_work()  # held: it would run layer 1 without its KV on the peer
+    a.restore_layers(b.layer_states(range(1, 2)))
+    assert a.leave_pipeline() == 0
+    assert run(a, got) == want

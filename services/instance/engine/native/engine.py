@@ -115,8 +115,6 @@ class NativeEngine(CoreEngine):
         ``hold``: take no step until the pipeline is set (at most ``HOLD_S``):
         a group's members all drop first, so that each has the room for the
         KV its peers then hand over (``enter_pipeline``)."""
-        if hold:
-            self._held_until = time.monotonic() + HOLD_S
         if self.config.extra.get("share_weights"):
             raise EngineError("this engine shares its weights with others in the process: it cannot drop layers")
         model = self.executor.model
@@ -124,6 +122,8 @@ class NativeEngine(CoreEngine):
             if i not in self._dropped_bytes:
                 self._dropped_bytes[i] = model.layer_bytes(range(i, i + 1))
         model.drop_layers(layers)
+        if hold:
+            self._held_until = time.monotonic() + HOLD_S
         n = sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
         if n > 0:
             self.grow_blocks(n)
@@ -158,20 +158,35 @@ class NativeEngine(CoreEngine):
         the next step, first handing each peer the KV of its layers for every
         request that has some, so that requests running here go on (the KV
         exchange; here a pause between two steps, not the paper's remote
-        attention). Returns the requests whose KV moved."""
+        attention). Returns the requests whose KV moved.
+
+        If a hand-over fails, what was handed over is released on the peers,
+        no request counts as remote, and the engine holds its steps (a request
+        must not run layers whose KV is not there): the caller takes the layers
+        back (``restore_layers``, ``leave_pipeline``) or tries again."""
         self.set_pipeline(own, peers)
-        self._held_until = 0.0
         ex = self.executor
-        moved = 0
-        for rid, r in sorted(self.requests.items()):
-            if not r.num_computed_tokens:
-                continue
-            blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
-            for layers, peer in ex.peer_segments():
-                peer.push_kv(layers, rid, r.num_computed_tokens, ex.gather_kv_layers(blocks, layers))
+        moved: list[str] = []
+        try:
+            for rid, r in sorted(self.requests.items()):
+                if not r.num_computed_tokens:
+                    continue
+                blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
+                moved.append(rid)
+                for layers, peer in ex.peer_segments():
+                    peer.push_kv(layers, rid, r.num_computed_tokens, ex.gather_kv_layers(blocks, layers))
+        except Exception:
+            for _, peer in ex.peer_segments():
+                try:
+                    peer.release(moved)
+                except Exception:  # noqa: BLE001 - the peer may be the failure; its guests die with it
+                    pass
+            self._held_until = time.monotonic() + HOLD_S
+            raise
+        for rid in moved:
             ex.mark_remote(rid)
-            moved += 1
-        return moved
+        self._held_until = 0.0
+        return len(moved)
 
     def leave_pipeline(self) -> int:
         """Between steps: bring back from the peers the KV of every layer they
