@@ -10,6 +10,7 @@ the bench and the instance agent ask for what they want.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import time
 
@@ -177,10 +178,8 @@ class NativeEngine(CoreEngine):
                     peer.push_kv(layers, rid, r.num_computed_tokens, ex.gather_kv_layers(blocks, layers))
         except Exception:
             for _, peer in ex.peer_segments():
-                try:
+                with contextlib.suppress(Exception):  # the peer may be the failure: its guests die with it
                     peer.release(moved)
-                except Exception:  # noqa: BLE001 - the peer may be the failure; its guests die with it
-                    pass
             self._held_until = time.monotonic() + HOLD_S
             raise
         for rid in moved:
