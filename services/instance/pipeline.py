@@ -18,6 +18,7 @@ side of services/instance/engine/native/pipeline.py.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -29,6 +30,12 @@ from libs.common.logging import get_logger
 from services.instance.engine.base import EngineBroken, EngineError, PeerShort
 
 log = get_logger(__name__)
+
+
+def _timed(fn, *args):
+    """fn(*args) and how long it ran (on the engine thread: without the wait for a step to end)."""
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
 
 STEP_TIMEOUT_S = 60.0
 KV_MESSAGE_BYTES = 32 * 2**20
@@ -175,11 +182,13 @@ class PipelineHost:
     async def drop_layers(self, request: pb.DropLayersRequest) -> pb.DropLayersReply:
         engine = self._native()
         layers = self._check(_range(request.layers), "layers")
+        t0 = time.perf_counter()
         try:
-            added = await self.runner.call(engine.drop_layers, layers, request.hold)
+            added, work = await self.runner.call(_timed, engine.drop_layers, layers, request.hold)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
-        log.info("layers dropped", layers=f"{layers.start}-{layers.stop - 1}", blocks_added=added)
+        log.info("layers dropped", layers=f"{layers.start}-{layers.stop - 1}", blocks_added=added,
+                 work_ms=round(work * 1000, 1), took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return pb.DropLayersReply(blocks_added=added, total_blocks=engine.num_total_blocks)
 
     async def set_pipeline(self, request: pb.SetPipelineRequest) -> pb.SetPipelineReply:
@@ -193,15 +202,17 @@ class PipelineHost:
                 self.peers[p.address] = GrpcPeer(p.address, self.runner)
             peers.append((self._check(_range(p.layers), "peers"), self.peers[p.address]))
         solo = not peers and len(own) == engine.kv_layout.num_layers
+        t0 = time.perf_counter()
         try:
             if solo:
-                moved = await self.runner.call(engine.leave_pipeline)
+                moved, work = await self.runner.call(_timed, engine.leave_pipeline)
             else:
-                moved = await self.runner.call(engine.enter_pipeline, own, peers)
+                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, peers)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,
-                 peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers])
+                 peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers], work_ms=round(work * 1000, 1),
+                 took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return pb.SetPipelineReply(requests_moved=moved)
 
     async def restore_layers(self, request: pb.RestoreLayersRequest) -> pb.RestoreLayersReply:
@@ -212,6 +223,7 @@ class PipelineHost:
         if not request.from_address:
             raise InvalidArgument("from_address: the instance that holds the layers", param="from_address")
         states: dict[int, dict] = {i: {} for i in layers}
+        t0 = time.perf_counter()
         async with rpc.channel(request.from_address) as ch:
             try:
                 async for t in pb_grpc.InstanceStub(ch).FetchLayers(_pb_range(layers)):
@@ -220,12 +232,14 @@ class PipelineHost:
                     states[t.layer][t.name] = decode_hidden(t.data, t.dtype, 1).view(tuple(t.shape))
             except grpc.aio.AioRpcError as e:
                 raise FailedPrecondition(f"layers from {request.from_address}: {e.details()}") from None
+        fetched = time.perf_counter()
         try:
-            back = await self.runner.call(engine.restore_layers, states)
+            back, work = await self.runner.call(_timed, engine.restore_layers, states)
         except (EngineError, RuntimeError) as e:  # a missing or misshapen tensor: load_state_dict says which
             raise FailedPrecondition(f"restoring layers: {e}") from None
         log.info("layers restored", layers=f"{layers.start}-{layers.stop - 1}", source=request.from_address,
-                 blocks_returned=back)
+                 blocks_returned=back, fetch_ms=round((fetched - t0) * 1000, 1), work_ms=round(work * 1000, 1),
+                 took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return pb.RestoreLayersReply(blocks_returned=back,
                                      total_blocks=engine.pool.capacity - engine.pool.shrinking)
 

@@ -191,6 +191,7 @@ class KunServeLoop:
                 for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
                     await self.stub(addresses[m.instance_id]).DropLayers(ipb.DropLayersRequest(layers=_lr(r),
                                                                                                hold=True))
+            dropped_at = time.perf_counter()
             for m in plan.members:
                 peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
                          for o in plan.members if o is not m]
@@ -210,20 +211,25 @@ class KunServeLoop:
         DROPS.inc()
         GROUPS.set(len(self._live_groups()))
         FREED.inc(plan.freed_blocks)
-        took = time.perf_counter() - t0
+        end = time.perf_counter()
         self.log.append({"t": g.formed_at, "event": "drop", "members": g.ids, "freed_blocks": plan.freed_blocks,
-                         "took_s": took})
+                         "took_s": end - t0, "drop_s": dropped_at - t0, "enter_s": end - dropped_at})
         log.info("kunserve: group formed", members=g.ids, freed_blocks=plan.freed_blocks,
-                 layers=[(m.start, m.end) for m in plan.members], took_ms=round(took * 1000, 1))
+                 layers=[(m.start, m.end) for m in plan.members], took_ms=round((end - t0) * 1000, 1),
+                 drop_ms=round((dropped_at - t0) * 1000, 1), enter_ms=round((end - dropped_at) * 1000, 1))
         return g
 
     async def _restore_member(self, g: LiveGroup, m) -> None:
         stub = self.stub(g.addresses[m.instance_id])
+        t0 = time.perf_counter()
         for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
             for part, holder in holders(g.plan, r):
                 await stub.RestoreLayers(ipb.RestoreLayersRequest(layers=_lr(part),
                                                                   from_address=g.addresses[holder]))
+        t1 = time.perf_counter()
         await stub.SetPipeline(ipb.SetPipelineRequest(own=_lr(range(self.cfg.num_layers))))
+        log.info("kunserve: member restored", member=m.instance_id, layers_ms=round((t1 - t0) * 1000, 1),
+                 kv_back_ms=round((time.perf_counter() - t1) * 1000, 1))
 
     async def restore(self, g: LiveGroup) -> bool:
         """Each member takes its layers back from those that keep them, then
