@@ -15,6 +15,10 @@ causes:
 - ``short``: the cluster as a whole has not the free blocks for it: until
   running requests finish, no placement and no migration makes room.
 
+It also counts preemptions by whether some request was ``short`` at the
+tick that saw them: a preemption while the cluster is short of memory is one
+no migration could have avoided by moving memory around.
+
 The pooled walk lets a later, smaller request take what an earlier, larger
 one cannot, so ``fragmented`` is an upper bound on what de-fragmentation
 could remove and ``short`` a lower bound on what it could not.
@@ -46,6 +50,9 @@ class QueueProbe:
         self.wait: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
         self.short_time_s = 0.0  # time with at least one ``short`` request
         self.fragmented_time_s = 0.0  # time with at least one ``fragmented`` request
+        # Preemptions counted at the tick after them, by whether a request was short then.
+        self.preemptions = {"short": 0, "not_short": 0}
+        self._preemptions_seen = 0
         self.k.at(self.k.now + interval_s, self._tick)
 
     def classify(self) -> dict[str, int]:
@@ -87,12 +94,16 @@ class QueueProbe:
             self.short_time_s += dt
         if 1 in seen:
             self.fragmented_time_s += dt
+        total = sum(i.engine.scheduler.num_preemptions for i in self.c.instances.values())
+        if total > self._preemptions_seen:
+            self.preemptions["short" if 2 in seen else "not_short"] += total - self._preemptions_seen
+            self._preemptions_seen = total
         if self.c.recorder.done < len(self.c.work.requests):
             self.k.after(dt, self._tick)
 
     def summary(self) -> dict:
         return {"interval_s": self.interval_s, "short_time_s": self.short_time_s,
-                "fragmented_time_s": self.fragmented_time_s,
+                "fragmented_time_s": self.fragmented_time_s, "preemptions": dict(self.preemptions),
                 "wait_s": {rid: list(v) for rid, v in sorted(self.wait.items())}}
 
 
@@ -122,4 +133,11 @@ def breakdown(summary: dict, requests: list[dict], tail_pct: float = 99.0) -> di
             "tail_wait_s_mean": {c: float(charges[tail, i].mean()) for i, c in enumerate(CAUSES)},
             "ttft_p99_ms": float(np.percentile(ttft, 99) * 1000),
             "ttft_p99_without_fragmented_ms": float(np.percentile(without, 99) * 1000),
-            "short_time_s": summary["short_time_s"], "fragmented_time_s": summary["fragmented_time_s"]}
+            "short_time_s": summary["short_time_s"], "fragmented_time_s": summary["fragmented_time_s"],
+            "preemptions": summary.get("preemptions", {}),
+            "preemptions_while_short": _share(summary.get("preemptions", {}))}
+
+
+def _share(p: dict) -> float | None:
+    n = p.get("short", 0) + p.get("not_short", 0)
+    return p.get("short", 0) / n if n else None

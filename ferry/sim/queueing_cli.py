@@ -26,12 +26,15 @@ ROWS = (("P99 TTFT (s)", ("ttft_p99_ms",), 1e-3),
         *((f"all queueing: {c} (%)", ("share_all", c), 100.0) for c in CAUSES),
         *((f"P99 tail's queueing: {c} (%)", ("share_tail", c), 100.0) for c in CAUSES),
         ("time with a short request (s)", ("short_time_s",), 1.0),
-        ("time with a fragmented request (s)", ("fragmented_time_s",), 1.0))
+        ("time with a fragmented request (s)", ("fragmented_time_s",), 1.0),
+        ("preemptions while a request was short (%)", ("preemptions_while_short",), 100.0),
+        ("preemption loss, mean (ms)", ("preemption_loss_ms_mean",), 1.0))
 
 
 def run_one(kw: dict, seed: int, policy: str, interval_s: float) -> dict:
     run = simulate(options_from(kw, seed), policy, extend=lambda c: QueueProbe(c, interval_s))
     row = breakdown(run["sim"]["extension"], run["requests"])
+    row["preemption_loss_ms_mean"] = run["summary"].get("preemption_loss_ms_mean")
     return {"row": row, "summary": run["summary"], "_wall_s": run["_wall_s"], "workload": run["workload"],
             "options": run["options"]}
 

@@ -73,6 +73,8 @@ def test_the_probe_changes_nothing_in_the_run():
     assert probed["requests"] == plain["requests"]
     charged = probed["sim"]["extension"]["wait_s"]
     assert charged  # this load queues: the probe saw waiting requests
+    pre = probed["sim"]["extension"]["preemptions"]
+    assert pre["short"] + pre["not_short"] == probed["summary"]["preemptions"] > 0  # every preemption, once
     # Nobody is charged more than its time to first token.
     ttft = {f"req-{r['index']}": r["ttft_s"] for r in probed["requests"]}
     assert all(sum(v) <= ttft[rid] + 0.011 for rid, v in charged.items())
