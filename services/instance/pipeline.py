@@ -31,14 +31,14 @@ from services.instance.engine.base import EngineBroken, EngineError, PeerShort
 
 log = get_logger(__name__)
 
+STEP_TIMEOUT_S = 60.0
+KV_MESSAGE_BYTES = 32 * 2**20
+
 
 def _timed(fn, *args):
     """fn(*args) and how long it ran (on the engine thread: without the wait for a step to end)."""
     t = time.perf_counter()
     return fn(*args), time.perf_counter() - t
-
-STEP_TIMEOUT_S = 60.0
-KV_MESSAGE_BYTES = 32 * 2**20
 
 
 def _dtypes():

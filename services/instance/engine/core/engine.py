@@ -325,7 +325,10 @@ class CoreEngine(Engine):
         return list(r.block_ids[: r.num_computed_tokens // self._block_size])
 
     def all_blocks(self, request_id: str) -> list[int]:
-        r = self._local_kv(request_id)
+        return self._computed_blocks(self._local_kv(request_id))
+
+    def _computed_blocks(self, r: Request) -> list[int]:
+        """The blocks that hold the request's computed tokens (the last one may be partial)."""
         return list(r.block_ids[: cdiv(r.num_computed_tokens, self._block_size)])
 
     # --- a pipeline peer's requests (KunServe; native/pipeline.py) ------------------------
@@ -344,7 +347,7 @@ class CoreEngine(Engine):
         sched = []
         for g, r, need in plan:
             if r is None:
-                r = self.guests[g.request_id] = Request(g.request_id, [], SamplingParams(), arrival_time=1.0)
+                r = self._new_guest(g.request_id, 0)
             if need:
                 r.block_ids += self.pool.allocate(need)
             sched.append(ScheduledChunk(r, g.start, g.num_new))
@@ -373,14 +376,18 @@ class CoreEngine(Engine):
             return
         if not self.pool.can_allocate(n):
             raise EngineError(f"{n} KV blocks for guest {request_id!r}, {self.pool.num_free} free here")
-        r = Request(request_id, [], SamplingParams(), arrival_time=1.0)
-        r.block_ids = self.pool.allocate(n)
-        self.guests[request_id] = r
+        r = self._new_guest(request_id, n)
         try:
             self.executor.scatter_kv_layers(r.block_ids, layers, data)
         except Exception:
             self.release_guests([request_id])
             raise
+
+    def _new_guest(self, request_id: str, num_blocks: int) -> Request:
+        """A peer's request here: no tokens, only blocks (call can_allocate first)."""
+        r = self.guests[request_id] = Request(request_id, [], SamplingParams(), arrival_time=1.0)
+        r.block_ids = self.pool.allocate(num_blocks) if num_blocks else []
+        return r
 
     def release_guests(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -118,11 +118,7 @@ class NativeEngine(CoreEngine):
         KV its peers then hand over (``enter_pipeline``)."""
         if self.config.extra.get("share_weights"):
             raise EngineError("this engine shares its weights with others in the process: it cannot drop layers")
-        model = self.executor.model
-        for i in layers:
-            if i not in self._dropped_bytes:
-                self._dropped_bytes[i] = model.layer_bytes(range(i, i + 1))
-        model.drop_layers(layers)
+        self._dropped_bytes.update(self.executor.model.drop_layers(layers))
         if hold:
             self._held_until = time.monotonic() + HOLD_S
         n = sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
@@ -172,7 +168,7 @@ class NativeEngine(CoreEngine):
             for rid, r in sorted(self.requests.items()):
                 if not r.num_computed_tokens:
                     continue
-                blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
+                blocks = self._computed_blocks(r)
                 moved.append(rid)
                 for layers, peer in ex.peer_segments():
                     peer.push_kv(layers, rid, r.num_computed_tokens, ex.gather_kv_layers(blocks, layers))
@@ -201,9 +197,9 @@ class NativeEngine(CoreEngine):
             r = self.requests.get(rid)
             if r is None or not r.num_computed_tokens:
                 continue
-            blocks = r.block_ids[: -(-r.num_computed_tokens // self.block_size)]
+            blocks = self._computed_blocks(r)
+            layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
             for layers, peer in ex.peer_segments():
-                layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
                 ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, rid, r.num_computed_tokens, layer_bytes))
             moved += 1
         if moved:

@@ -168,15 +168,16 @@ class LlamaModel(nn.Module):
                          if isinstance(m, Linear) and m.packed is not None)
         return total
 
-    def drop_layers(self, layers: range) -> int:
-        """Forget these layers' parameters; returns the bytes they held. A
-        dropped layer raises if run. The embedding, the final norm and the LM
-        head stay: a request's owner embeds and samples."""
-        freed = 0
+    def drop_layers(self, layers: range) -> dict[int, int]:
+        """Forget these layers' parameters; returns {layer: bytes it held}
+        for those not dropped before. A dropped layer raises if run. The
+        embedding, the final norm and the LM head stay: a request's owner
+        embeds and samples."""
+        freed = {}
         for i in layers:
             if isinstance(self.layers[i], DroppedLayer):
                 continue
-            freed += self.layer_bytes(range(i, i + 1))
+            freed[i] = self.layer_bytes(range(i, i + 1))
             self.layers[i] = DroppedLayer(i)
         return freed
 

@@ -133,10 +133,6 @@ class ModelRunner(Executor):
         return [by_id[c.request.request_id] if c.samples else None for c in chunks]
 
     # --- pipelined execution (pipeline.py) ----------------------------------------------
-    @property
-    def pipelined(self) -> bool:
-        return len(self._segments) > 1
-
     def set_pipeline(self, own: range, peers: list[tuple[range, LayerPeer]]) -> None:
         """Run layers ``own`` here and each peer's range there, from the next
         step; ``own`` = every layer and no peers ends the pipeline. Refused
