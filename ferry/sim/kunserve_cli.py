@@ -111,16 +111,9 @@ def _value(summary: dict, key: str, sub: str | None, scale: float):
 
 
 def table(per_seed: dict[str, list[dict]]) -> str:
-    modes = list(per_seed)
-    lines = ["| metric | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
-    for label, key, sub, scale in ROWS:
-        cells = []
-        for m in modes:
-            sp = stats.spread([_value(s, key, sub, scale) for s in per_seed[m]])
-            cells.append("-" if sp["median"] is None else
-                         f"{sp['median']:,.2f} [{sp['p10']:,.2f}-{sp['p90']:,.2f}]")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [(label, lambda m, key=key, sub=sub, scale=scale: [_value(s, key, sub, scale) for s in per_seed[m]])
+            for label, key, sub, scale in ROWS]
+    return stats.spread_markdown("metric", list(per_seed), rows, digits=2)
 
 
 def ratios(per_seed: dict[str, list[dict]]) -> dict:

@@ -46,15 +46,10 @@ def _get(row: dict, path: tuple):
 
 
 def table(per_seed: dict[str, list[dict]]) -> str:
-    names = list(per_seed)
-    lines = ["| median [p10-p90] over seeds | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for label, path, scale in ROWS:
-        cells = []
-        for n in names:
-            sp = stats.spread([None if _get(r, path) is None else _get(r, path) * scale for r in per_seed[n]])
-            cells.append("-" if sp["median"] is None else f"{sp['median']:,.1f} [{sp['p10']:,.1f}-{sp['p90']:,.1f}]")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows = [(label, lambda n, path=path, scale=scale: [None if _get(r, path) is None else _get(r, path) * scale
+                                                       for r in per_seed[n]])
+            for label, path, scale in ROWS]
+    return stats.spread_markdown("median [p10-p90] over seeds", list(per_seed), rows, digits=1)
 
 
 def ratios(per_seed: dict[str, list[dict]], baseline: str) -> dict:

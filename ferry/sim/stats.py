@@ -62,6 +62,21 @@ def _fmt(v: float | None, digits: int) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+def spread_markdown(header: str, names: list[str], rows, digits: int) -> str:
+    """A markdown table, a column per name and a row per ``(label, values_of)``
+    of ``rows`` (``values_of(name)``: that column's value per seed); each cell
+    is the median [p10-p90] over seeds, "-" when no value exists."""
+    lines = [f"| {header} | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, values_of in rows:
+        cells = []
+        for n in names:
+            sp = spread(values_of(n))
+            cells.append("-" if sp["median"] is None else
+                         f"{_fmt(sp['median'], digits)} [{_fmt(sp['p10'], digits)}-{_fmt(sp['p90'], digits)}]")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def spread_table(stats: dict, group: str = "all") -> str:
     """Rows: metrics; columns: policies; cells: median [min - max] over seeds."""
     names = [p for p in stats if group in stats[p]]

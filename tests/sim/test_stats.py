@@ -30,3 +30,11 @@ def test_ratios_are_per_seed_for_every_ordered_pair():
     assert r["a/b"]["per_seed"] == [2.0, 0.5] and r["a/b"]["median"] == pytest.approx(1.25)
     assert r["b/a"]["per_seed"] == [0.5, 2.0]
     assert ratios({"a": [summary(1)], "b": [summary(0)]})["a/b"]["per_seed"] == [None]
+
+
+def test_spread_markdown_gives_median_and_p10_p90_per_cell_and_a_dash_for_none():
+    from ferry.sim.stats import spread_markdown
+
+    per = {"a": [1.0, 2.0, 3.0], "b": [None, None]}
+    out = spread_markdown("m", ["a", "b"], [("x", lambda n: per[n])], digits=1)
+    assert out.splitlines() == ["| m | a | b |", "|---|---|---|", "| x | 2.0 [1.2-2.8] | - |"]
