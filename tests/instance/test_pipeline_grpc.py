@@ -149,6 +149,9 @@ async def test_bad_pipeline_orders_get_clear_errors(agents):
     reply = await call.read()
     assert "not held here" in reply.error
     await call.done_writing()
+    assert not agents.services[0].engine.guests  # the refused step left no guest (nor its blocks) behind
+    r = await a.CheckIntegrity(pb.CheckIntegrityRequest())
+    assert r.ok and r.free_blocks == r.total_blocks, r
 
 
 @pytest.mark.model

@@ -344,14 +344,19 @@ class CoreEngine(Engine):
         total = sum(n for _, _, n in plan)
         if not self.pool.can_allocate(total):
             raise PeerShort(f"{total} KV blocks for a pipeline peer's step, {self.pool.num_free} free here")
-        sched = []
+        sched, created = [], []
         for g, r, need in plan:
             if r is None:
                 r = self._new_guest(g.request_id, 0)
+                created.append(g.request_id)
             if need:
                 r.block_ids += self.pool.allocate(need)
             sched.append(ScheduledChunk(r, g.start, g.num_new))
-        return self.executor.forward_guest(layers, sched, hidden)
+        try:
+            return self.executor.forward_guest(layers, sched, hidden)
+        except Exception:
+            self.release_guests(created)  # a step that did not run here leaves no new guest behind
+            raise
 
     def guest_kv(self, request_id: str, layers: range, num_tokens: int) -> memoryview:
         """A guest's KV of these layers for its first ``num_tokens`` tokens
