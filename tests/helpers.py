@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import grpc
 
 from ferry.bench import sse
@@ -41,18 +43,34 @@ def instance_status(address: str):
         return ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
 
 
+def _requests_of(inst) -> list:
+    """The requests a live instance child holds; none if it is gone or dies while asked (a test
+    may kill it from another coroutine between ``alive()`` and the RPC)."""
+    if not inst.alive():
+        return []
+    try:
+        return list(instance_status(inst.address).requests)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        try:  # a killed process closes its sockets a moment before it can be reaped
+            inst.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            raise e from None
+        return []
+
+
 def find_instance_of(cluster, request_id: str):
     """The instance child that currently holds ``request_id`` (or None)."""
     for inst in cluster.instances():
-        if inst.alive() and any(r.request_id == request_id for r in instance_status(inst.address).requests):
+        if any(r.request_id == request_id for r in _requests_of(inst)):
             return inst
     return None
 
 
 def running_request_ids(cluster) -> list[str]:
     """Every request the cluster's live instances hold."""
-    return [r.request_id for inst in cluster.instances() if inst.alive()
-            for r in instance_status(inst.address).requests]
+    return [r.request_id for inst in cluster.instances() for r in _requests_of(inst)]
 
 
 async def migrate(cluster, request_id: str, dest=None) -> ipb.MigrateOutReply | None:
