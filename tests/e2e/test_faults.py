@@ -75,13 +75,35 @@ async def test_autoscale_out_fills_by_migration_then_in_drains_without_cutting(t
                         return True
                 return False
             assert await wait_for(filled, timeout=30), await statuses(c)
-            # While they run, two more arrive: dispatch sends them to the
-            # freest instance, the newcomer. They outlive the first ten, so
-            # the scale-in that follows must drain them by migration.
+            # While they run, more arrive, one at a time: dispatch sends each
+            # to the freest instance, and they outlive the first ten, so the
+            # scale-in that follows must drain by migration those that started
+            # on the newcomer. The newcomer is usually the freest, but not
+            # always: on a loaded machine the migrations that filled it can
+            # overshoot (a pairing on a status report older than the last
+            # move), and then the first late request goes to instance-0. So
+            # they keep coming (three at most, to stay above the scale-in
+            # threshold) until one starts on the newcomer.
             await asyncio.sleep(1.0)
-            late = [f"down {i} " * 3 for i in range(2)]
-            late_tasks = [asyncio.create_task(stream_completion(http, {"prompt": p, "max_tokens": 700}))
-                          for p in late]
+            late, late_tasks, late_ids = [], [], {}
+            for i in range(3):
+                p = f"down {i} " * 3
+
+                async def note(_text, rid, p=p):
+                    late_ids.setdefault(p, rid)
+                late.append(p)
+                late_tasks.append(asyncio.create_task(
+                    stream_completion(http, {"prompt": p, "max_tokens": 700}, on_chunk=note)))
+
+                async def started(p=p):
+                    return p in late_ids
+                assert await wait_for(started, timeout=20)
+
+                async def on_newcomer(rid=late_ids[p]):
+                    st = (await statuses(c)).get(seen["auto"])
+                    return st is not None and any(r.request_id == rid for r in st.requests)
+                if await wait_for(on_newcomer, timeout=1.0):
+                    break
             # No request was dispatched to the newcomer before: it filled by migration.
             results = await asyncio.gather(*tasks)
             assert [t for t, _ in results] == [expected_fake_text(p, 500) for p in prompts]
