@@ -35,6 +35,8 @@ from services.instance.engine import ENGINES
 @click.option("--api-key", default="", help="require this Bearer token")
 @click.option("--instance-arg", "instance_args", multiple=True,
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
+@click.option("--scheduler-arg", "scheduler_args", multiple=True,
+              help="extra argument for `ferry serve scheduler` (repeatable), e.g. --scheduler-arg=--kunserve")
 @click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
               help="internal gRPC calls carry a token made for this cluster; strangers get UNAUTHENTICATED")
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
@@ -44,12 +46,13 @@ from services.instance.engine import ENGINES
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
-       cluster_token, pin_cores, log_format, log_level) -> None:
+       scheduler_args, cluster_token, pin_cores, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
+                       scheduler_args=list(scheduler_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
                        log_format=log_format, log_level=log_level,
                        cluster_token=rpc.new_token() if cluster_token else "", prefill=prefill, decode=decode,

@@ -89,6 +89,13 @@ async def send_unary(client: httpx.AsyncClient, url: str, rec: RequestRecord, bo
     return rec
 
 
+def _gap(rec: RequestRecord, now: float) -> None:
+    """A token at ``now``: keep the longest gap since the previous one, and when it ended."""
+    gap = now - rec.last_token_at
+    if rec.max_gap_s is None or gap > rec.max_gap_s:
+        rec.max_gap_s, rec.max_gap_end = gap, time.time()
+
+
 async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
     if not body.get("stream"):
         return await send_unary(client, url, rec, body)
@@ -109,6 +116,8 @@ async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body
                     chunks += 1
                     if rec.first_token_at is None:
                         rec.first_token_at = now
+                    else:
+                        _gap(rec, now)
                     rec.last_token_at = now
                     continue
                 if data == "[DONE]":
@@ -117,6 +126,8 @@ async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body
                 for ch in obj.get("choices") or ():
                     if ch.get("text"):
                         chunks += 1
+                        if rec.last_token_at is not None:
+                            _gap(rec, now)
                         rec.first_token_at = rec.first_token_at or now
                         rec.last_token_at = now
                 _final(rec, obj)

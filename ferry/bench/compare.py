@@ -55,6 +55,11 @@ def compare_table(summaries: dict[str, dict], baseline: str | None = BASELINE) -
             b = _get(pick(summaries[base]), key, sub) if base else None
             lines.append(f"  {label:22}" + "".join(f"{_cell(_get(pick(s), key, sub), b):>{width}}"
                                                    for s in summaries.values()))
+    if any("max_gap_ms" in s for s in summaries.values()):  # streamed: each request's longest token gap
+        for label, sub in (("longest gap p50", "p50"), ("longest gap p99", "p99")):
+            b = _get(summaries[base].get("max_gap_ms") or {}, sub, None) if base else None
+            lines.append(f"  {label:22}" + "".join(
+                f"{_cell((s.get('max_gap_ms') or {}).get(sub), b):>{width}}" for s in summaries.values()))
     lines.append(f"  {'preemptions':22}" + "".join(f"{s['preemptions']:>{width}}" for s in summaries.values()))
     lines.append(f"  {'migrations':22}" + "".join(f"{s['migrations']:>{width}}" for s in summaries.values()))
     lines.append(f"  {'completed':22}" + "".join(f"{str(s['completed']) + '/' + str(s['requests']):>{width}}"

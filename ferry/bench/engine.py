@@ -144,10 +144,12 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--vllm-python", envvar="FERRY_VLLM_PYTHON", default=None,
               help="interpreter with vllm installed [env FERRY_VLLM_PYTHON; default: this one if it imports vllm]")
 @click.option("--no-vllm", is_flag=True, help="do not run vLLM")
+@click.option("--no-vllm-kernels", is_flag=True,
+              help="the native engine without vLLM's CPU kernels (attention, RMSNorm, matmul handler): pure PyTorch")
 @click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, threads, no_reference,
-           repeats, vllm_python, no_vllm, vllm_log, json_path):
+           repeats, vllm_python, no_vllm, no_vllm_kernels, vllm_log, json_path):
     """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
     import torch
 
@@ -169,7 +171,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     t0 = time.perf_counter()
     eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
                                      num_blocks=need_blocks, max_num_batched_tokens=2048,
-                                     extra={"warmup": True}))
+                                     extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
     ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
     vocab = eng.model_config.vocab_size
@@ -179,7 +181,10 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         load = None
     result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(), "loadavg": load,
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
-              "repeats": repeats, "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
+              "repeats": repeats, "native_vllm_kernels": getattr(eng.executor, "kernels", None) is not None,
+              "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked"}.get(
+                  type(getattr(eng.executor.model, "lm_head_packed", None)).__name__, "F.linear"),
+              "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
               "vllm": None, "matches_reference": None}
     vl = _start_vllm(vllm, model, dt, prompt_len + output_len + 16, vllm_log) if vllm else None
     result["vllm"] = vl if isinstance(vl, dict) else None
@@ -285,7 +290,9 @@ def _cpu_ms(runs: list[dict]) -> float | None:
 
 def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
     click.echo(f"model {r['model']}  device {r['device']}  dtype {r['dtype']}  threads {r['threads']}  "
-               f"prompt {r['prompt_len']}  output {r['output_len']}  repeats {r['repeats']} (medians)")
+               f"prompt {r['prompt_len']}  output {r['output_len']}  repeats {r['repeats']} (medians)  "
+               f"native: vLLM kernels {'on' if r.get('native_vllm_kernels') else 'off'}, "
+               f"projections {r.get('native_projections')}")
     vllm = r["vllm"]["tok_s"] if r["vllm"] and not r["vllm"].get("error") else None
     head = f"{'batch':>5}  {'native tok/s':>12}  {'transformers tok/s':>18}"
     click.echo(head + (f"  {'vLLM tok/s':>10}  {'native/vLLM':>11}  {'CPU ms/token native':>19}  {'vLLM':>6}"

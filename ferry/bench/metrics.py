@@ -43,6 +43,8 @@ class RequestRecord:
     resumes: int = 0
     instances: list[str] = field(default_factory=list)
     server_ttft_ms: float | None = None
+    max_gap_s: float | None = None  # streaming: the largest gap between two tokens (a stall)
+    max_gap_end: float | None = None  # ... when it ended (epoch seconds: beside the services' logs)
 
     @property
     def ok(self) -> bool:
@@ -74,6 +76,8 @@ class RequestRecord:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if d["max_gap_s"] is None:  # not streamed (or simulated): absent, as before the field existed
+            del d["max_gap_s"], d["max_gap_end"]
         d.update(ttft_s=self.ttft_s, decode_s=self.decode_s, e2e_s=self.e2e_s)
         return d
 
@@ -110,6 +114,9 @@ def summarize(records: list[RequestRecord], scale: float = 1.0) -> dict:
     per-priority numbers. ``scale`` divides every duration (sim time scale)."""
     out = _group(records, scale)
     ok = [r for r in records if r.ok]
+    gaps = [r.max_gap_s for r in ok if r.max_gap_s is not None]
+    if gaps:  # streamed: each request's longest stall between two tokens, over requests
+        out["max_gap_ms"] = stats_ms(gaps, scale)
     if ok:
         start = min(r.sent_at for r in ok)
         end = max(r.finished_at for r in ok)

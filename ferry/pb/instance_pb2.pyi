@@ -16,12 +16,14 @@ class LayerRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class DropLayersRequest(_message.Message):
-    __slots__ = ("layers", "hold")
+    __slots__ = ("layers", "hold", "prepare")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
     layers: LayerRange
     hold: bool
-    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., hold: _Optional[bool] = ...) -> None: ...
+    prepare: bool
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., hold: _Optional[bool] = ..., prepare: _Optional[bool] = ...) -> None: ...
 
 class DropLayersReply(_message.Message):
     __slots__ = ("blocks_added", "total_blocks")
@@ -40,12 +42,14 @@ class PipelinePeer(_message.Message):
     def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class SetPipelineRequest(_message.Message):
-    __slots__ = ("own", "peers")
+    __slots__ = ("own", "peers", "pause_exchange")
     OWN_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_EXCHANGE_FIELD_NUMBER: _ClassVar[int]
     own: LayerRange
     peers: _containers.RepeatedCompositeFieldContainer[PipelinePeer]
-    def __init__(self, own: _Optional[_Union[LayerRange, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PipelinePeer, _Mapping]]] = ...) -> None: ...
+    pause_exchange: bool
+    def __init__(self, own: _Optional[_Union[LayerRange, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PipelinePeer, _Mapping]]] = ..., pause_exchange: _Optional[bool] = ...) -> None: ...
 
 class SetPipelineReply(_message.Message):
     __slots__ = ("requests_moved",)
@@ -84,17 +88,37 @@ class LayerTensor(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GuestChunk(_message.Message):
-    __slots__ = ("request_id", "start", "num_new")
+    __slots__ = ("request_id", "start", "num_new", "kv_at_owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_FIELD_NUMBER: _ClassVar[int]
+    KV_AT_OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start: int
     num_new: int
-    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., num_new: _Optional[int] = ...) -> None: ...
+    kv_at_owner: bool
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., num_new: _Optional[int] = ..., kv_at_owner: _Optional[bool] = ...) -> None: ...
+
+class AttendRequest(_message.Message):
+    __slots__ = ("layer", "rows", "dtype", "q", "k", "v", "head_dim")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    rows: int
+    dtype: str
+    q: bytes
+    k: bytes
+    v: bytes
+    head_dim: int
+    def __init__(self, layer: _Optional[int] = ..., rows: _Optional[int] = ..., dtype: _Optional[str] = ..., q: _Optional[bytes] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class LayerStep(_message.Message):
-    __slots__ = ("layers", "chunks", "hidden", "dtype", "hidden_size", "release", "push_kv", "fetch_kv", "kv_tokens", "kv")
+    __slots__ = ("layers", "chunks", "hidden", "dtype", "hidden_size", "release", "push_kv", "fetch_kv", "kv_tokens", "kv", "attended", "attend_error")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +129,8 @@ class LayerStep(_message.Message):
     FETCH_KV_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    ATTENDED_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_ERROR_FIELD_NUMBER: _ClassVar[int]
     layers: LayerRange
     chunks: _containers.RepeatedCompositeFieldContainer[GuestChunk]
     hidden: bytes
@@ -115,19 +141,23 @@ class LayerStep(_message.Message):
     fetch_kv: str
     kv_tokens: int
     kv: bytes
-    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[GuestChunk, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., push_kv: _Optional[str] = ..., fetch_kv: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ...) -> None: ...
+    attended: bytes
+    attend_error: str
+    def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[GuestChunk, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., release: _Optional[_Iterable[str]] = ..., push_kv: _Optional[str] = ..., fetch_kv: _Optional[str] = ..., kv_tokens: _Optional[int] = ..., kv: _Optional[bytes] = ..., attended: _Optional[bytes] = ..., attend_error: _Optional[str] = ...) -> None: ...
 
 class LayerStepReply(_message.Message):
-    __slots__ = ("hidden", "error", "kv", "short")
+    __slots__ = ("hidden", "error", "kv", "short", "attend")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     SHORT_FIELD_NUMBER: _ClassVar[int]
+    ATTEND_FIELD_NUMBER: _ClassVar[int]
     hidden: bytes
     error: str
     kv: bytes
     short: bool
-    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ..., kv: _Optional[bytes] = ..., short: _Optional[bool] = ...) -> None: ...
+    attend: AttendRequest
+    def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ..., kv: _Optional[bytes] = ..., short: _Optional[bool] = ..., attend: _Optional[_Union[AttendRequest, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff")

@@ -104,7 +104,7 @@ class StepTimeExecutor(_Timed, Executor):
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return memoryview(b"")
 
-    def grow_kv(self, num_blocks: int) -> None:
+    def grow_kv(self, num_blocks: int, fresh=None) -> None:
         pass  # stores no KV
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:

@@ -13,6 +13,12 @@ side of services/instance/engine/native/pipeline.py.
 - ``PipelineHost`` serves ``DropLayers``, ``SetPipeline`` and the peers'
   ``ForwardLayers`` streams (their steps run on the engine thread via
   ``EngineRunner.guest_call``).
+- Remote attention (the live KV exchange): inside a step, the peer may
+  answer with an ``AttendRequest`` instead of the step's hidden states; the
+  owner runs that attention on its engine thread (``EngineRunner.attend_call``)
+  and writes the output back on the stream, then reads on. The peer's engine
+  thread waits for it serving only attention (runner.py), so two members that
+  each attend at the other never wait on each other.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import time
 
 import grpc
+from prometheus_client import Counter
 
 from ferry.pb import instance_pb2 as pb
 from ferry.pb import instance_pb2_grpc as pb_grpc
@@ -30,6 +37,15 @@ from libs.common.logging import get_logger
 from services.instance.engine.base import EngineBroken, EngineError, PeerShort
 
 log = get_logger(__name__)
+
+# Exported on the instance's --metrics-port.
+PEER_STEPS = Counter("ferry_pipeline_peer_steps_total", "Steps of this instance's requests run on a pipeline peer")
+ATTENDS = Counter("ferry_pipeline_remote_attention_total",
+                  "Remote attention (one layer of one step) this instance ran for a pipeline peer")
+KV_BYTES = Counter("ferry_pipeline_kv_bytes_total",
+                   "KV bytes of this instance's requests handed to pipeline peers (out) or taken back (back)",
+                   ["direction"])
+LAYER_CHANGES = Counter("ferry_pipeline_layer_changes_total", "Layer ranges dropped or restored here", ["op"])
 
 STEP_TIMEOUT_S = 60.0
 KV_MESSAGE_BYTES = 32 * 2**20
@@ -71,6 +87,20 @@ def decode_hidden(data: bytes, dtype: str, hidden_size: int):
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt).view(-1, hidden_size)
 
 
+def _raw(t, dtype: str) -> bytes:
+    """A tensor's values as row-major bytes of ``dtype``."""
+    return encode_hidden(t.reshape(t.shape[0], -1).to(_dtypes()[dtype]))[0]
+
+
+def _attend(attend, a: pb.AttendRequest) -> bytes:
+    """On the owner's engine thread: a peer's AttendRequest through ``attend``
+    (model.Attend) -> its output's bytes in the request's dtype."""
+    if a.rows <= 0 or a.head_dim <= 0:
+        raise ValueError(f"attention for {a.rows} rows of head_dim {a.head_dim}")
+    q, k, v = (decode_hidden(b, a.dtype, a.head_dim).view(a.rows, -1, a.head_dim) for b in (a.q, a.k, a.v))
+    return _raw(attend(a.layer, q, k, v), a.dtype)
+
+
 def _range(r: pb.LayerRange) -> range:
     return range(r.start, r.stop)
 
@@ -90,19 +120,31 @@ class GrpcPeer:
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self.steps = 0
+        self.attends = 0  # remote attention answered for the peer
 
-    async def _exchange(self, msg: pb.LayerStep) -> pb.LayerStepReply:
+    async def _exchange(self, msg: pb.LayerStep, attend=None) -> pb.LayerStepReply:
         if self._call is None:
             self._channel = rpc.channel(self.address)
             self._call = pb_grpc.InstanceStub(self._channel).ForwardLayers()
         await self._call.write(msg)
-        reply = await self._call.read()
-        if reply is grpc.aio.EOF:
-            raise ConnectionError("the peer ended the stream")
-        return reply
+        while True:
+            reply = await self._call.read()
+            if reply is grpc.aio.EOF:
+                raise ConnectionError("the peer ended the stream")
+            if not reply.HasField("attend"):
+                return reply
+            try:  # the peer asks for attention over our cache (module doc)
+                if attend is None:
+                    raise EngineError("remote attention asked outside a step that has KV here")
+                answer = pb.LayerStep(attended=await self.runner.attend_call(_attend, attend, reply.attend))
+                self.attends += 1
+                ATTENDS.inc()
+            except (EngineError, ValueError, RuntimeError) as e:
+                answer = pb.LayerStep(attend_error=str(e) or repr(e))
+            await self._call.write(answer)
 
-    def _send(self, msg: pb.LayerStep) -> pb.LayerStepReply:
-        fut = asyncio.run_coroutine_threadsafe(self._exchange(msg), self.loop)
+    def _send(self, msg: pb.LayerStep, attend=None) -> pb.LayerStepReply:
+        fut = asyncio.run_coroutine_threadsafe(self._exchange(msg, attend), self.loop)
         try:
             return self.runner.wait_serving_guests(fut, self.timeout_s)
         except (grpc.RpcError, ConnectionError, TimeoutError) as e:
@@ -110,17 +152,18 @@ class GrpcPeer:
             raise EngineBroken(f"pipeline peer {self.address} is gone ({e!r}): layers dropped here have no "
                                "holder") from e
 
-    def forward_layers(self, layers: range, chunks, hidden):
+    def forward_layers(self, layers: range, chunks, hidden, attend=None):
         data, dtype, size = encode_hidden(hidden)
         msg = pb.LayerStep(layers=_pb_range(layers), hidden=data, dtype=dtype, hidden_size=size,
-                           chunks=[pb.GuestChunk(request_id=c.request_id, start=c.start, num_new=c.num_new)
-                                   for c in chunks])
-        reply = self._send(msg)
+                           chunks=[pb.GuestChunk(request_id=c.request_id, start=c.start, num_new=c.num_new,
+                                                 kv_at_owner=c.kv_at_owner) for c in chunks])
+        reply = self._send(msg, attend)
         if reply.short:
             raise PeerShort(f"pipeline peer {self.address}: {reply.error}")
         if reply.error:
             raise RuntimeError(f"pipeline peer {self.address}: {reply.error}")
         self.steps += 1
+        PEER_STEPS.inc()
         return decode_hidden(reply.hidden, dtype, size).to(hidden.device)
 
     def release(self, request_ids: list[str]) -> None:
@@ -141,6 +184,7 @@ class GrpcPeer:
             if reply.error:
                 raise EngineError(f"pipeline peer {self.address}: {reply.error}")
             parts.append(reply.kv)
+            KV_BYTES.labels("back").inc(len(reply.kv))
         return b"".join(parts)
 
     def push_kv(self, layers: range, request_id: str, num_tokens: int, data) -> None:
@@ -152,6 +196,7 @@ class GrpcPeer:
                                             kv=bytes(view[at:at + len(piece) * per])))
             if reply.error:
                 raise EngineError(f"pipeline peer {self.address}: {reply.error}")
+            KV_BYTES.labels("out").inc(len(piece) * per)
 
     async def close(self) -> None:
         if self._call is not None:
@@ -167,6 +212,7 @@ class PipelineHost:
         self.engine = engine
         self.runner = runner
         self.peers: dict[str, GrpcPeer] = {}
+        self._prepared: tuple[range, object] | None = None  # (layers, storage) of the latest DropLayers(prepare)
 
     def _native(self):
         if not hasattr(self.engine, "drop_layers"):
@@ -184,11 +230,25 @@ class PipelineHost:
         layers = self._check(_range(request.layers), "layers")
         t0 = time.perf_counter()
         try:
-            added, work = await self.runner.call(_timed, engine.drop_layers, layers, request.hold)
+            # The grown KV storage is made off the engine thread (it steps on meanwhile), ahead
+            # when the scheduler asks for it (prepare), else now.
+            fresh = self._prepared[1] if self._prepared is not None and self._prepared[0] == layers else None
+            self._prepared = None
+            if fresh is None:
+                fresh = await asyncio.to_thread(engine.prepare_drop, layers)
+            prepared = time.perf_counter()
+            if request.prepare:
+                self._prepared = (layers, fresh)
+                log.info("layers ready to drop", layers=f"{layers.start}-{layers.stop - 1}",
+                         prepare_ms=round((prepared - t0) * 1000, 1))
+                return pb.DropLayersReply(blocks_added=0, total_blocks=engine.num_total_blocks)
+            added, work = await self.runner.call(_timed, engine.drop_layers, layers, request.hold, fresh)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
+        LAYER_CHANGES.labels("drop").inc()
         log.info("layers dropped", layers=f"{layers.start}-{layers.stop - 1}", blocks_added=added,
-                 work_ms=round(work * 1000, 1), took_ms=round((time.perf_counter() - t0) * 1000, 1))
+                 prepare_ms=round((prepared - t0) * 1000, 1), work_ms=round(work * 1000, 1),
+                 took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return pb.DropLayersReply(blocks_added=added, total_blocks=engine.num_total_blocks)
 
     async def set_pipeline(self, request: pb.SetPipelineRequest) -> pb.SetPipelineReply:
@@ -205,12 +265,14 @@ class PipelineHost:
         t0 = time.perf_counter()
         try:
             if solo:
-                moved, work = await self.runner.call(_timed, engine.leave_pipeline)
+                moved, work = await self.runner.call(_timed, engine.leave_pipeline, not request.pause_exchange)
             else:
-                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, peers)
+                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, peers,
+                                                     not request.pause_exchange)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,
+                 exchange="left" if solo else ("pause" if request.pause_exchange else "live"),
                  peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers], work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return pb.SetPipelineReply(requests_moved=moved)
@@ -234,11 +296,16 @@ class PipelineHost:
                 raise FailedPrecondition(f"layers from {request.from_address}: {e.details()}") from None
         fetched = time.perf_counter()
         try:
-            back, work = await self.runner.call(_timed, engine.restore_layers, states)
+            # Loaded and prepacked off the engine thread (it steps on meanwhile); installed between steps.
+            built = await asyncio.to_thread(engine.build_layers, states)
+            prepared = time.perf_counter()
+            back, work = await self.runner.call(_timed, engine.restore_layers, states, built)
         except (EngineError, RuntimeError) as e:  # a missing or misshapen tensor: load_state_dict says which
             raise FailedPrecondition(f"restoring layers: {e}") from None
+        LAYER_CHANGES.labels("restore").inc()
         log.info("layers restored", layers=f"{layers.start}-{layers.stop - 1}", source=request.from_address,
-                 blocks_returned=back, fetch_ms=round((fetched - t0) * 1000, 1), work_ms=round(work * 1000, 1),
+                 blocks_returned=back, fetch_ms=round((fetched - t0) * 1000, 1),
+                 prepare_ms=round((prepared - fetched) * 1000, 1), work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return pb.RestoreLayersReply(blocks_returned=back,
                                      total_blocks=engine.pool.capacity - engine.pool.shrinking)
@@ -257,26 +324,93 @@ class PipelineHost:
                 yield pb.LayerTensor(layer=i, name=name, dtype=dtype, shape=list(t.shape), data=data)
 
     async def serve(self, steps):
-        """The peers' steps, one reply each, in order."""
-        from services.instance.engine.native.pipeline import GuestChunk
-
-        async for step in steps:
+        """The peers' steps, one reply each, in order (and the attention a
+        step asks its owner for, module doc)."""
+        steps = steps.__aiter__()
+        while True:
+            try:
+                step = await steps.__anext__()
+            except StopAsyncIteration:
+                return
             if step.release:
                 await self.runner.guest_call(self.engine.release_guests, list(step.release))
             if step.push_kv or step.fetch_kv:
                 yield await self._kv(step)
                 continue
+            if step.attended or step.attend_error:
+                yield pb.LayerStepReply(error="an attention answer outside a step that asked for one")
+                continue
             if not step.chunks:
                 yield pb.LayerStepReply()
                 continue
-            try:
-                hidden = decode_hidden(step.hidden, step.dtype, step.hidden_size)
-                chunks = [GuestChunk(c.request_id, c.start, c.num_new) for c in step.chunks]
-                out = await self.runner.guest_call(self.engine.forward_guest, _range(step.layers), chunks, hidden)
-            except (EngineError, ValueError) as e:
-                yield pb.LayerStepReply(error=str(e), short=isinstance(e, PeerShort))
-                continue
-            yield pb.LayerStepReply(hidden=encode_hidden(out)[0])
+            async for reply in self._forward(step, steps):
+                yield reply
+
+    async def _forward(self, step: pb.LayerStep, steps):
+        """One peer's step here; while it runs, the attention it asks the
+        owner for goes out as replies and the answers come in on ``steps``."""
+        from services.instance.engine.native.pipeline import GuestChunk
+
+        loop = asyncio.get_running_loop()
+        asks: asyncio.Queue = asyncio.Queue()
+        gone = pb.LayerStep(attend_error="the owner's stream ended")
+        closed = False
+
+        async def ask(request: pb.AttendRequest):
+            if closed:  # the owner is gone: fail the step now, not after STEP_TIMEOUT_S
+                return gone
+            answer = loop.create_future()
+            await asks.put((request, answer))
+            return await answer
+
+        def attend(layer, q, k, v):  # on the engine thread, inside forward_guest
+            request = pb.AttendRequest(layer=layer, rows=q.shape[0], head_dim=q.shape[-1], dtype=step.dtype,
+                                       q=_raw(q, step.dtype), k=_raw(k, step.dtype), v=_raw(v, step.dtype))
+            fut = asyncio.run_coroutine_threadsafe(ask(request), loop)
+            msg = self.runner.wait_serving_guests(fut, STEP_TIMEOUT_S, attends_only=True)
+            if msg.attend_error or not msg.attended:
+                raise EngineError(f"remote attention at the owner: {msg.attend_error or 'no answer'}")
+            return decode_hidden(msg.attended, step.dtype, q.shape[1] * q.shape[2])
+
+        try:
+            hidden = decode_hidden(step.hidden, step.dtype, step.hidden_size)
+        except ValueError as e:
+            yield pb.LayerStepReply(error=str(e))
+            return
+        chunks = [GuestChunk(c.request_id, c.start, c.num_new, c.kv_at_owner) for c in step.chunks]
+        task = asyncio.ensure_future(self.runner.guest_call(self.engine.forward_guest, _range(step.layers), chunks,
+                                                            hidden, attend))
+        answer = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(asks.get())
+                try:
+                    await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+                if not getter.done() or getter.cancelled():
+                    break
+                request, answer = getter.result()
+                yield pb.LayerStepReply(attend=request)
+                try:
+                    msg = await steps.__anext__()
+                except StopAsyncIteration:
+                    msg = gone
+                answer.set_result(msg)
+                answer = None
+        finally:  # the stream may end mid-step (the owner died): no engine thread waits on it then
+            closed = True
+            if answer is not None and not answer.done():
+                answer.set_result(gone)
+            while not asks.empty():
+                asks.get_nowait()[1].set_result(gone)
+        try:
+            out = await task
+        except (EngineError, ValueError) as e:
+            yield pb.LayerStepReply(error=str(e), short=isinstance(e, PeerShort))
+            return
+        yield pb.LayerStepReply(hidden=encode_hidden(out)[0])
 
     async def _kv(self, step: pb.LayerStep) -> pb.LayerStepReply:
         layers = _range(step.layers)

@@ -6,7 +6,12 @@ Pipeline peers' steps (KunServe, services/instance/pipeline.py) come in on a
 second queue, ``guest_call``: they run between steps like commands, and also
 *inside* a step while that step waits for a peer (``wait_serving_guests``).
 Two instances that are each other's peers would otherwise deadlock, each
-engine thread waiting on the other.
+engine thread waiting on the other. Remote attention (the live KV exchange)
+adds a third queue, ``attend_call``: a peer running this instance's layers
+asks this engine for attention over its own cache, from inside a peer's step
+that runs here or there; a wait inside a peer's step serves only those
+(``wait_serving_guests(..., attends_only=True)``), so that no peer's step
+ever runs inside another one.
 
 If the thread dies (the engine raised out of a step), the step callback gets
 ``load=None`` once, and every command queued or sent afterwards fails at
@@ -41,6 +46,7 @@ class EngineRunner:
         self.idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._guests: queue.SimpleQueue = queue.SimpleQueue()
+        self._attends: queue.SimpleQueue = queue.SimpleQueue()
         self._guest_wake = threading.Event()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -71,23 +77,35 @@ class EngineRunner:
     async def guest_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a pipeline peer's work on the engine thread: between steps, or
         inside a step that waits for a peer (module doc); await its result."""
+        return await self._queued(self._guests, fn, args)
+
+    async def attend_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run remote attention for a peer on the engine thread, wherever it
+        waits on a peer (module doc); await its result."""
+        return await self._queued(self._attends, fn, args)
+
+    async def _queued(self, q: queue.SimpleQueue, fn: Callable[..., Any], args: tuple) -> Any:
         fut = self.loop.create_future()
-        self._guests.put((fn, args, fut))
+        q.put((fn, args, fut))
         self._guest_wake.set()
         self._wake.set()
         if self.dead:
             self._fail_pending()
         return await fut
 
-    def wait_serving_guests(self, fut: concurrent.futures.Future, timeout_s: float) -> Any:
+    def wait_serving_guests(self, fut: concurrent.futures.Future, timeout_s: float,
+                            attends_only: bool = False) -> Any:
         """On the engine thread, inside a step: wait for ``fut`` (a call to a
-        pipeline peer) while running the peers' work queued here. Raises
+        pipeline peer) while running the peers' work queued here (only their
+        attention: ``attends_only``, inside a peer's step). Raises
         TimeoutError after ``timeout_s``."""
         fut.add_done_callback(lambda _: self._guest_wake.set())
         deadline = time.monotonic() + timeout_s
         while True:
             self._guest_wake.clear()  # NOTE: before draining, so that no wake is lost
-            self._drain(self._guests)
+            self._drain(self._attends)
+            if not attends_only:
+                self._drain(self._guests)
             if fut.done():
                 return fut.result()
             left = deadline - time.monotonic()
@@ -103,7 +121,7 @@ class EngineRunner:
 
     def _fail_pending(self) -> None:
         err = EngineBroken(f"the engine thread died: {self.error!r}")
-        for q in (self._cmds, self._guests):
+        for q in (self._cmds, self._guests, self._attends):
             while True:
                 try:
                     _, _, fut = q.get_nowait()
@@ -130,7 +148,8 @@ class EngineRunner:
     def _drain(self, q: queue.SimpleQueue | None = None) -> bool:
         """Run what is queued: pipeline peers' work first, then commands (or only ``q``)."""
         if q is None:
-            ran = self._drain(self._guests)
+            ran = self._drain(self._attends)
+            ran = self._drain(self._guests) or ran
             return self._drain(self._cmds) or ran
         ran = False
         while True:

@@ -91,6 +91,9 @@ class InstanceConfig(CommonConfig):
     handoff_per_layer_threshold: int = opt(0, "Splitwise: prompts at least this long are planned as per-layer "
                                            "handoffs: their KV streams layer by layer while the prompt computes "
                                            "(0 = always serialized)", min=0)
+    kunserve_exchange_mb: float = opt(16.0, "KunServe (native): KV a live exchange hands the pipeline peers "
+                                      "between two steps, MiB (at least one request a step; the others "
+                                      "attend here meanwhile)", min=0.0)
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
@@ -126,6 +129,8 @@ class InstanceConfig(CommonConfig):
 
     def _engine_extra(self) -> dict:
         extra: dict = {"num_threads": self.torch_threads} if self.torch_threads else {}
+        if self.engine == "native":
+            extra["kunserve_exchange_mb"] = self.kunserve_exchange_mb
         if self.vllm_args:
             extra["vllm_args"] = self.vllm_args
         return extra

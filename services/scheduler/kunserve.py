@@ -68,6 +68,7 @@ class KunServeConfig:
     restore_margin: float = 0.2
     min_group_s: float = 5.0
     max_group_size: int | None = None
+    pause_exchange: bool = False  # members move their running requests' KV in a pause, not live
 
 
 @dataclass
@@ -81,6 +82,14 @@ class LiveGroup:
     @property
     def ids(self) -> list[str]:
         return [m.instance_id for m in self.plan.members]
+
+
+async def _all(calls) -> None:
+    """Run the calls at once; after all of them ended, raise the first error."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 def _lr(r: range) -> ipb.LayerRange:
@@ -179,28 +188,35 @@ class KunServeLoop:
     async def form(self, plan: BuddyGroup, own_blocks: dict[str, int]) -> LiveGroup | None:
         """Every member drops the layers it does not keep and holds its steps
         (its pool grows), then every member enters the pipeline: its peers,
-        with room now, get the KV of their layers, and it steps again. On a
-        failure, the members already touched take their layers back."""
+        with room now, get the KV of their layers, and it steps again. The
+        members drop at once and enter at once: a member holds its steps from
+        its own drop until it enters, so that is as short as the slowest
+        member's drop. On a failure, every member takes its layers back."""
         addresses = {m.instance_id: self.view.address(m.instance_id) for m in plan.members}
         g = LiveGroup(plan, addresses, self.clock(), own_blocks)
         t0 = time.perf_counter()
-        entered = []
+        async def drop(m, prepare=False):
+            for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
+                await self.stub(addresses[m.instance_id]).DropLayers(
+                    ipb.DropLayersRequest(layers=_lr(r), hold=not prepare, prepare=prepare))
+
+        async def enter(m):
+            peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
+                     for o in plan.members if o is not m]
+            await self.stub(addresses[m.instance_id]).SetPipeline(
+                ipb.SetPipelineRequest(own=_lr(range(m.start, m.end)), peers=peers,
+                                       pause_exchange=self.cfg.pause_exchange))
+
         try:
-            for m in plan.members:
-                entered.append(m)
-                for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
-                    await self.stub(addresses[m.instance_id]).DropLayers(ipb.DropLayersRequest(layers=_lr(r),
-                                                                                               hold=True))
+            await _all(drop(m, prepare=True) for m in plan.members)  # storage ready, no step held yet
+            prepared_at = time.perf_counter()
+            await _all(drop(m) for m in plan.members)
             dropped_at = time.perf_counter()
-            for m in plan.members:
-                peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
-                         for o in plan.members if o is not m]
-                await self.stub(addresses[m.instance_id]).SetPipeline(
-                    ipb.SetPipelineRequest(own=_lr(range(m.start, m.end)), peers=peers))
+            await _all(enter(m) for m in plan.members)
         except grpc.aio.AioRpcError as e:
             FAILURES.labels("drop").inc()
             log.error("kunserve: forming a group failed", members=g.ids, error=e.details())
-            for m in entered:
+            for m in plan.members:
                 try:
                     await self._restore_member(g, m)
                 except grpc.aio.AioRpcError as e2:
@@ -213,10 +229,12 @@ class KunServeLoop:
         FREED.inc(plan.freed_blocks)
         end = time.perf_counter()
         self.log.append({"t": g.formed_at, "event": "drop", "members": g.ids, "freed_blocks": plan.freed_blocks,
-                         "took_s": end - t0, "drop_s": dropped_at - t0, "enter_s": end - dropped_at})
+                         "took_s": end - t0, "prepare_s": prepared_at - t0, "drop_s": dropped_at - prepared_at,
+                         "enter_s": end - dropped_at})
         log.info("kunserve: group formed", members=g.ids, freed_blocks=plan.freed_blocks,
                  layers=[(m.start, m.end) for m in plan.members], took_ms=round((end - t0) * 1000, 1),
-                 drop_ms=round((dropped_at - t0) * 1000, 1), enter_ms=round((end - dropped_at) * 1000, 1))
+                 prepare_ms=round((prepared_at - t0) * 1000, 1), drop_ms=round((dropped_at - prepared_at) * 1000, 1),
+                 enter_ms=round((end - dropped_at) * 1000, 1))
         return g
 
     async def _restore_member(self, g: LiveGroup, m) -> None:

@@ -69,6 +69,9 @@ class SchedulerConfig(CommonConfig):
     kunserve_min_group_s: float = opt(5.0, "KunServe: a group lasts at least this long", min=0.0)
     kunserve_restore_margin: float = opt(0.2, "KunServe: restore once each member's requirement fits (1 - this) "
                                               "of its own memory", min=0.0, max=0.99)
+    kunserve_pause_exchange: bool = opt(False, "KunServe: members joining a group move their running requests' KV "
+                                               "in a pause before their next step, instead of live (remote "
+                                               "attention meanwhile)")
 
     @property
     def policy(self) -> Policy:
@@ -206,7 +209,7 @@ class SchedulerService(Service):
                 raise ValueError("--kunserve needs --kunserve-layers and --kunserve-layer-blocks")
             self.kunserve = KunServeLoop(self.view, KunServeConfig(
                 c.kunserve_layers, c.kunserve_layer_blocks, min_group_s=c.kunserve_min_group_s,
-                restore_margin=c.kunserve_restore_margin))
+                restore_margin=c.kunserve_restore_margin, pause_exchange=c.kunserve_pause_exchange))
             self.kunserve.start()
 
     async def stop(self) -> None:

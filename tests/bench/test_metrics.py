@@ -67,3 +67,13 @@ def test_percentiles_and_short_outputs():
 def test_ttft_cdf():
     x, y = ttft_cdf([rec(i, "normal", 0, t, t, t, 1) for i, t in enumerate([0.3, 0.1, 0.2])])
     assert list(x) == pytest.approx([100, 200, 300]) and list(y) == pytest.approx([1 / 3, 2 / 3, 1])
+
+
+def test_the_longest_stall_is_summarized_only_when_streamed():
+    rs = [rec(0, "normal", 0.0, 0.1, 1.1, 1.1, 11, max_gap_s=0.4), rec(1, "normal", 0.0, 0.1, 1.1, 1.1, 11,
+                                                                        max_gap_s=0.2)]
+    s = summarize(rs)
+    assert s["max_gap_ms"]["mean"] == pytest.approx(300.0) and s["max_gap_ms"]["p50"] == pytest.approx(300.0)
+    plain = [rec(0, "normal", 0.0, 0.1, 1.1, 1.1, 11)]
+    assert "max_gap_ms" not in summarize(plain)  # not streamed (the simulator): the summary is as before
+    assert "max_gap_s" not in plain[0].to_dict() and rs[0].to_dict()["max_gap_s"] == 0.4

@@ -104,3 +104,26 @@ def test_cluster_spec_roles():
     spec = ClusterSpec(instances=4, prefill=1, decode=2)
     assert [spec.role_of(i) for i in range(4)] == ["prefill", "decode", "decode", "mixed"]
     spec.check_roles()
+
+
+def test_up_passes_scheduler_arguments_to_the_scheduler(monkeypatch):
+    """`ferry up --scheduler-arg` reaches the scheduler's command line (e.g. KunServe's flags)."""
+    from click.testing import CliRunner
+
+    from ferry import up as up_mod
+    from ferry.cluster import StartupError
+
+    seen = {}
+
+    class Stub:
+        def __init__(self, spec):
+            seen["spec"] = spec
+
+        def start(self, timeout_s):
+            raise StartupError("stub: not started")
+
+    monkeypatch.setattr(up_mod, "LocalCluster", Stub)
+    r = CliRunner().invoke(up_mod.up, ["--engine", "fake", "--scheduler-arg=--kunserve",
+                                       "--scheduler-arg=--kunserve-layers=30"])
+    assert r.exit_code == 1 and "stub: not started" in r.output, r.output
+    assert seen["spec"].scheduler_args == ["--kunserve", "--kunserve-layers=30"]

@@ -4,8 +4,14 @@ from services.instance.service import InstanceConfig
 
 
 def test_torch_threads_reaches_the_native_engine_config():
-    assert InstanceConfig(engine="native", torch_threads=1).engine_config().extra == {"num_threads": 1}
+    assert InstanceConfig(engine="native", torch_threads=1).engine_config().extra == {
+        "num_threads": 1, "kunserve_exchange_mb": 16.0}
     assert "num_threads" not in InstanceConfig(engine="native").engine_config().extra
+
+
+def test_the_kunserve_exchange_budget_reaches_the_native_engine_only():
+    assert InstanceConfig(engine="native", kunserve_exchange_mb=0).engine_config().extra["kunserve_exchange_mb"] == 0
+    assert "kunserve_exchange_mb" not in InstanceConfig(engine="sim").engine_config().extra
 
 
 def test_engine_options_are_passed_through():

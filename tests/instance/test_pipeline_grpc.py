@@ -28,20 +28,21 @@ PROMPTS = {"a0": list(range(100, 150)), "a1": [5, 6, 7] * 11, "b0": list(range(3
 SEEDS = {"a1": 3, "b0": 4}
 
 
-def _sampling(rid: str) -> SamplingParams:
+def _sampling(rid: str, n: int = N) -> SamplingParams:
     if rid in SEEDS:
-        return SamplingParams(max_tokens=N, min_tokens=N, temperature=0.9, seed=SEEDS[rid])
-    return SamplingParams(max_tokens=N, min_tokens=N)
+        return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.9, seed=SEEDS[rid])
+    return SamplingParams(max_tokens=n, min_tokens=n)
 
 
-def _reference() -> dict[str, list[int]]:
+def _reference(length: int = N, dtype: str = "auto") -> dict[str, list[int]]:
     out = {}
     for names in (("a0", "a1"), ("b0", "b1")):
-        e = create_engine(EngineConfig(engine="native", model="tiny-llama", num_blocks=64,
+        e = create_engine(EngineConfig(engine="native", model="tiny-llama", num_blocks=160, dtype=dtype,
                                        extra={"share_weights": True, "warmup": False}))
         for n in names:
-            s = _sampling(n)
-            e.add_request(req(n, PROMPTS[n], max_tokens=N, min_tokens=N, temperature=s.temperature, seed=s.seed))
+            s = _sampling(n, length)
+            e.add_request(req(n, PROMPTS[n], max_tokens=length, min_tokens=length, temperature=s.temperature,
+                              seed=s.seed))
         out.update(run(e))
     return out
 
@@ -81,14 +82,16 @@ async def agents():
     await a.stop()
 
 
-async def _generate(stub, rid: str) -> list[int]:
+async def _generate(stub, rid: str, n: int = N, started: asyncio.Event | None = None) -> list[int]:
     tokens = []
     call = stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=PROMPTS[rid],
-                                            sampling=convert.sampling_to_pb(_sampling(rid)),
+                                            sampling=convert.sampling_to_pb(_sampling(rid, n)),
                                             priority=cpb.PRIORITY_NORMAL))
     async for ev in call:
         assert ev.index == len(tokens)
         tokens += list(ev.token_ids)
+        if started is not None and len(tokens) >= 4:
+            started.set()
         if ev.finish_reason:
             assert ev.finish_reason == "length", ev
     return tokens
@@ -99,9 +102,13 @@ def _rng(a: int, b: int) -> pb.LayerRange:
 
 
 async def test_two_agents_serve_as_each_others_pipeline_with_the_full_models_tokens(agents):
-    want = _reference()
-    a = await agents.start(engine="native", model="tiny-llama", num_blocks=64)
-    b = await agents.start(engine="native", model="tiny-llama", num_blocks=64)
+    # fp32, like the other exact-token tests here: which rows share a step
+    # depends on timing between the two agents, and in bf16 oneDNN's GEMM
+    # rounds a one-row step differently from a many-row one (down_proj here),
+    # enough to flip a near-tie of this random model (seen once in CI).
+    want = _reference(dtype="float32")
+    a = await agents.start(engine="native", model="tiny-llama", num_blocks=64, dtype="float32")
+    b = await agents.start(engine="native", model="tiny-llama", num_blocks=64, dtype="float32")
     addr_a, addr_b = agents.addresses
     da = await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2)))
     db = await b.DropLayers(pb.DropLayersRequest(layers=_rng(0, 1)))
@@ -120,6 +127,56 @@ async def test_two_agents_serve_as_each_others_pipeline_with_the_full_models_tok
         assert r.free_blocks == r.total_blocks
         assert not svc.engine.guests
     assert all(p.steps > 0 for svc in agents.services for p in svc.pipeline.peers.values())
+
+
+async def test_two_agents_enter_each_others_pipeline_live_while_their_requests_decode(agents):
+    """The live KV exchange in both directions at once: both agents drop half
+    their layers with requests decoding and enter the pipeline without a
+    pause; their requests attend at their owner (remote attention, asked on
+    the stream) until their KV has moved, one request a step. Exact tokens,
+    attention answered on both sides, nothing left behind. In fp32: over 400
+    tokens in bf16, the pipelined requests' tokens drifted from the
+    reference's with the paused exchange as with the live one, and were exact
+    in fp32 (likely: the dense decode buffers' capacities differ from the
+    reference's, so their matmuls sum in another order; not isolated)."""
+    n = 240
+    want = _reference(n, "float32")
+    kw = {"engine": "native", "model": "tiny-llama", "num_blocks": 160, "kunserve_exchange_mb": 0,
+          "dtype": "float32"}
+    a = await agents.start(**kw)
+    b = await agents.start(**kw)
+    addr_a, addr_b = agents.addresses
+    from prometheus_client import REGISTRY
+
+    def metric(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    names = (("ferry_pipeline_remote_attention_total", {}), ("ferry_pipeline_peer_steps_total", {}),
+             ("ferry_pipeline_kv_bytes_total", {"direction": "out"}),
+             ("ferry_pipeline_layer_changes_total", {"op": "drop"}))
+    before = [metric(n, **lb) for n, lb in names]
+    started = {rid: asyncio.Event() for rid in PROMPTS}
+    gens = [asyncio.create_task(_generate(a if rid[0] == "a" else b, rid, n, started[rid])) for rid in PROMPTS]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 60)
+    await asyncio.gather(a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2), hold=True)),
+                         b.DropLayers(pb.DropLayersRequest(layers=_rng(0, 1), hold=True)))
+    entered = await asyncio.gather(
+        a.SetPipeline(pb.SetPipelineRequest(own=_rng(0, 1), peers=[pb.PipelinePeer(layers=_rng(1, 2),
+                                                                                   address=addr_b)])),
+        b.SetPipeline(pb.SetPipelineRequest(own=_rng(1, 2), peers=[pb.PipelinePeer(layers=_rng(0, 1),
+                                                                                   address=addr_a)])))
+    assert [e.requests_moved for e in entered] == [2, 2]  # both requests of each will move: they were running
+    got = await asyncio.wait_for(asyncio.gather(*gens), 180)
+    assert dict(zip(PROMPTS, got)) == want
+    for stub, svc in zip((a, b), agents.services):
+        r = await stub.CheckIntegrity(pb.CheckIntegrityRequest())
+        assert r.ok and r.free_blocks == r.total_blocks, r
+        assert not svc.engine.guests and not svc.engine.executor.pending_exchange
+        assert sum(p.attends for p in svc.pipeline.peers.values()) > 0  # its requests attended at home
+    # Exported: attention answered, steps run on peers, KV handed over, two drops (both agents share this process).
+    attends, steps, out, drops = (metric(n, **lb) - b0 for (n, lb), b0 in zip(names, before))
+    assert attends == sum(p.attends for svc in agents.services for p in svc.pipeline.peers.values())
+    assert steps > 0 and out > 0 and drops == 2
 
 
 async def test_bad_pipeline_orders_get_clear_errors(agents):
@@ -202,7 +259,7 @@ def test_kv_moves_in_as_few_messages_as_fit_the_budget(monkeypatch):
     assert peer._pieces(range(2, 9), 30) == [range(2, 5), range(5, 8), range(8, 9)]
     assert peer._pieces(range(4), 1000) == [range(1), range(1, 2), range(2, 3), range(3, 4)]  # one at least
     sent = []
-    peer._send = lambda msg: (sent.append((msg.layers.start, msg.layers.stop, bytes(msg.kv))), pb.LayerStepReply())[1]
+    peer._send = lambda msg, attend=None: (sent.append((msg.layers.start, msg.layers.stop, bytes(msg.kv))), pb.LayerStepReply())[1]
     peer.push_kv(range(2, 9), "r", 16, bytes(range(7)) * 1)  # 7 layers of 1 byte... at 100 bytes a message: one
     assert sent == [(2, 9, bytes(range(7)))]
     sent.clear()
@@ -210,3 +267,32 @@ def test_kv_moves_in_as_few_messages_as_fit_the_budget(monkeypatch):
     peer.push_kv(range(5), "r", 16, data)
     assert [(a, b) for a, b, _ in sent] == [(0, 2), (2, 4), (4, 5)]
     assert b"".join(kv for _, _, kv in sent) == data
+
+
+async def test_a_drop_prepared_ahead_uses_the_storage_made_then(agents):
+    a = await agents.start(engine="native", model="tiny-llama", num_blocks=64)
+    ready = await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2), prepare=True))
+    assert ready.blocks_added == 0 and ready.total_blocks == 64  # nothing dropped yet
+    host, engine = agents.services[0].pipeline, agents.services[0].engine
+    assert not engine.executor.model.dropped()
+    fresh = host._prepared[1]
+    dropped = await a.DropLayers(pb.DropLayersRequest(layers=_rng(1, 2)))
+    assert dropped.blocks_added > 0 and dropped.total_blocks == fresh.shape[0]
+    assert engine.executor.kv_cache is fresh and host._prepared is None
+
+
+async def test_an_owner_gone_mid_attention_frees_the_peer_at_once(agents):
+    """A peer's step waits for the owner's remote attention; if the owner's
+    stream ends then (the owner died), the step fails at once and leaves no
+    guest behind: the peer's engine thread does not wait out STEP_TIMEOUT_S."""
+    b = await agents.start(engine="native", model="tiny-llama", num_blocks=64, dtype="float32")
+    call = b.ForwardLayers()
+    await call.write(pb.LayerStep(layers=_rng(0, 2), chunks=[pb.GuestChunk(request_id="x", start=0, num_new=1,
+                                                                           kv_at_owner=True)],
+                                  hidden=bytes(64 * 4), dtype="float32", hidden_size=64))
+    reply = await asyncio.wait_for(call.read(), 30)
+    assert reply.HasField("attend") and reply.attend.layer == 0 and reply.attend.rows == 1
+    call.cancel()  # the owner is gone without answering
+    r = await asyncio.wait_for(b.CheckIntegrity(pb.CheckIntegrityRequest()), 10)  # runs on the engine thread
+    assert r.ok and r.free_blocks == r.total_blocks, r
+    assert not agents.services[0].engine.guests

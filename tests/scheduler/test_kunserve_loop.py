@@ -73,15 +73,19 @@ async def test_throttle_forms_a_group_and_pressure_gone_restores_it():
     assert set(loop.groups) == {"a", "b"}
     names = [(a, n) for a, n, _ in rec.calls]
     # Both drop (and hold) before either enters: each then has room for the KV the other hands over.
-    assert names == [("addr-a", "DropLayers"), ("addr-b", "DropLayers"), ("addr-a", "SetPipeline"),
-                     ("addr-b", "SetPipeline")]
-    drop_a, drop_b, sp_a, sp_b = (r for _, _, r in rec.calls)
-    assert drop_a.hold and drop_b.hold
+    # Both get the storage ready (no step held), then both drop and hold, then both enter.
+    assert names == [("addr-a", "DropLayers"), ("addr-b", "DropLayers")] * 2 + [("addr-a", "SetPipeline"),
+                                                                                ("addr-b", "SetPipeline")]
+    prep_a, prep_b, drop_a, drop_b, sp_a, sp_b = (r for _, _, r in rec.calls)
+    assert prep_a.prepare and prep_b.prepare and not prep_a.hold and not prep_b.hold
+    assert (prep_a.layers.start, prep_a.layers.stop) == (2, 4)
+    assert drop_a.hold and drop_b.hold and not drop_a.prepare
     assert (sp_a.own.start, sp_a.own.stop) == (0, 2)
     assert [(p.layers.start, p.layers.stop, p.address) for p in sp_a.peers] == [(2, 4, "addr-b")]
     assert (drop_a.layers.start, drop_a.layers.stop) == (2, 4)
     assert (drop_b.layers.start, drop_b.layers.stop) == (0, 2)
     assert (sp_b.own.start, sp_b.own.stop) == (2, 4)
+    assert not sp_a.pause_exchange and not sp_b.pause_exchange  # live exchange: requests decode on
     rec.calls.clear()
 
     # Pressure gone (both at 50 of their own 200), but the group is young: nothing.

@@ -119,7 +119,7 @@ class TokenKvExecutor(Executor):
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return memoryview(np.ascontiguousarray(self.cache[block_ids]).tobytes())
 
-    def grow_kv(self, num_blocks: int) -> None:
+    def grow_kv(self, num_blocks: int, fresh=None) -> None:
         extra = num_blocks - self.cache.shape[0]
         if extra > 0:
             self.cache = np.concatenate([self.cache, np.zeros((extra,) + self.cache.shape[1:], np.float32)])

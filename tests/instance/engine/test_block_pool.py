@@ -96,7 +96,9 @@ def test_grow_after_shrink_reuses_retired_ids_and_cancels_a_shrink_under_way():
     pool = BlockPool(4)
     a = pool.allocate(3)
     pool.shrink(2)  # 1 free retired now, 1 pending
+    assert pool.ids_after_grow(1) == 4 and pool.ids_after_grow(3) == 5  # reuse first, then new ids
     assert pool.grow(1) == 3 and pool.shrinking == 0  # cancels the pending one
+    assert pool.ids_after_grow(2) == 5
     assert pool.grow(2) == 5 and pool.num_blocks == 5  # one retired id back, one new
     pool.free(a)
     assert pool.num_free == 5

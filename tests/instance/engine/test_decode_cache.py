@@ -22,9 +22,9 @@ class Req:
         self.block_ids = blocks
 
 
-def _cache(num_blocks: int = 64) -> DecodeCache:
+def _cache(num_blocks: int = 64, k_transposed: bool = False) -> DecodeCache:
     kv = torch.randn(num_blocks, LAYERS, 2, BS, KVH, D)
-    return DecodeCache(kv, 2**24)
+    return DecodeCache(kv, 2**24, k_transposed=k_transposed)
 
 
 def _expected(dc: DecodeCache, r: Req, n: int) -> torch.Tensor:
@@ -37,7 +37,14 @@ def _check_slots(dc: DecodeCache, reqs: list[Req], starts: list[int]) -> None:
     for r, n in zip(reqs, starts):
         slot = next(i for i, o in enumerate(dc.owner) if o is r)
         assert dc.lens[slot] == n
-        assert torch.equal(dc.buf[:, :, slot, :, :n], _expected(dc, r, n))
+        want = _expected(dc, r, n)
+        assert torch.equal(dc.slot_kv(slot, n), want)
+        cap = dc.buf.shape[4]
+        raw_k = dc.buf[:, 0, slot]  # [layers, kvh, cap, d] of memory
+        if dc.k_transposed:  # what vLLM's CPU attention reads: K^T ([d, cap]) per head, V plain
+            raw_k = raw_k.reshape(LAYERS, KVH, D, cap).transpose(-1, -2)
+        assert torch.equal(raw_k[:, :, :n], want[:, 0])
+        assert torch.equal(dc.buf[:, 1, slot, :, :n], want[:, 1])
 
 
 def _arena_ptrs(dc: DecodeCache) -> set[int]:
@@ -53,8 +60,9 @@ def _settle(dc: DecodeCache) -> None:
     raise AssertionError("a fill never ended")
 
 
-def test_slots_hold_their_requests_kv_through_resizes_and_reuse_the_arenas():
-    dc = _cache()
+@pytest.mark.parametrize("k_transposed", [False, True], ids=["plain", "k-transposed"])
+def test_slots_hold_their_requests_kv_through_resizes_and_reuse_the_arenas(k_transposed):
+    dc = _cache(k_transposed=k_transposed)
     a, b, c = Req(list(range(10))), Req(list(range(10, 20))), Req(list(range(20, 64)))
     seen = set()
     # Which spares the first cycle ends with depends on when the helper
@@ -76,6 +84,17 @@ def test_slots_hold_their_requests_kv_through_resizes_and_reuse_the_arenas():
         elif cycle > 1:  # warm: no resize allocated anything
             assert _arena_ptrs(dc) == seen
     assert 2 <= len(seen) <= 3
+
+
+@pytest.mark.parametrize("k_transposed", [False, True], ids=["plain", "k-transposed"])
+def test_compaction_moves_a_slot_with_its_kv(k_transposed):
+    dc = _cache(k_transposed=k_transposed)
+    a, b, c = Req(list(range(10))), Req(list(range(10, 20))), Req(list(range(20, 30)))
+    assert dc.prepare([a, b, c], [7, 30, 21]) is not None
+    _check_slots(dc, [a, b, c], [7, 30, 21])
+    assert dc.prepare([b, c], [30, 21]) is not None  # a left: c's slot (2) moves into 0..1
+    assert {id(o) for o in dc.owner[:2]} == {id(b), id(c)}
+    _check_slots(dc, [b, c], [30, 21])
 
 
 def test_a_hint_makes_a_long_joins_memory_ready_off_the_step():

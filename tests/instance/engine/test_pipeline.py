@@ -169,8 +169,9 @@ def _steps(engine, outputs, n):
 
 def test_requests_live_through_drop_pipeline_and_restore_with_exact_tokens(model, reference):
     """Requests decoding on A when A enters a pipeline (their KV of the
-    dropped layers handed to B), run pipelined, then A takes its layers back
-    from B and the KV back, and they finish alone: the full model's tokens."""
+    dropped layers handed to B in a pause), run pipelined, then A takes its
+    layers back from B and the KV back, and they finish alone: the full
+    model's tokens."""
     a, b = _engine(model), _engine(model)
     layers = a.kv_layout.num_layers
     first, second = range(layers // 2), range(layers // 2, layers)
@@ -178,13 +179,13 @@ def test_requests_live_through_drop_pipeline_and_restore_with_exact_tokens(model
     _add(a, ("a0", "a1"))
     got: dict = {}
     _steps(a, got, 5)  # prefills and a few decodes, alone
-    assert a.enter_pipeline(first, [(second, LocalPeer(b))]) == 2  # both requests' KV moved
+    assert a.enter_pipeline(first, [(second, LocalPeer(b))], live=False) == 2  # both requests' KV moved
     assert set(b.guests) == {"a0", "a1"}
     assert a.drop_layers(second) > 0
     _steps(a, got, 8)  # pipelined
     assert a.executor.model.dropped() == list(second)
     a.restore_layers(b.layer_states(second))
-    assert a.leave_pipeline() == 2  # both requests' KV came back
+    assert a.leave_pipeline(live=False) == 2  # both requests' KV came back
     assert not b.guests and b.num_free_blocks == b.num_total_blocks
     run(a, got)
     assert {k: got[k] for k in ("a0", "a1")} == {k: reference[k] for k in ("a0", "a1")}
@@ -266,11 +267,11 @@ def test_a_guest_handed_over_during_the_owners_step_leaves_the_step_alone():
     class HandsOverOnce(LocalPeer):
         done = False
 
-        def forward_layers(self, layers, chunks, hidden):
+        def forward_layers(self, layers, chunks, hidden, attend=None):
             if not self.done and all(c.num_new == 1 for c in chunks):  # a decode step, dense slots in use
                 self.done = True
                 a.adopt_guest_kv("b-guest", range(1), 20, a.executor.gather_kv_layers([0, 1], range(1)))
-            return super().forward_layers(layers, chunks, hidden)
+            return super().forward_layers(layers, chunks, hidden, attend)
 
     def isolate(chunks, error):  # the engine would rerun each request alone: the step failed
         raise AssertionError(f"the step failed: {error!r}")
@@ -304,9 +305,174 @@ def test_a_failed_hand_over_leaves_nothing_half_moved():
     _steps(a, got, 3)
     a.drop_layers(range(1, 2), hold=True)
     with pytest.raises(EngineError, match="no room"):
-        a.enter_pipeline(range(1), [(range(1, 2), RefusesTheSecond(b))])
+        a.enter_pipeline(range(1), [(range(1, 2), RefusesTheSecond(b))], live=False)
     assert not b.guests and not a.executor.remote_requests
     assert not a.has_work()  # held: it would run layer 1 without its KV on the peer
     a.restore_layers(b.layer_states(range(1, 2)))
     assert a.leave_pipeline() == 0
     assert run(a, got) == want
+
+
+class CountsAttention(LocalPeer):
+    """A peer that counts the rows that attend at the owner and takes the
+    owner's KV only once ``accept`` is set (it refuses, as a peer with no room)."""
+
+    def __init__(self, engine, accept=False):
+        super().__init__(engine)
+        self.accept = accept
+        self.remote_rows = 0
+
+    def forward_layers(self, layers, chunks, hidden, attend=None):
+        if attend is not None:
+            def counted(layer, q, k, v):
+                self.remote_rows += q.shape[0]
+                return attend(layer, q, k, v)
+            return super().forward_layers(layers, chunks, hidden, counted)
+        return super().forward_layers(layers, chunks, hidden)
+
+    def push_kv(self, layers, request_id, num_tokens, data):
+        if not self.accept:
+            raise EngineError("no room here yet")
+        super().push_kv(layers, request_id, num_tokens, data)
+
+
+def _decoding_on_a(model, steps: int):
+    """A (exchanging one request's KV a step) with a0 and a1 decoding after
+    ``steps`` steps, and B; A will keep the first half of the layers."""
+    a, b = _engine(model, extra={"kunserve_exchange_mb": 0}), _engine(model)
+    layers = a.kv_layout.num_layers
+    own_blocks = a.num_total_blocks
+    _add(a, ("a0", "a1"))
+    got: dict = {}
+    _steps(a, got, steps)
+    return a, b, range(layers // 2), range(layers // 2, layers), own_blocks, got
+
+
+def test_requests_keep_decoding_through_a_live_kv_exchange(model, reference):
+    """KunServe's live exchange: A enters the pipeline with requests decoding
+    and they decode on at once. While B cannot take their KV, their attention
+    for B's layers runs at A (remote attention); then their KV moves, one
+    request a step, and they attend at B. Exact tokens; A takes the layers and
+    the KV back; nothing is left on either side."""
+    a, b, first, second, own_blocks, got = _decoding_on_a(model, 5)
+    peer = CountsAttention(b)
+    a.drop_layers(second, hold=True)
+    assert a.enter_pipeline(first, [(second, peer)]) == 2  # both will move; nothing moved yet
+    assert a.has_work() and not b.guests
+    _steps(a, got, 3)  # B refuses their KV: every row of theirs attends at A
+    assert peer.remote_rows == 3 * 2 * len(second)
+    assert a.executor.pending_exchange == ["a0", "a1"]
+    peer.accept = True
+    _steps(a, got, 1)  # a0's KV moves before the step; a1 still attends at A
+    assert a.executor.pending_exchange == ["a1"]
+    assert peer.remote_rows == 4 * 2 * len(second) - len(second)
+    _steps(a, got, 3)
+    assert not a.executor.pending_exchange and set(b.guests) == {"a0", "a1"}
+    a.restore_layers(b.layer_states(second))
+    assert a.leave_pipeline(live=False) == 2
+    assert not b.guests and b.num_free_blocks == b.num_total_blocks
+    run(a, got)
+    assert {k: got[k] for k in ("a0", "a1")} == {k: reference[k] for k in ("a0", "a1")}
+    assert a.num_total_blocks == own_blocks and a.num_free_blocks == own_blocks
+
+
+def test_a_pipeline_left_before_the_exchange_needs_no_kv_back():
+    """No KV ever moved (the peer had no room): the requests attended at A
+    the whole time, so leaving fetches nothing and their tokens are exact; a
+    request aborted meanwhile leaves no guest and no pending exchange."""
+    a, b = _engine("tiny-llama"), _engine("tiny-llama")
+    full = _engine("tiny-llama", extra={"share_weights": True})
+    _add(full, ("a0", "a1"))
+    want = run(full)
+    _add(a, ("a0", "a1", "b0"))
+    got: dict = {}
+    _steps(a, got, 2)
+    peer = CountsAttention(b)
+    a.drop_layers(range(1, 2), hold=True)
+    a.enter_pipeline(range(1), [(range(1, 2), peer)])
+    _steps(a, got, 4)
+    assert a.abort_request("b0")
+    assert a.executor.pending_exchange == ["a0", "a1"] and set(b.guests) == {"a0", "a1"}
+    a.restore_layers(b.layer_states(range(1, 2)))
+    assert a.leave_pipeline() == 0
+    assert not b.guests and not a.executor.pending_exchange
+    run(a, got)
+    assert {k: got[k] for k in ("a0", "a1")} == want
+    assert peer.remote_rows > 0
+    a.check_integrity()
+    assert a.num_free_blocks == a.num_total_blocks
+
+
+def test_a_drop_and_a_restore_prepared_off_the_engine_thread():
+    """The grown KV storage (prepare_drop) and the restored layers
+    (build_layers) are made ahead, off the engine thread: the drop uses that
+    storage when its size still fits (else makes its own), the restore
+    installs those layers; tokens stay exact and the blocks come back."""
+    a, b = _engine("tiny-llama"), _engine("tiny-llama")
+    full = _engine("tiny-llama", extra={"share_weights": True})
+    _add(full, ("a0", "a1"))
+    want = run(full)
+    own = a.num_total_blocks
+    _add(a, ("a0", "a1"))
+    got: dict = {}
+    _steps(a, got, 3)
+    fresh = a.prepare_drop(range(1, 2))
+    assert fresh is not None and fresh.shape[0] > own and not fresh.any()
+    added = a.drop_layers(range(1, 2), hold=True, fresh=fresh)
+    assert a.num_total_blocks == own + added == fresh.shape[0]
+    assert a.executor.kv_cache is fresh  # the blocks were copied into it, no second tensor
+    assert a.prepare_drop(range(1, 2)) is None  # nothing more to lend
+    a.enter_pipeline(range(1), [(range(1, 2), LocalPeer(b))])
+    _steps(a, got, 3)
+    states = b.layer_states(range(1, 2))
+    built = a.build_layers(states)
+    assert a.executor.model.dropped() == [1]  # built, not yet installed
+    a.restore_layers(states, built)
+    assert a.executor.model.layers[1] is built[1]
+    a.leave_pipeline()
+    run(a, got)
+    assert got == want
+    assert a.num_total_blocks == own and a.num_free_blocks == own
+    # A second drop after the restore reuses the ids (and storage) it gave back: nothing grows.
+    size = a.executor.kv_cache.shape[0]
+    assert a.prepare_drop(range(1, 2)) is None
+    assert a.drop_layers(range(1, 2)) == added and a.executor.kv_cache.shape[0] == size
+    a.restore_layers(states)
+    # Storage made for a pool that changed since is not used: the drop makes its own.
+    c = _engine("tiny-llama")
+    stale = c.prepare_drop(range(1, 2))
+    c.grow_blocks(1)
+    c.drop_layers(range(1, 2), fresh=stale)
+    assert c.executor.kv_cache is not stale and c.executor.kv_cache.shape[0] == c.pool.num_blocks
+
+
+def test_requests_leave_a_pipeline_live_with_exact_tokens(model, reference):
+    """Restore, live: A has its layers back and leaves the pipeline while its
+    requests decode. Their KV comes back one request a step; a request whose
+    KV is back runs every layer at A, the other still runs B's layers on B
+    meanwhile. Exact tokens; B keeps no guest and A ends alone; neither
+    drops layers while the return is under way."""
+    a, b, first, second, own_blocks, got = _decoding_on_a(model, 4)
+    peer = LocalPeer(b)
+    a.drop_layers(second, hold=True)
+    a.enter_pipeline(first, [(second, peer)])
+    _steps(a, got, 4)  # both KV moved (one a step), then pipelined
+    assert not a.executor.pending_exchange and set(b.guests) == {"a0", "a1"}
+    a.restore_layers(b.layer_states(second))
+    assert a.leave_pipeline() == 2  # both will come back
+    assert a.executor.returning and set(b.guests) == {"a0", "a1"}
+    with pytest.raises(EngineError, match="taking its requests' KV back"):
+        a.drop_layers(second)
+    with pytest.raises(EngineError, match="runs layers for 2 requests"):
+        b.drop_layers(first)
+    calls = peer.calls
+    _steps(a, got, 1)  # a0 back before the step; a1 still runs B's layers there
+    assert set(b.guests) == {"a1"} and a.executor.remote_requests == {"a1"}
+    assert peer.calls == calls + 1
+    _steps(a, got, 1)  # a1 back: every layer here from now on
+    assert not b.guests and not a.executor.returning and not a.executor.peer_segments()
+    run(a, got)
+    assert peer.calls == calls + 1
+    assert {k: got[k] for k in ("a0", "a1")} == {k: reference[k] for k in ("a0", "a1")}
+    assert a.num_total_blocks == own_blocks and a.num_free_blocks == own_blocks
+    assert b.num_free_blocks == b.num_total_blocks

@@ -84,6 +84,10 @@ async def test_three_migrations_back_and_forth(two):
     assert cl.path == ["a", "b", "a", "b"]
 
 
+# Long enough that the request is still decoding when a loaded machine's
+# migration reaches its last state (at 200 tokens, 0.4 s, a CI run once saw it
+# finish before the suspend: the fault never fired and the migration aborted).
+LONG = 800
 SOURCE_POINTS = ["pre_alloc", "copy", "verify", "suspend", "pre_alloc_last", "copy_last", "commit",
                  "crash_mid_transfer"]
 
@@ -93,7 +97,7 @@ async def test_cancel_at_every_source_state(two, point):
     """A cancel at any state (the caller's deadline, the instance stopping):
     the request runs on exactly one instance and its client gets every token
     once."""
-    cl, task = await start(two)
+    cl, task = await start(two, n=LONG)
     a = two.nodes["a"]
     hit = []
 
@@ -112,7 +116,7 @@ async def test_cancel_at_every_source_state(two, point):
         with pytest.raises(asyncio.CancelledError):
             await mig
     assert hit == [point]
-    await finish(two, cl, task, 200)
+    await finish(two, cl, task, LONG)
     # Before the commit the request stays at a; a cancel that lands after the
     # commit was applied still leaves it on one instance only.
     assert cl.path in (["a"], ["a", "b"])
@@ -122,7 +126,7 @@ async def test_cancel_at_every_source_state(two, point):
 
 @pytest.mark.parametrize("point", SOURCE_POINTS)
 async def test_failure_at_every_source_state_aborts(two, point):
-    cl, task = await start(two)
+    cl, task = await start(two, n=LONG)
     a = two.nodes["a"]
 
     def fail():
@@ -131,7 +135,7 @@ async def test_failure_at_every_source_state_aborts(two, point):
     a.faults[f"source.{point}"] = fail
     out = await a.manager.migrate_one("r", "b", "b")
     assert not out.committed and f"injected at {point}" in out.reason
-    await finish(two, cl, task, 200)
+    await finish(two, cl, task, LONG)
     assert cl.path == ["a"]
     assert a.manager.counters.aborted_out == 1
 

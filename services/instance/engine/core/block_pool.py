@@ -93,6 +93,12 @@ class BlockPool:
                     raise IntegrityError(f"share of free block {b}")
                 self._ref[b] += 1
 
+    def ids_after_grow(self, n: int) -> int:
+        """``num_blocks`` once ``grow(n)`` has run: a shrink under way and
+        retired ids are reused before new ids are made."""
+        with self._lock:
+            return self.num_blocks + max(0, n - min(n, self._to_retire) - len(self._retired))
+
     def grow(self, n: int) -> int:
         """Add n free blocks (KunServe: memory freed by dropping parameters).
         A shrink still under way is cancelled first, then retired ids come

@@ -332,10 +332,11 @@ class CoreEngine(Engine):
         return list(r.block_ids[: cdiv(r.num_computed_tokens, self._block_size)])
 
     # --- a pipeline peer's requests (KunServe; native/pipeline.py) ------------------------
-    def forward_guest(self, layers: range, chunks, hidden):
+    def forward_guest(self, layers: range, chunks, hidden, attend=None):
         """Run ``layers`` here for a peer's step (pipeline.GuestChunk's, the
         hidden rows in their order); the guests' KV takes blocks of this
-        pool. Raises EngineError when the blocks are not there (nothing taken)."""
+        pool. Raises EngineError when the blocks are not there (nothing taken).
+        ``attend``: remote attention at the owner for chunks with ``kv_at_owner``."""
         plan = []
         for g in chunks:
             r = self.guests.get(g.request_id)
@@ -353,7 +354,8 @@ class CoreEngine(Engine):
                 r.block_ids += self.pool.allocate(need)
             sched.append(ScheduledChunk(r, g.start, g.num_new))
         try:
-            return self.executor.forward_guest(layers, sched, hidden)
+            return self.executor.forward_guest(layers, sched, hidden, attend,
+                                               [getattr(g, "kv_at_owner", False) for g in chunks])
         except Exception:
             self.release_guests(created)  # a step that did not run here leaves no new guest behind
             raise
@@ -432,11 +434,11 @@ class CoreEngine(Engine):
         r.layer_tap = None if tap is None else (tap, copy)
         return True
 
-    def grow_blocks(self, n: int) -> int:
+    def grow_blocks(self, n: int, fresh=None) -> int:
         """n more KV blocks (KunServe: a layer range's parameter memory),
-        storage first; returns the pool's capacity. ``pool.shrink`` gives
-        them back."""
-        self.executor.grow_kv(self.pool.num_blocks + n)
+        storage first (``fresh``: the executor's storage made ahead); returns
+        the pool's capacity. ``pool.shrink`` gives them back."""
+        self.executor.grow_kv(self.pool.ids_after_grow(n), fresh)
         return self.pool.grow(n)
 
     def release_blocks(self, block_ids: list[int]) -> None:

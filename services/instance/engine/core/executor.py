@@ -41,9 +41,10 @@ class Executor(abc.ABC):
         """One layer ``[n, 2, block_size, kv_heads, head_dim]`` into the blocks."""
         raise NotImplementedError
 
-    def grow_kv(self, num_blocks: int) -> None:
+    def grow_kv(self, num_blocks: int, fresh=None) -> None:
         """Make the KV storage hold block ids 0 .. num_blocks-1 (KunServe:
-        parameter memory lent to the KV cache). Executors that cannot say so."""
+        parameter memory lent to the KV cache); ``fresh``: storage made ahead
+        for it, if the executor makes any. Executors that cannot say so."""
         raise EngineError(f"{type(self).__name__} cannot grow its KV cache")
 
     # --- pipelined execution (KunServe; native/pipeline.py) ---------------------------

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.instance.engine.native.cpu_kernels import CpuKernels, StepMeta
+
 
 @dataclass
 class GroupMeta:
@@ -42,6 +44,7 @@ class GroupMeta:
     num_tokens: int  # real tokens in the group
     token_index: torch.Tensor | None = None  # prefill: [B*Q] rows of the group's tokens (pads -> 0)
     out_index: torch.Tensor | None = None  # prefill: [num_tokens] valid rows of the padded output
+    kernel_step: StepMeta | None = None  # prefill with vLLM's kernel (cpu_kernels.py) instead of SDPA
 
 
 @dataclass
@@ -49,27 +52,54 @@ class DenseMeta:
     """The decodes' slots in DecodeCache.buf ([layers, 2, slots, kvh, cap, D])."""
 
     buf: torch.Tensor
-    rows: torch.Tensor  # [B*kvh] row of each decode's new K per head at layer 0 in the [-1, D] view
-    mask: torch.Tensor  # [B, 1, 1, Lk] bool
+    rows: torch.Tensor | None  # [layers, 2*B*kvh]: the new K rows (slot, head), then V, in buf's [-1, D] view
+    masked: torch.Tensor | None  # [B, 1, 1, Lk] bool: True past each slot's length
     batch: int
     kv_len: int  # Lk: the slots' capacity (attention reads it all, masked)
+    kernels: CpuKernels | None = None  # vLLM's kernels write and attend (K transposed in buf); rows/masked unused
+    step: StepMeta | None = None
 
 
 @dataclass
 class AttentionMeta:
-    slot_base: torch.Tensor  # [T] row of each new token's K at layer 0 in the token-row view
+    slot_rows: torch.Tensor  # [layers, 2T] rows of the new tokens' K, then V, in the token-row view
     decode: GroupMeta | None
     prefill: GroupMeta | None
     num_layers: int
     block_size: int
     dense: DenseMeta | None = None  # decodes read from DecodeCache (then ``decode`` is None)
+    kernels: CpuKernels | None = None  # vLLM's CPU kernels (cpu_kernels.py): attention, RMSNorm's fp32 part
+
+
+def _per_layer(base: torch.Tensor, layer_stride: int, v_offset: int, num_layers: int) -> torch.Tensor:
+    """[layers, 2N] = base (N rows at layer 0, K) + layer * layer_stride, then
+    the same + v_offset (V): built once a step so that a layer writes its K and
+    V with one index_copy_ and no index arithmetic."""
+    layer = torch.arange(num_layers, device=base.device).view(-1, 1, 1) * layer_stride
+    kv = torch.tensor([0, v_offset], device=base.device).view(1, 2, 1)
+    return (base.view(1, 1, -1) + layer + kv).view(num_layers, -1)
+
+
+def slot_rows(slot_base: torch.Tensor, num_layers: int, block_size: int) -> torch.Tensor:
+    """slot_base: [T] row of each new token's K at layer 0 in the token-row
+    view ([blocks*layers*2*block_size, kvh*D]) -> AttentionMeta.slot_rows."""
+    return _per_layer(slot_base, 2 * block_size, block_size, num_layers)
 
 
 def build_dense(buf: torch.Tensor, rows: torch.Tensor, starts: list[int]) -> DenseMeta:
-    """starts: each slot's context length before its new token, slot order."""
-    kv_len = buf.shape[4]
-    mask = torch.arange(kv_len).unsqueeze(0) <= torch.tensor(starts).unsqueeze(1)
-    return DenseMeta(buf, rows, mask.view(len(starts), 1, 1, kv_len).to(buf.device), len(starts), kv_len)
+    """rows: [B*kvh] row of each slot's new K per head at layer 0 in buf's
+    [-1, D] view; starts: each slot's context length before its new token, slot order."""
+    layers, _, slots, kvh, kv_len, _ = buf.shape
+    masked = torch.arange(kv_len).unsqueeze(0) > torch.tensor(starts).unsqueeze(1)
+    rows = _per_layer(rows, 2 * slots * kvh * kv_len, slots * kvh * kv_len, layers)
+    return DenseMeta(buf, rows, masked.view(len(starts), 1, 1, kv_len).to(buf.device), len(starts), kv_len)
+
+
+def build_dense_kernels(buf: torch.Tensor, starts: list[int], kernels: CpuKernels, num_heads: int) -> DenseMeta:
+    """build_dense for vLLM's CPU kernels (cpu_kernels.py): slot i is their block i."""
+    _, _, _, kvh, kv_len, d = buf.shape
+    step = kernels.step_meta(starts, kv_len, num_heads, kvh, d, buf.dtype)
+    return DenseMeta(buf, None, None, len(starts), kv_len, kernels, step)
 
 
 def build_group(q_lens: list[int], ctx_starts: list[int], block_tables: list[list[int]], block_size: int,
@@ -104,23 +134,21 @@ def _gather(cache_rows: torch.Tensor, g: GroupMeta, layer: int, kvh: int, d: int
     return k, v
 
 
-def _decode_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dm: DenseMeta, layer: int, scale: float):
+def _decode_dense(q: torch.Tensor, new_kv: torch.Tensor, dm: DenseMeta, layer: int, scale: float):
     """Append the decodes' new K/V to their slots, then attend over the slots
     in place (contiguous [B, KVH, cap, D] views, masked past each length).
-    q: [B, H, D], k/v: [B, KVH, D] -> [B, H*D]."""
-    _, _, slots, kvh, cap, d = dm.buf.shape
+    q: [B, H, D], new_kv: [2*B*KVH, D] (K rows, then V rows) -> [B, H*D]."""
+    d = dm.buf.shape[-1]
     b, h = dm.batch, q.shape[1]
-    rows = dm.buf.view(-1, d)
-    k_rows = dm.rows + layer * 2 * slots * kvh * cap
-    rows.index_copy_(0, k_rows, k.reshape(b * kvh, d).to(dm.buf.dtype))
-    rows.index_copy_(0, k_rows + slots * kvh * cap, v.reshape(b * kvh, d).to(dm.buf.dtype))
+    kvh = dm.buf.shape[3]
+    dm.buf.view(-1, d).index_copy_(0, dm.rows[layer], new_kv)
     # Two batched matmuls with the query heads grouped per KV head (no K/V
     # repeat), softmax in fp32 as transformers' eager attention does. Not
     # SDPA: its CPU flash kernel at q_len 1 measured 3-12x slower than this
     # on an AVX512-BF16 EPYC (batch 1-32, context 256-8192, bf16).
     qg = q.view(b, kvh, h // kvh, d)
     s = torch.matmul(qg, dm.buf[layer, 0, :b].transpose(-1, -2)).float().mul_(scale)  # [B, KVH, G, cap]
-    s.masked_fill_(~dm.mask, float("-inf"))
+    s.masked_fill_(dm.masked, float("-inf"))
     p = s.softmax(dim=-1).to(q.dtype)
     return torch.matmul(p, dm.buf[layer, 1, :b]).view(b, h * d)
 
@@ -153,15 +181,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     kvh = k.shape[1]
     bs = meta.block_size
     n_blocks = kv_cache.shape[0]
-    token_rows = kv_cache.view(n_blocks * meta.num_layers * 2 * bs, kvh * D)
-    k_rows = meta.slot_base + layer * 2 * bs
-    token_rows.index_copy_(0, k_rows, k.reshape(T, kvh * D).to(kv_cache.dtype))
-    token_rows.index_copy_(0, k_rows + bs, v.reshape(T, kvh * D).to(kv_cache.dtype))
+    new_kv = torch.cat((k.reshape(T, kvh * D), v.reshape(T, kvh * D))).to(kv_cache.dtype)  # [2T, kvh*D]
+    kv_cache.view(-1, kvh * D).index_copy_(0, meta.slot_rows[layer], new_kv)
     block_rows = kv_cache.view(n_blocks * meta.num_layers * 2, bs * kvh * D)
     outs = []
     dm = meta.dense
-    if dm is not None:
-        outs.append(_decode_dense(q[: dm.batch], k[: dm.batch], v[: dm.batch], dm, layer, scale))
+    if dm is not None and dm.kernels is not None:
+        b = dm.batch
+        kc, vc = dm.buf[layer, 0], dm.buf[layer, 1]  # [slots, kvh, cap, D] each: one block per slot
+        dm.kernels.write(k[:b], v[:b], kc, vc, dm.step.slot_mapping)
+        outs.append(dm.kernels.attend(q[:b].contiguous(), kc, vc, dm.step, scale).view(b, H * D))
+    elif dm is not None:
+        b = dm.batch
+        dense_kv = new_kv if b == T else torch.cat((new_kv[:b], new_kv[T: T + b]))
+        outs.append(_decode_dense(q[:b], dense_kv.view(-1, D), dm, layer, scale))
     g = meta.decode
     if g is not None:
         kg, vg = _gather(block_rows, g, layer, kvh, D)  # [B, Lk, KVH, D]
@@ -177,8 +210,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if g is not None:
         kg, vg = _gather(block_rows, g, layer, kvh, D)
         rows = q[T - g.num_tokens:]
-        qg = rows.index_select(0, g.token_index).view(g.batch, g.q_len, H, D).transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg.transpose(1, 2).to(q.dtype), vg.transpose(1, 2).to(q.dtype),
-                                            attn_mask=g.mask, scale=scale, enable_gqa=kvh != H)
-        outs.append(og.transpose(1, 2).reshape(g.batch * g.q_len, H * D).index_select(0, g.out_index))
+        if g.kernel_step is not None:
+            outs.append(meta.kernels.attend_gathered(rows, kg, vg, g.kernel_step, scale).view(-1, H * D))
+        else:
+            qg = rows.index_select(0, g.token_index).view(g.batch, g.q_len, H, D).transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg.transpose(1, 2).to(q.dtype), vg.transpose(1, 2).to(q.dtype),
+                                                attn_mask=g.mask, scale=scale, enable_gqa=kvh != H)
+            outs.append(og.transpose(1, 2).reshape(g.batch * g.q_len, H * D).index_select(0, g.out_index))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -38,6 +38,11 @@ and on a hint that a long context is about to join (``prewarm``: an incoming
 migration's reservation, a long prompt's admission). A resize that needs
 a spare still being zeroed waits for it (sooner than zeroing its own).
 
+With ``k_transposed`` (the layout vLLM's CPU attention kernel reads,
+cpu_kernels.py) a slot's K per KV head is stored transposed, ``[head_dim,
+cap]``, and V as above; ``views`` gives both as ``[layers, slots, kv_heads,
+cap, head_dim]`` (K as a strided view), and every copy here goes through them.
+
 A slot is trusted only while its length equals the chunk's start (the
 request's KV count before the step); anything else (preempted, recomputed,
 migrated) is reloaded from the paged cache. When the slots would exceed
@@ -52,6 +57,7 @@ import threading
 import torch
 
 from services.instance.engine.core.request import Request
+from services.instance.engine.native.cpu_kernels import BLOCK_ALIGN
 
 _LEN_ROUND = 64
 _SPARES = 2  # spare arenas kept
@@ -63,9 +69,10 @@ def _capacity(need_len: int) -> int:
 
 
 class DecodeCache:
-    def __init__(self, kv_cache: torch.Tensor, max_bytes: int):
+    def __init__(self, kv_cache: torch.Tensor, max_bytes: int, k_transposed: bool = False):
         # kv_cache: [n_blocks, layers, 2, block_size, kv_heads, head_dim]
         self.kv_cache = kv_cache
+        self.k_transposed = k_transposed
         _, self.layers, _, self.block_size, self.kv_heads, self.head_dim = kv_cache.shape
         self.elt = kv_cache.element_size()
         self.max_bytes = max_bytes
@@ -81,6 +88,24 @@ class DecodeCache:
         self._gen = 0  # drop() moves it on: a fill started before gives nothing after
         self.owner: list[Request | None] = []
         self.lens: list[int] = []
+
+    def views(self, buf: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``buf`` (default: the buffer) as [layers, slots, kv_heads, cap, head_dim]."""
+        buf = self.buf if buf is None else buf
+        k, v = buf[:, 0], buf[:, 1]
+        if self.k_transposed:
+            k = k.flatten(-2).unflatten(-1, (buf.shape[-1], buf.shape[-2])).transpose(-1, -2)
+        return k, v
+
+    def slot_kv(self, slot: int, n: int) -> torch.Tensor:
+        """[layers, 2, kv_heads, n, head_dim]: what slot ``slot`` holds of its first n positions."""
+        k, v = self.views()
+        return torch.stack((k[:, slot, :, :n], v[:, slot, :, :n]), dim=1)
+
+    def _copy_slot(self, dst_buf: torch.Tensor, dst: int, src: int, n: int) -> None:
+        """The first n positions of slot ``src`` of the buffer into slot ``dst`` of ``dst_buf``."""
+        for d, s in zip(self.views(dst_buf), self.views()):
+            d[:, dst, :, :n] = s[:, src, :, :n]
 
     # --- sizing -----------------------------------------------------------------
     def _bytes(self, slots: int, cap_len: int) -> int:
@@ -98,6 +123,8 @@ class DecodeCache:
             # copied all the slots (a batch-8 step 38 -> 65 ms when the budget,
             # the paged cache's size, was nearly all in use).
             new_l = self.max_bytes // self._bytes(new_s, 1)
+            if self.k_transposed:  # vLLM's kernel takes blocks (slots) of a multiple of BLOCK_ALIGN positions
+                new_l -= new_l % BLOCK_ALIGN
             if new_l < need_len:
                 return False
         shape = (self.layers, 2, new_s, self.kv_heads, new_l, self.head_dim)
@@ -107,7 +134,7 @@ class DecodeCache:
         if self.buf is not None:
             for i, n in enumerate(self.lens):  # slots past new_l are stale and get reloaded
                 if self.owner[i] is not None and n <= new_l:
-                    buf[:, :, i, :, :n] = self.buf[:, :, i, :, :n]
+                    self._copy_slot(buf, i, i, n)
                 elif self.owner[i] is not None:
                     self.owner[i] = None
         if self._arena is not None:
@@ -224,7 +251,7 @@ class DecodeCache:
             if self.owner[i] is not None:
                 j = free.pop()
                 n = self.lens[i]
-                self.buf[:, :, j, :, :n] = self.buf[:, :, i, :, :n]
+                self._copy_slot(self.buf, j, i, n)
                 self.owner[j], self.lens[j], self.owner[i] = self.owner[i], n, None
         placed = {id(r): i for i, r in enumerate(self.owner[:b]) if r is not None}
         for r, s in zip(reqs, starts):
@@ -247,13 +274,14 @@ class DecodeCache:
                 self._staging = self._take("staging", numel)
             staged = self._staging[:numel].view(nb, *self.kv_cache.shape[1:])
             torch.index_select(self.kv_cache, 0, idx, out=staged)  # [nb, layers, 2, bs, kvh, d]
-            src = staged.permute(1, 2, 4, 0, 3, 5)  # [layers, 2, kvh, nb, bs, d], no copy
-            dst = self.buf[:, :, slot]  # [layers, 2, kvh, cap, d]
             full, rest = divmod(n, bs)
-            if full:
-                dst[:, :, :, :full * bs].unflatten(3, (full, bs)).copy_(src[:, :, :, :full])
-            if rest:
-                dst[:, :, :, full * bs:n].copy_(src[:, :, :, full, :rest])
+            for kv, view in enumerate(self.views()):
+                src = staged[:, :, kv].permute(1, 3, 0, 2, 4)  # [layers, kvh, nb, bs, d], no copy
+                dst = view[:, slot]  # [layers, kvh, cap, d]
+                if full:
+                    dst[:, :, :full * bs].unflatten(2, (full, bs)).copy_(src[:, :, :full])
+                if rest:
+                    dst[:, :, full * bs:n].copy_(src[:, :, full, :rest])
         self.owner[slot], self.lens[slot] = req, n
 
     def advance(self, batch: int) -> None:

@@ -16,11 +16,14 @@ import time
 
 import torch
 
+from libs.common.logging import get_logger
 from services.instance.engine.base import EngineConfig, EngineError
 from services.instance.engine.core.engine import CoreEngine
 from services.instance.engine.native.config import SHAPES, ModelConfig
 from services.instance.engine.native.loader import DTYPES, load_model, random_model
 from services.instance.engine.native.runner import ModelRunner
+
+log = get_logger(__name__)
 
 DEFAULT_CPU_KV_GB = 1.0
 # Most time an engine holds its steps between dropping layers and joining the
@@ -64,14 +67,15 @@ def resolve_model(name: str) -> tuple[ModelConfig, pathlib.Path | None]:
 _SHARED: dict[tuple, object] = {}
 
 
-def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool):
+def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool, vllm_kernels: bool = True):
     """Weights are read-only after loading, so engines in one process (tests,
-    the bench) may share them: extra={"share_weights": True}."""
-    key = (str(path) if path else repr(mcfg), str(device), dtype, seed)
+    the bench) may share them: extra={"share_weights": True}. ``vllm_kernels``:
+    projections packed for vLLM's matmul handler where installed (linear.py)."""
+    key = (str(path) if path else repr(mcfg), str(device), dtype, seed, vllm_kernels)
     if share and key in _SHARED:
         return _SHARED[key]
     model = random_model(mcfg, device, dtype, seed=seed) if path is None else load_model(path, mcfg, device, dtype)
-    model.pack_weights()
+    model.pack_weights(vllm=vllm_kernels)
     if share:
         _SHARED[key] = model
     return model
@@ -89,14 +93,17 @@ class NativeEngine(CoreEngine):
         mcfg, path = resolve_model(config.model)
         self.model_config = mcfg
         self.model_dir = path
-        model = _build_model(mcfg, path, device, dtype, config.seed, bool(config.extra.get("share_weights")))
+        vllm_kernels = bool(config.extra.get("vllm_kernels", True))
+        model = _build_model(mcfg, path, device, dtype, config.seed, bool(config.extra.get("share_weights")),
+                             vllm_kernels)
         layout_bytes = (mcfg.num_hidden_layers * 2 * config.block_size * mcfg.num_key_value_heads
                         * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size())
         num_blocks = config.num_blocks or max(1, int(self._kv_bytes(config, device) // layout_bytes))
         eos = frozenset(mcfg.eos_token_ids)
         dc_gb = config.extra.get("decode_cache_gb")
         runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, eos, seed=config.seed,
-                             decode_cache_bytes=None if dc_gb is None else int(float(dc_gb) * 2**30))
+                             decode_cache_bytes=None if dc_gb is None else int(float(dc_gb) * 2**30),
+                             vllm_kernels=vllm_kernels)
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)
@@ -104,38 +111,67 @@ class NativeEngine(CoreEngine):
         self._lent_blocks = 0  # blocks of dropped layers' memory in the pool (drop_layers)
         self._dropped_bytes: dict[int, int] = {}  # layer -> the parameter bytes it held
         self._held_until = 0.0  # no step before this (monotonic), between a drop and its pipeline
+        self._deferred: set[str] = set()  # requests whose live KV exchange a peer refused (logged once)
         if config.extra.get("warmup", True):
             self.warmup()
         self.ready_s = time.perf_counter() - t0
 
     # --- KunServe: layers dropped into KV memory, pipelined with peers (pipeline.py) -----
-    def drop_layers(self, layers: range, hold: bool = False) -> int:
+    def _blocks_lent_after(self, dropped: dict[int, int]) -> int:
+        return sum(dropped.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
+
+    def prepare_drop(self, layers: range):
+        """Any thread, before ``drop_layers``: the grown KV storage that
+        dropping these layers makes room for (``ModelRunner.new_kv``), made
+        here so that the drop itself (between two steps) only copies the
+        blocks over. None when it adds no block."""
+        model = self.executor.model
+        after = dict(self._dropped_bytes)
+        after.update({i: model.layer_bytes(range(i, i + 1)) for i in layers if i not in after})
+        n = self._blocks_lent_after(after)
+        need = self.pool.ids_after_grow(n) if n > 0 else 0
+        return self.executor.new_kv(need) if need > self.executor.kv_cache.shape[0] else None
+
+    def drop_layers(self, layers: range, hold: bool = False, fresh=None) -> int:
         """Drop these layers' parameters and lend their memory to the KV cache:
         the pool grows by the whole blocks it holds. Returns the blocks added.
         Run them on a peer (``set_pipeline``) before the next step needs them.
         ``hold``: take no step until the pipeline is set (at most ``HOLD_S``):
         a group's members all drop first, so that each has the room for the
-        KV its peers then hand over (``enter_pipeline``)."""
+        KV its peers then hand over (``enter_pipeline``). ``fresh``: the
+        storage ``prepare_drop`` made (used when the size still fits)."""
         if self.config.extra.get("share_weights"):
             raise EngineError("this engine shares its weights with others in the process: it cannot drop layers")
+        if self.executor.returning:
+            raise EngineError("this engine is still taking its requests' KV back from its pipeline peers")
+        if self.guests:
+            raise EngineError(f"this engine runs layers for {len(self.guests)} requests of its pipeline peers")
         self._dropped_bytes.update(self.executor.model.drop_layers(layers))
         if hold:
             self._held_until = time.monotonic() + HOLD_S
-        n = sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
+        n = self._blocks_lent_after(self._dropped_bytes)
         if n > 0:
-            self.grow_blocks(n)
+            self.grow_blocks(n, fresh)
             self._lent_blocks += n
         return max(0, n)
 
-    def restore_layers(self, states: dict) -> int:
-        """Take layers back from their parameters (``{layer: state_dict}``,
-        ``LlamaModel.layer_states`` of a host copy or a peer) and start giving
-        back the blocks their memory lent: free ones at once, used ones as they
-        are freed (BlockPool.shrink). Returns the blocks asked back."""
+    def build_layers(self, states: dict) -> dict:
+        """Any thread, before ``restore_layers``: the layers built from their
+        parameters (loaded, prepacked) off the engine thread."""
         bad = [i for i in states if not 0 <= i < self.kv_layout.num_layers]
         if bad:
             raise EngineError(f"layers {bad} of a {self.kv_layout.num_layers}-layer model")
-        self.executor.model.restore_layers(states)
+        return self.executor.model.build_layers(states)
+
+    def restore_layers(self, states: dict, built: dict | None = None) -> int:
+        """Take layers back from their parameters (``{layer: state_dict}``,
+        ``LlamaModel.layer_states`` of a host copy or a peer; ``built``: those
+        ``build_layers`` made of them) and start giving back the blocks their
+        memory lent: free ones at once, used ones as they are freed
+        (BlockPool.shrink). Returns the blocks asked back."""
+        if built is None or set(built) != set(states):
+            built = self.build_layers(states)
+        self.executor.model.install_layers(built)
         for i in states:
             self._dropped_bytes.pop(i, None)
         back = self._lent_blocks - sum(self._dropped_bytes.values()) // self.kv_layout.bytes_per_block
@@ -150,28 +186,34 @@ class NativeEngine(CoreEngine):
         except ValueError as e:
             raise EngineError(str(e)) from None
 
-    def enter_pipeline(self, own: range, peers: list) -> int:
+    def enter_pipeline(self, own: range, peers: list, live: bool = True) -> int:
         """Between steps: run layers ``own`` here and each peer's there from
-        the next step, first handing each peer the KV of its layers for every
-        request that has some, so that requests running here go on (the KV
-        exchange; here a pause between two steps, not the paper's remote
-        attention). Returns the requests whose KV moved.
+        the next step. Every request that has KV must find its KV of a peer's
+        layers there (the KV exchange). ``live`` (paper §4.3): they go on at
+        once, attending here for those layers (remote attention) until their
+        KV has moved, a few between two steps (``step``); returns how many
+        will move. Else (a pause): the KV of all of them moves now, before the
+        next step; returns how many moved.
 
-        If a hand-over fails, what was handed over is released on the peers,
-        no request counts as remote, and the engine holds its steps (a request
-        must not run layers whose KV is not there): the caller takes the layers
-        back (``restore_layers``, ``leave_pipeline``) or tries again."""
+        If a paused hand-over fails, what was handed over is released on the
+        peers, no request counts as remote, and the engine holds its steps (a
+        request must not run layers whose KV is not there): the caller takes
+        the layers back (``restore_layers``, ``leave_pipeline``) or tries again."""
         self.set_pipeline(own, peers)
         ex = self.executor
+        if live:
+            moving = [rid for rid, r in sorted(self.requests.items()) if r.num_computed_tokens]
+            for rid in moving:
+                ex.mark_remote(rid, kv_here=True)
+            self._held_until = 0.0
+            return len(moving)
         moved: list[str] = []
         try:
             for rid, r in sorted(self.requests.items()):
                 if not r.num_computed_tokens:
                     continue
-                blocks = self._computed_blocks(r)
                 moved.append(rid)
-                for layers, peer in ex.peer_segments():
-                    peer.push_kv(layers, rid, r.num_computed_tokens, ex.gather_kv_layers(blocks, layers))
+                self._push_kv(r)
         except Exception:
             for _, peer in ex.peer_segments():
                 with contextlib.suppress(Exception):  # the peer may be the failure: its guests die with it
@@ -183,30 +225,138 @@ class NativeEngine(CoreEngine):
         self._held_until = 0.0
         return len(moved)
 
-    def leave_pipeline(self) -> int:
-        """Between steps: bring back from the peers the KV of every layer they
-        ran for this engine's requests (into the requests' own blocks, which
-        have room for every layer), release the guests there, and run every
-        layer here from the next step. The layers must be back first
-        (``restore_layers``). Returns the requests whose KV came back."""
+    def leave_pipeline(self, live: bool = True) -> int:
+        """Run every layer here again; the layers must be back first
+        (``restore_layers``). The KV the peers hold for this engine's requests
+        comes back into the requests' own blocks (which have room for every
+        layer) and their guests there are released. ``live``: the requests
+        go on meanwhile; those whose KV is back run every layer here, the
+        others still run the peers' layers there until theirs is back, a few
+        between two steps (``step``); returns how many will come back. Else
+        (a pause): all of it comes back now, before the next step; returns
+        how many came back."""
         ex = self.executor
         if ex.model.dropped():
             raise EngineError(f"layers {ex.model.dropped()} are still dropped: restore them first")
+        if live:
+            ex.release_requests(ex.pending_exchange)  # their KV never left
+            gone = [rid for rid in ex.remote_requests
+                    if rid not in self.requests or not self.requests[rid].num_computed_tokens]
+            ex.release_requests(gone)
+            coming = len(ex.remote_requests)
+            ex.start_return()
+            self._held_until = 0.0
+            if not coming:
+                self._end_return()
+            return coming
         moved = 0
+        here = set(ex.pending_exchange)  # their KV of every layer is here already
         for rid in sorted(ex.remote_requests):
             r = self.requests.get(rid)
-            if r is None or not r.num_computed_tokens:
+            if r is None or not r.num_computed_tokens or rid in here:
                 continue
-            blocks = self._computed_blocks(r)
-            layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
-            for layers, peer in ex.peer_segments():
-                ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, rid, r.num_computed_tokens, layer_bytes))
+            self._fetch_kv_back(r)
             moved += 1
-        if moved:
+        if moved or here:  # the dense copies of the layers that ran elsewhere are stale
             ex.forget_dense_slots()
         ex.release_requests(sorted(ex.remote_requests))
         ex.set_pipeline(range(self.kv_layout.num_layers), [])
         self._held_until = 0.0
+        return moved
+
+    def step(self):
+        if self.executor.pending_exchange:
+            self.exchange_kv()
+        if self.executor.returning:
+            self.return_kv()
+        return super().step()
+
+    def return_kv(self, budget_bytes: int | None = None) -> int:
+        """Leaving live (``leave_pipeline``): take back from the peers the KV
+        of their layers for requests still there, oldest first, about
+        ``budget_bytes`` a step (at least one request; default
+        ``kunserve_exchange_mb``), releasing their guests; once none is left,
+        run every layer here. Returns the requests whose KV came back."""
+        ex = self.executor
+        if budget_bytes is None:
+            budget_bytes = self._exchange_budget()
+        got, moved = 0, 0
+        for rid in sorted(ex.remote_requests):
+            if moved and got >= budget_bytes:
+                break
+            r = self.requests.get(rid)
+            if r is None or not r.num_computed_tokens:
+                ex.release_requests([rid])
+                continue
+            got += self._fetch_kv_back(r)
+            ex.release_requests([rid])
+            moved += 1
+        if not ex.remote_requests:
+            self._end_return()
+        return moved
+
+    def _push_kv(self, r) -> int:
+        """Hand each peer the KV of its layers for this request's computed
+        tokens (the exchange, live or paused); returns the bytes sent."""
+        ex, sent = self.executor, 0
+        blocks = self._computed_blocks(r)
+        for layers, peer in ex.peer_segments():
+            data = ex.gather_kv_layers(blocks, layers)
+            peer.push_kv(layers, r.request_id, r.num_computed_tokens, data)
+            sent += len(data)
+        return sent
+
+    def _fetch_kv_back(self, r) -> int:
+        """Take back from each peer the KV of its layers for this request's
+        computed tokens, into its own blocks (leaving, live or paused);
+        returns the bytes taken back."""
+        ex = self.executor
+        blocks = self._computed_blocks(r)
+        layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
+        for layers, peer in ex.peer_segments():
+            ex.scatter_kv_layers(blocks, layers, peer.fetch_kv(layers, r.request_id, r.num_computed_tokens,
+                                                               layer_bytes))
+        return layer_bytes * sum(len(layers) for layers, _ in ex.peer_segments())
+
+    def _exchange_budget(self) -> int:
+        """KV bytes a live exchange or return moves between two steps (the ``kunserve_exchange_mb`` extra)."""
+        return int(float(self.config.extra.get("kunserve_exchange_mb", 16)) * 2**20)
+
+    def _end_return(self) -> None:
+        ex = self.executor
+        ex.set_pipeline(range(self.kv_layout.num_layers), [])
+        ex.forget_dense_slots()  # the copies of the layers that ran on the peers are stale
+
+    def exchange_kv(self, budget_bytes: int | None = None) -> int:
+        """The live KV exchange (``enter_pipeline``): hand the peers the KV of
+        their layers for pending requests, oldest first, until about
+        ``budget_bytes`` moved (at least one request; default the engine's
+        ``kunserve_exchange_mb`` extra, 16 MiB): the rest waits for the next
+        step, so that a step is never held for all of it. A peer that has no
+        room yet refuses: the request keeps attending here and is tried again
+        next step. Returns the requests whose KV moved."""
+        ex = self.executor
+        if budget_bytes is None:
+            budget_bytes = self._exchange_budget()
+        sent, moved = 0, 0
+        for rid in ex.pending_exchange:
+            if moved and sent >= budget_bytes:
+                break
+            r = self.requests.get(rid)
+            if r is None or not r.num_computed_tokens:
+                ex.exchanged(rid)
+                self._deferred.discard(rid)
+                continue
+            try:
+                sent += self._push_kv(r)
+            except EngineError as e:
+                if rid not in self._deferred:  # once a request: a full peer may refuse it for many steps
+                    self._deferred.add(rid)
+                    log.info("KV exchange deferred", request_id=rid, reason=str(e))
+                break
+            self._deferred.discard(rid)
+            ex.exchanged(rid)
+            moved += 1
         return moved
 
     def has_work(self) -> bool:

@@ -16,7 +16,22 @@ from torch import nn
 
 from services.instance.engine.native.attention import AttentionMeta, paged_attention
 from services.instance.engine.native.config import ModelConfig
-from services.instance.engine.native.linear import Linear, pack_weight, packed_linear, packing_supported
+from services.instance.engine.native.cpu_kernels import CpuKernels
+from services.instance.engine.native.linear import (
+    Linear,
+    TorchPacked,
+    VllmPacked,
+    pack_weight,
+    packing_supported,
+)
+
+# Remote attention (KunServe's live KV exchange, pipeline.py): (n, attend) says
+# that the step's rows from the n-th on have their KV elsewhere;
+# attend(layer, q, k, v) runs their attention there, writing their new K/V
+# there too, and returns its output [rows, heads*head_dim]. Rows before n attend
+# over this cache as usual.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+RemoteRows = tuple[int, Attend]
 
 
 class RMSNorm(nn.Module):
@@ -25,8 +40,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers' LlamaRMSNorm (variance in fp32).
+    def forward(self, x: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+        # Same arithmetic as transformers' LlamaRMSNorm (variance in fp32, the
+        # normalized x rounded to the model's dtype before the weight).
+        # ``kernels``: vLLM's CPU RMSNorm does the fp32 part in one op
+        # (cpu_kernels.py: the same bits up to the variance's summation order).
+        if kernels is not None and x.dtype != torch.float32:
+            return self.weight * kernels.normalize(x.float(), self.eps).to(x.dtype)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -34,7 +54,8 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin per position, computed on demand for the step's positions."""
+    """cos and a signed sin per position, computed once a step for the step's
+    positions (see apply_rope)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -43,13 +64,18 @@ class Rotary(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # [T, 1, D]
+        sin = emb.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        return emb.cos().to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)  # [T, 1, D]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` with rotate_half(x) =
+    (-x2, x1): here (x2, x1) times a sin whose first half is negated, the
+    same products bit for bit, in three ops instead of five."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    r = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin_signed)
+    return r.add_(x * cos)
 
 
 class Attention(nn.Module):
@@ -65,15 +91,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMeta):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMeta | None, remote: RemoteRows | None = None):
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent in qkv: rotate them in one go.
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
                                                                   self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
-        return self.o_proj(out)
+        if remote is None:
+            return self.o_proj(paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale))
+        n, attend = remote
+        outs = [paged_attention(q[:n], k[:n], v[:n], kv_cache, self.layer, meta, self.scale)] if n else []
+        outs.append(attend(self.layer, q[n:], k[n:], v[n:]).to(q.dtype))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class MLP(nn.Module):
@@ -96,9 +126,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, remote=None):
+        kernels = meta.kernels if meta is not None else None
+        x = x + self.self_attn(self.input_layernorm(x, kernels), cos, sin, kv_cache, meta, remote)
+        return x + self.mlp(self.post_attention_layernorm(x, kernels))
 
 
 class LlamaModel(nn.Module):
@@ -111,13 +142,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: TorchPacked | VllmPacked | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def pack_weights(self) -> bool:
+    def pack_weights(self, vllm: bool = True) -> bool:
         """Prepack every projection and the LM head for oneDNN where that is
         supported (see linear.py); returns whether it was. Idempotent."""
         w = self.embed_tokens.weight
@@ -126,8 +157,8 @@ class LlamaModel(nn.Module):
         if self.lm_head_packed is None:
             for m in self.modules():
                 if isinstance(m, Linear):
-                    m.pack()
-            self.lm_head_packed = pack_weight(self.lm_head_weight)
+                    m.pack(vllm)
+            self.lm_head_packed = pack_weight(self.lm_head_weight, vllm)
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -139,24 +170,26 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         x = self.run_layers(x, cos, sin, kv_cache, meta, range(len(self.layers)), after_layer)
-        return self.head(x, logits_index)
+        return self.head(x, logits_index, meta.kernels)
 
     # --- the pieces of forward, for pipelined execution (KunServe) ------------------
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                    meta: AttentionMeta, layers: range,
-                   after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Hidden states [T, hidden] through layers ``layers`` (a contiguous range)."""
+                   after_layer: Callable[[int], None] | None = None,
+                   remote: RemoteRows | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] through layers ``layers`` (a contiguous range).
+        ``remote``: the rows from the n-th on attend elsewhere (RemoteRows)."""
         for i in layers:
-            x = self.layers[i](x, cos, sin, kv_cache, meta)
+            x = self.layers[i](x, cos, sin, kv_cache, meta, remote)
             if after_layer is not None:
                 after_layer(i)
         return x
 
-    def head(self, x: torch.Tensor, logits_index: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, logits_index: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
         """The final norm and the LM head over the rows that sample -> fp32 logits."""
-        x = self.norm(x.index_select(0, logits_index))
+        x = self.norm(x.index_select(0, logits_index), kernels)
         if self.lm_head_packed is not None:
-            return packed_linear(x, self.lm_head_packed).float()
+            return self.lm_head_packed(x).float()
         return F.linear(x, self.lm_head_weight).float()
 
     def layer_bytes(self, layers: range) -> int:
@@ -164,7 +197,7 @@ class LlamaModel(nn.Module):
         total = 0
         for i in layers:
             total += sum(p.numel() * p.element_size() for p in self.layers[i].parameters())
-            total += sum(m.packed.numel() * m.packed.element_size() for m in self.layers[i].modules()
+            total += sum(m.packed.nbytes for m in self.layers[i].modules()
                          if isinstance(m, Linear) and m.packed is not None)
         return total
 
@@ -192,14 +225,25 @@ class LlamaModel(nn.Module):
         """Take layers back from their parameters (a copy in host memory, or a
         peer's, ``layer_states``), as this model's own copies on its device
         and dtype."""
+        self.install_layers(self.build_layers(states))
+
+    def build_layers(self, states: dict[int, dict[str, torch.Tensor]]) -> dict[int, DecoderLayer]:
+        """Layers made from their parameters, not yet in the model (any
+        thread: loading and prepacking them is most of a restore's cost)."""
         w = self.embed_tokens.weight
+        built = {}
         for i, state in states.items():
             layer = DecoderLayer(self.config, i).to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
             layer.load_state_dict(state)
-            if self.lm_head_packed is not None:  # this model runs prepacked projections
+            if self.lm_head_packed is not None:  # this model runs prepacked projections: pack them alike
                 for m in layer.modules():
                     if isinstance(m, Linear):
-                        m.pack()
+                        m.pack(isinstance(self.lm_head_packed, VllmPacked))
+            built[i] = layer
+        return built
+
+    def install_layers(self, built: dict[int, DecoderLayer]) -> None:
+        for i, layer in built.items():
             self.layers[i] = layer
 
     def dropped(self) -> list[int]:

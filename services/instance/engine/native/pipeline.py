@@ -13,9 +13,13 @@ recompute starts over) or leaves the owner.
 
 The contract between them (``LayerPeer``):
 
-- ``forward_layers(layers, chunks, hidden)``: ``hidden`` is ``[T, hidden]``,
+- ``forward_layers(layers, chunks, hidden, attend)``: ``hidden`` is ``[T, hidden]``,
   the rows of ``chunks`` in order (``num_new`` rows each, positions ``start``
-  onwards); the peer returns the same rows after ``layers``.
+  onwards); the peer returns the same rows after ``layers``. A chunk with
+  ``kv_at_owner`` has its KV of these layers still at the owner (the live
+  exchange below): the peer computes its queries, keys and values and calls
+  ``attend(layer, q, k, v)`` (model.Attend) for those rows, in chunk order;
+  the owner runs that attention over its own cache and returns the output.
 - ``release(request_ids)``: forget those guests (free their blocks).
 - ``fetch_kv(layers, request_id, num_tokens, layer_bytes)``: a guest's KV of
   those layers (whole blocks, layer-major; ``layer_bytes`` a layer, for a
@@ -23,6 +27,13 @@ The contract between them (``LayerPeer``):
   pipeline ends (``NativeEngine.leave_pipeline``).
 - ``push_kv(layers, request_id, num_tokens, data)``: the inverse, when the
   owner enters a pipeline with requests running (``enter_pipeline``).
+
+The live KV exchange (paper §4.3): an owner that enters a pipeline with
+requests running does not stop them while their KV of the peer's layers moves.
+Their chunks go with ``kv_at_owner`` (remote attention) until the owner has
+pushed that request's KV, a few requests between each two steps
+(``NativeEngine.step``); the push travels on the same ordered stream as the
+steps, so the peer has it before the first step that attends there.
 
 ``LocalPeer`` calls another engine in this process (tests, benchmarks); a
 gRPC peer is the same contract between instance agents.
@@ -35,6 +46,8 @@ from typing import Protocol
 
 import torch
 
+from services.instance.engine.native.model import Attend
+
 
 @dataclass(frozen=True)
 class GuestChunk:
@@ -43,10 +56,12 @@ class GuestChunk:
     request_id: str
     start: int  # tokens with KV before this step
     num_new: int  # tokens whose KV this step computes
+    kv_at_owner: bool = False  # its KV of the peer's layers is still at the owner: remote attention
 
 
 class LayerPeer(Protocol):
-    def forward_layers(self, layers: range, chunks: list[GuestChunk], hidden: torch.Tensor) -> torch.Tensor: ...
+    def forward_layers(self, layers: range, chunks: list[GuestChunk], hidden: torch.Tensor,
+                       attend: Attend | None = None) -> torch.Tensor: ...
 
     def release(self, request_ids: list[str]) -> None: ...
 
@@ -63,9 +78,10 @@ class LocalPeer:
         self.engine = engine
         self.calls = 0
 
-    def forward_layers(self, layers: range, chunks: list[GuestChunk], hidden: torch.Tensor) -> torch.Tensor:
+    def forward_layers(self, layers: range, chunks: list[GuestChunk], hidden: torch.Tensor,
+                       attend: Attend | None = None) -> torch.Tensor:
         self.calls += 1
-        return self.engine.forward_guest(layers, chunks, hidden)
+        return self.engine.forward_guest(layers, chunks, hidden, attend)
 
     def release(self, request_ids: list[str]) -> None:
         self.engine.release_guests(request_ids)

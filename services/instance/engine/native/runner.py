@@ -3,6 +3,9 @@ chunks into one flat batch, runs the forward pass and samples."""
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -10,9 +13,17 @@ from services.instance.engine.base import EngineError, KvLayout
 from services.instance.engine.core.executor import Executor, TappedChunk, tapped_chunks
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk
-from services.instance.engine.native.attention import AttentionMeta, build_dense, build_group
+from services.instance.engine.native import cpu_kernels
+from services.instance.engine.native.attention import (
+    AttentionMeta,
+    build_dense,
+    build_dense_kernels,
+    build_group,
+    paged_attention,
+    slot_rows,
+)
 from services.instance.engine.native.decode_cache import DecodeCache
-from services.instance.engine.native.model import LlamaModel
+from services.instance.engine.native.model import Attend, LlamaModel
 from services.instance.engine.native.pipeline import GuestChunk, LayerPeer, plan_segments
 from services.instance.engine.native.sampler import (
     generator_state,
@@ -29,7 +40,7 @@ class ModelRunner(Executor):
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0,
-                 decode_cache_bytes: int | None = None):
+                 decode_cache_bytes: int | None = None, vllm_kernels: bool = True):
         cfg = model.config
         self.model = model
         self.device = device
@@ -52,12 +63,19 @@ class ModelRunner(Executor):
         # by default it may take as much memory as the paged cache.
         if decode_cache_bytes is None:
             decode_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        self.decode_cache = (DecodeCache(self.kv_cache, decode_cache_bytes)
-                             if device.type == "cpu" and decode_cache_bytes > 0 else None)
+        dense = device.type == "cpu" and decode_cache_bytes > 0
+        # bf16 on CPU: vLLM's attention kernel (decodes, prefill) and RMSNorm's fp32 part when installed
+        # (cpu_kernels.py).
+        self.kernels = (cpu_kernels.load(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                        if vllm_kernels and dense and dtype == torch.bfloat16 else None)
+        self.decode_cache = (DecodeCache(self.kv_cache, decode_cache_bytes, k_transposed=self.kernels is not None)
+                             if dense else None)
         self._decode_cache_bytes = decode_cache_bytes
         # Pipelined execution (pipeline.py): which layers run here and which on a peer.
         self._segments: list[tuple[range, LayerPeer | None]] = [(range(cfg.num_hidden_layers), None)]
         self._remote: set[str] = set()  # requests with KV on a peer
+        self._pending: set[str] = set()  # ... whose KV of the peers' layers is still here (live exchange)
+        self._returning = False  # leaving the pipeline: only the requests in _remote still use the peers
         self._guest_cache: DecodeCache | None = None  # guests' decodes: their own slots
 
     @property
@@ -90,21 +108,28 @@ class ModelRunner(Executor):
             p = range(c.start, c.end)
             pos += p
             slots += [r.block_ids[i // bs] * (layers * 2 * bs) + i % bs for i in p]
-        groups = []
+        groups, cfg = [], self.model.config
         for decode in (True, False):
             sel = [c for c in chunks if (c.num_new == 1) == decode]
-            if decode and dense:
+            if not sel or (decode and dense):
                 groups.append(None)
                 continue
-            groups.append(build_group([c.num_new for c in sel], [c.start for c in sel],
-                                      [c.request.block_ids[: -(-c.end // bs)] for c in sel], bs, layers,
-                                      self.device) if sel else None)
+            g = build_group([c.num_new for c in sel], [c.start for c in sel],
+                            [c.request.block_ids[: -(-c.end // bs)] for c in sel], bs, layers, self.device)
+            if not decode and self.kernels is not None:  # prefill by vLLM's kernel, not SDPA
+                align = cpu_kernels.BLOCK_ALIGN
+                g.kernel_step = self.kernels.step_meta(
+                    [c.start for c in sel], -(-g.mask.shape[-1] // align) * align, cfg.num_attention_heads,
+                    cfg.num_key_value_heads, cfg.head_dim, self.kv_cache.dtype, q_lens=[c.num_new for c in sel])
+            groups.append(g)
         dev = self.device
-        meta = AttentionMeta(torch.tensor(slots, device=dev), groups[0], groups[1], layers, bs)
+        meta = AttentionMeta(slot_rows(torch.tensor(slots, device=dev), layers, bs), groups[0], groups[1], layers, bs,
+                             kernels=self.kernels)
         if dense:
             starts = [c.start for c in chunks if c.num_new == 1]
             dc = cache or self.decode_cache
-            meta.dense = build_dense(dc.buf, dc.slot_rows(starts), starts)
+            meta.dense = (build_dense_kernels(dc.buf, starts, self.kernels, cfg.num_attention_heads)
+                          if self.kernels is not None else build_dense(dc.buf, dc.slot_rows(starts), starts))
         last_rows, row = [], 0
         for c in chunks:
             row += c.num_new
@@ -145,20 +170,76 @@ class ModelRunner(Executor):
         if dropped:
             raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
         self._segments = segs
+        self._returning = False
 
     def _pipelined(self, ordered: list[ScheduledChunk], input_ids, positions, meta, logits_index):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, x.dtype)
-        guest = [GuestChunk(c.request.request_id, c.start, c.num_new) for c in ordered]
+        guest = [GuestChunk(c.request.request_id, c.start, c.num_new, c.request.request_id in self._pending)
+                 for c in ordered]
+        here = [c for c in ordered if c.request.request_id in self._pending]
+        attend = self._attend_here(here) if here else None
+        split = self._return_split(ordered, cos, sin) if self._returning else None
         for layers, peer in self._segments:
             if peer is None:
                 x = self.model.run_layers(x, cos, sin, self.kv_cache, meta, layers)
-            else:
+            elif split is None:
                 self._remote.update(g.request_id for g in guest)
-                x = peer.forward_layers(layers, guest, x)
-        return self.model.head(x, logits_index)
+                x = peer.forward_layers(layers, guest, x, attend)
+            else:
+                x = self._run_split(split, guest, x, layers, peer)
+        return self.model.head(x, logits_index, meta.kernels)
+
+    def _return_split(self, ordered: list[ScheduledChunk], cos, sin):
+        """Leaving the pipeline live (``start_return``): the rows of the
+        requests whose KV is back (home: they run the peers' layers here,
+        attending over the paged cache) and of those still on the peers."""
+        home_rows, far_rows, home, far, at = [], [], [], [], 0
+        for i, c in enumerate(ordered):
+            rows = range(at, at + c.num_new)
+            at += c.num_new
+            if c.request.request_id in self._remote:
+                far.append(i)
+                far_rows += rows
+            else:
+                home.append(c)
+                home_rows += rows
+        dev = self.device
+        hr = torch.tensor(home_rows, dtype=torch.long, device=dev)
+        meta = self._metadata(home, dense=False, with_ids=False)[2] if home else None
+        return (hr, torch.tensor(far_rows, dtype=torch.long, device=dev), far, meta,
+                cos.index_select(0, hr), sin.index_select(0, hr))
+
+    def _run_split(self, split, guest: list[GuestChunk], x: torch.Tensor, layers: range, peer) -> torch.Tensor:
+        hr, fr, far, meta, cos, sin = split
+        y = torch.empty_like(x)
+        if hr.numel():
+            y.index_copy_(0, hr, self.model.run_layers(x.index_select(0, hr), cos, sin, self.kv_cache, meta, layers))
+        if far:
+            y.index_copy_(0, fr, peer.forward_layers(layers, [guest[i] for i in far], x.index_select(0, fr)).to(
+                x.dtype))
+        return y
+
+    def _attend_here(self, chunks: list[ScheduledChunk]) -> Attend:
+        """Remote attention for a peer (pipeline.py): ``chunks`` (in step
+        order: decodes first) have their KV of the peer's layers here; the
+        peer sends their rows' q, k, v in that order, layer by layer."""
+        _, _, meta, _ = self._metadata(chunks, dense=False, with_ids=False)
+        rows = sum(c.num_new for c in chunks)
+        scale = self.model.config.head_dim ** -0.5
+        dtype = self.kv_cache.dtype
+
+        @torch.inference_mode()
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if q.shape[0] != rows or k.shape[0] != rows or v.shape[0] != rows:
+                raise EngineError(f"remote attention: {q.shape[0]} rows for {rows} tokens with KV here")
+            dev = self.device
+            return paged_attention(q.to(dev, dtype), k.to(dev, dtype), v.to(dev, dtype), self.kv_cache, layer,
+                                   meta, scale)
+        return attend
 
     def release_requests(self, request_ids: list[str]) -> None:
+        self._pending.difference_update(request_ids)
         gone = [r for r in request_ids if r in self._remote]
         if not gone:
             return
@@ -171,9 +252,36 @@ class ModelRunner(Executor):
     def remote_requests(self) -> frozenset[str]:
         return frozenset(self._remote)
 
-    def mark_remote(self, request_id: str) -> None:
-        """This request's KV is now on the peers too (enter_pipeline)."""
+    @property
+    def returning(self) -> bool:
+        return self._returning
+
+    def start_return(self) -> None:
+        """Leave the pipeline live: from the next step, a request not in
+        ``remote_requests`` runs every layer here (its KV is back), the others
+        still run the peers' layers there. Needs every layer here."""
+        dropped = self.model.dropped()
+        if dropped:
+            raise EngineError(f"layers {dropped} are dropped here: restore them first")
+        if self._pending:
+            raise EngineError(f"{len(self._pending)} requests' KV is pending: release them first")
+        self._returning = True
+
+    def mark_remote(self, request_id: str, kv_here: bool = False) -> None:
+        """This request's KV is now on the peers too (enter_pipeline);
+        ``kv_here``: not yet, it attends here until ``exchanged``."""
         self._remote.add(request_id)
+        if kv_here:
+            self._pending.add(request_id)
+
+    @property
+    def pending_exchange(self) -> list[str]:
+        """Requests whose KV of the peers' layers is still here, in order."""
+        return sorted(self._pending)
+
+    def exchanged(self, request_id: str) -> None:
+        """Its KV of the peers' layers is there now: it attends there from the next step."""
+        self._pending.discard(request_id)
 
     def peer_segments(self) -> list[tuple[range, LayerPeer]]:
         return [(layers, p) for layers, p in self._segments if p is not None]
@@ -199,39 +307,65 @@ class ModelRunner(Executor):
             self.decode_cache.drop()
 
     @torch.inference_mode()
-    def forward_guest(self, layers: range, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+    def forward_guest(self, layers: range, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                      attend: Attend | None = None, at_owner: list[bool] | None = None) -> torch.Tensor:
         """Run ``layers`` (held here) for a peer's step: ``chunks`` over this
         engine's guests, ``hidden`` their rows in that order; returns the rows
-        after the layers, in the same order."""
+        after the layers, in the same order. ``at_owner[i]``: chunk i's KV of
+        these layers is at its owner; ``attend`` runs its attention there."""
         missing = [i for i in self.model.dropped() if i in layers]
         if missing:
             raise EngineError(f"layers {missing} are not held here")
         if self._guest_cache is None and self.decode_cache is not None:
-            self._guest_cache = DecodeCache(self.kv_cache, self._decode_cache_bytes)
+            self._guest_cache = DecodeCache(self.kv_cache, self._decode_cache_bytes,
+                                            k_transposed=self.kernels is not None)
         offsets, at = {}, 0
         for c in chunks:
             offsets[id(c)] = at
             at += c.num_new
         if at != hidden.shape[0]:
             raise EngineError(f"{hidden.shape[0]} hidden rows for {at} tokens")
-        ordered, dense = self._order(chunks, self._guest_cache)
-        _, positions, meta, _ = self._metadata(ordered, dense, self._guest_cache, with_ids=False)
-        rows = torch.tensor([offsets[id(c)] + k for c in ordered for k in range(c.num_new)], device=self.device)
+        far_ids = {id(c) for c, f in zip(chunks, at_owner or ()) if f}
+        far = [c for c in chunks if id(c) in far_ids]
+        if far and attend is None:
+            raise EngineError(f"{len(far)} chunks have their KV at the owner and no remote attention")
+        local = [c for c in chunks if id(c) not in far_ids]
+        ordered, dense, meta = [], False, None
+        if local:
+            ordered, dense = self._order(local, self._guest_cache)
+            _, _, meta, _ = self._metadata(ordered, dense, self._guest_cache, with_ids=False)
+        seq = ordered + far  # attention here for the first rows, at the owner for the rest
+        rows = torch.tensor([offsets[id(c)] + k for c in seq for k in range(c.num_new)], device=self.device)
+        positions = torch.tensor([p for c in seq for p in range(c.start, c.end)], device=self.device)
         x = hidden.to(self.device, self.kv_cache.dtype).index_select(0, rows)
         cos, sin = self.model.rotary(positions, x.dtype)
-        y = self.model.run_layers(x, cos, sin, self.kv_cache, meta, layers)
+        remote = (sum(c.num_new for c in ordered), attend) if far else None
+        y = self.model.run_layers(x, cos, sin, self.kv_cache, meta, layers, remote=remote)
         if dense:
             self._guest_cache.advance(sum(c.num_new == 1 for c in ordered))
         return torch.empty_like(y).index_copy_(0, rows, y)
 
-    def grow_kv(self, num_blocks: int) -> None:
+    def new_kv(self, num_blocks: int) -> torch.Tensor:
+        """A zeroed cache tensor of ``num_blocks`` blocks, for ``grow_kv``
+        (any thread). On CPU it is anonymous memory from the kernel, which
+        reads as zeros and is committed page by page as blocks are first
+        written: zeroing 212 MB up front (a page fault a page) took 0.3-3.9 s
+        of CPU on four instances sharing two cores, and stalled the other
+        instances' steps too. Elsewhere, a zeroed tensor (a device memset)."""
+        shape = (num_blocks,) + tuple(self.kv_cache.shape[1:])
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.device)
+        buf = mmap.mmap(-1, math.prod(shape) * self.kv_cache.element_size())  # the tensor keeps it mapped
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(shape)
+
+    def grow_kv(self, num_blocks: int, fresh: torch.Tensor | None = None) -> None:
         """Make the cache hold block ids 0..num_blocks-1 (parameter memory
-        lent to KV): a larger tensor, the blocks copied over."""
+        lent to KV): a larger tensor (``fresh``, from ``new_kv``, when it is
+        that size), the blocks copied over."""
         have = self.kv_cache.shape[0]
         if num_blocks <= have:
             return
-        bigger = torch.zeros((num_blocks,) + tuple(self.kv_cache.shape[1:]), dtype=self.kv_cache.dtype,
-                             device=self.device)
+        bigger = fresh if fresh is not None and fresh.shape[0] == num_blocks else self.new_kv(num_blocks)
         bigger[:have].copy_(self.kv_cache)
         self.kv_cache = bigger
         if self._np_cache is not None:
