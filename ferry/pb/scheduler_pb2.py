@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ferry.pb import common_pb2 as ferry_dot_pb_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65rry/pb/scheduler.proto\x12\x08\x66\x65rry.v1\x1a\x15\x66\x65rry/pb/common.proto\"\x84\x01\n\x0f\x44ispatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12$\n\x08priority\x18\x03 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1c\n\x14\x65xclude_instance_ids\x18\x04 \x03(\t\"\xa3\x01\n\rDispatchReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12(\n\x0crun_priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\"\x14\n\x12\x43lusterViewRequest\"t\n\x10\x43lusterViewReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\x12\x17\n\x0f\x64ispatch_policy\x18\x02 \x01(\t\x12\x1a\n\x12migrations_ordered\x18\x03 \x01(\x03\"A\n\x15SetTerminatingRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bterminating\x18\x02 \x01(\x08\"!\n\x13SetTerminatingReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"K\n\x16SetInstanceRoleRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.ferry.v1.Role\"J\n\x14SetInstanceRoleReply\x12 \n\x08previous\x18\x01 \x01(\x0e\x32\x0e.ferry.v1.Role\x12\x10\n\x08\x64raining\x18\x02 \x01(\x05\x32\xb6\x02\n\tScheduler\x12>\n\x08\x44ispatch\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply\x12J\n\x0eGetClusterView\x12\x1c.ferry.v1.ClusterViewRequest\x1a\x1a.ferry.v1.ClusterViewReply\x12P\n\x0eSetTerminating\x12\x1f.ferry.v1.SetTerminatingRequest\x1a\x1d.ferry.v1.SetTerminatingReply\x12K\n\x07SetRole\x12 .ferry.v1.SetInstanceRoleRequest\x1a\x1e.ferry.v1.SetInstanceRoleReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x65rry/pb/scheduler.proto\x12\x08\x66\x65rry.v1\x1a\x15\x66\x65rry/pb/common.proto\"\x84\x01\n\x0f\x44ispatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12$\n\x08priority\x18\x03 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1c\n\x14\x65xclude_instance_ids\x18\x04 \x03(\t\"\xe2\x01\n\rDispatchReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12(\n\x0crun_priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\t\x12\x15\n\rerror_message\x18\t \x01(\t\"\x14\n\x12\x43lusterViewRequest\"t\n\x10\x43lusterViewReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\x12\x17\n\x0f\x64ispatch_policy\x18\x02 \x01(\t\x12\x1a\n\x12migrations_ordered\x18\x03 \x01(\x03\"A\n\x15SetTerminatingRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bterminating\x18\x02 \x01(\x08\"!\n\x13SetTerminatingReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"K\n\x16SetInstanceRoleRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.ferry.v1.Role\"J\n\x14SetInstanceRoleReply\x12 \n\x08previous\x18\x01 \x01(\x0e\x32\x0e.ferry.v1.Role\x12\x10\n\x08\x64raining\x18\x02 \x01(\x05\x32\x80\x03\n\tScheduler\x12>\n\x08\x44ispatch\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply\x12H\n\x0e\x44ispatchStream\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply(\x01\x30\x01\x12J\n\x0eGetClusterView\x12\x1c.ferry.v1.ClusterViewRequest\x1a\x1a.ferry.v1.ClusterViewReply\x12P\n\x0eSetTerminating\x12\x1f.ferry.v1.SetTerminatingRequest\x1a\x1d.ferry.v1.SetTerminatingReply\x12K\n\x07SetRole\x12 .ferry.v1.SetInstanceRoleRequest\x1a\x1e.ferry.v1.SetInstanceRoleReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DISPATCHREQUEST']._serialized_start=62
   _globals['_DISPATCHREQUEST']._serialized_end=194
   _globals['_DISPATCHREPLY']._serialized_start=197
-  _globals['_DISPATCHREPLY']._serialized_end=360
-  _globals['_CLUSTERVIEWREQUEST']._serialized_start=362
-  _globals['_CLUSTERVIEWREQUEST']._serialized_end=382
-  _globals['_CLUSTERVIEWREPLY']._serialized_start=384
-  _globals['_CLUSTERVIEWREPLY']._serialized_end=500
-  _globals['_SETTERMINATINGREQUEST']._serialized_start=502
-  _globals['_SETTERMINATINGREQUEST']._serialized_end=567
-  _globals['_SETTERMINATINGREPLY']._serialized_start=569
-  _globals['_SETTERMINATINGREPLY']._serialized_end=602
-  _globals['_SETINSTANCEROLEREQUEST']._serialized_start=604
-  _globals['_SETINSTANCEROLEREQUEST']._serialized_end=679
-  _globals['_SETINSTANCEROLEREPLY']._serialized_start=681
-  _globals['_SETINSTANCEROLEREPLY']._serialized_end=755
-  _globals['_SCHEDULER']._serialized_start=758
-  _globals['_SCHEDULER']._serialized_end=1068
+  _globals['_DISPATCHREPLY']._serialized_end=423
+  _globals['_CLUSTERVIEWREQUEST']._serialized_start=425
+  _globals['_CLUSTERVIEWREQUEST']._serialized_end=445
+  _globals['_CLUSTERVIEWREPLY']._serialized_start=447
+  _globals['_CLUSTERVIEWREPLY']._serialized_end=563
+  _globals['_SETTERMINATINGREQUEST']._serialized_start=565
+  _globals['_SETTERMINATINGREQUEST']._serialized_end=630
+  _globals['_SETTERMINATINGREPLY']._serialized_start=632
+  _globals['_SETTERMINATINGREPLY']._serialized_end=665
+  _globals['_SETINSTANCEROLEREQUEST']._serialized_start=667
+  _globals['_SETINSTANCEROLEREQUEST']._serialized_end=742
+  _globals['_SETINSTANCEROLEREPLY']._serialized_start=744
+  _globals['_SETINSTANCEROLEREPLY']._serialized_end=818
+  _globals['_SCHEDULER']._serialized_start=821
+  _globals['_SCHEDULER']._serialized_end=1205
 # @@protoc_insertion_point(module_scope)

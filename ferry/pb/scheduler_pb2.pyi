@@ -20,20 +20,26 @@ class DispatchRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
-    __slots__ = ("instance_id", "address", "policy", "run_priority", "decode_instance_id", "decode_address")
+    __slots__ = ("instance_id", "address", "policy", "run_priority", "decode_instance_id", "decode_address", "request_id", "error_code", "error_message")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     RUN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     policy: str
     run_priority: _common_pb2.Priority
     decode_instance_id: str
     decode_address: str
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., policy: _Optional[str] = ..., run_priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    request_id: str
+    error_code: str
+    error_message: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., policy: _Optional[str] = ..., run_priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., decode_instance_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., request_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class ClusterViewRequest(_message.Message):
     __slots__ = ()

@@ -17,6 +17,8 @@ class FrontendConfig(CommonConfig):
     api_key_file: str = opt("", "file with one accepted API key per line")
     dispatch_timeout_s: float = opt(1.0, "give up on the scheduler after this long (then bypass)", min=0.01)
     bypass_retry_s: float = opt(1.0, "in bypass, ask the scheduler again after this long", min=0.0)
+    dispatch_stream: bool = opt(True, "ask the scheduler for placements over one long-lived stream "
+                                      "(DispatchStream); off: a unary Dispatch call per request")
     max_resumes: int = opt(3, "resume a request on another instance at most this often after crashes", min=0)
     stall_timeout_s: float = opt(60.0, "a request whose instance stream brings nothing for this long is checked with "
                                  "the instance, and resumed elsewhere if the instance lost it or its engine makes no "

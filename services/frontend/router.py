@@ -14,12 +14,13 @@ from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common import rpc
 from libs.common.cluster_view import ClusterView
-from libs.common.errors import Unavailable, from_grpc, is_unavailable
+from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable
 from libs.common.logging import get_logger
 from libs.common.policies import Dispatcher, DispatchRequest, blocks_for, get
 from libs.common.policies.phases import place
 from libs.common.types import Priority
 from services.frontend import metrics
+from services.frontend.dispatch_stream import DispatchStream, StreamBroken
 from services.frontend.watchdog import StallWatchdog
 
 log = get_logger(__name__)
@@ -38,7 +39,8 @@ class Dispatched(NamedTuple):
 
 class Router:
     def __init__(self, scheduler: str, meta_store: str, dispatch_timeout_s: float = 1.0,
-                 bypass_retry_s: float = 1.0, status_interval_s: float = 0.0, stall_timeout_s: float = 60.0):
+                 bypass_retry_s: float = 1.0, status_interval_s: float = 0.0, stall_timeout_s: float = 60.0,
+                 dispatch_stream: bool = True):
         self.scheduler_address = scheduler
         self.dispatch_timeout_s = dispatch_timeout_s
         self.bypass_retry_s = bypass_retry_s
@@ -50,6 +52,8 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, ipb_grpc.InstanceStub] = {}
         self._sched = spb_grpc.SchedulerStub(self.channel(scheduler))
+        self._stream = DispatchStream(self._sched)
+        self._stream.supported = dispatch_stream
         self.bypass = False
         self._bypass_until = 0.0
         self.watchdog = StallWatchdog(self.instance, stall_timeout_s)
@@ -59,6 +63,7 @@ class Router:
         self.watchdog.start()
 
     async def close(self) -> None:
+        await self._stream.close()
         await self.watchdog.stop()
         await self.view.stop()
         for ch in self._channels.values():
@@ -96,27 +101,48 @@ class Router:
         scheduler's policy decides the last; in bypass mode the request keeps
         its own."""
         if time.monotonic() >= self._bypass_until:
-            try:
-                reply = await self._sched.Dispatch(
-                    spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                        priority=int(priority), exclude_instance_ids=sorted(exclude)),
-                    timeout=self.dispatch_timeout_s)
+            req = spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                      priority=int(priority), exclude_instance_ids=sorted(exclude))
+            reply, down = await self._ask_scheduler(req)
+            if reply is not None:
                 if self.bypass:
                     log.info("scheduler is back; leaving bypass mode")
                     self.bypass = False
                     metrics.BYPASS.set(0)
                 return Dispatched(reply.instance_id, reply.address, Priority(reply.run_priority),
                                   reply.decode_instance_id, reply.decode_address)
-            except grpc.RpcError as e:
-                if not is_unavailable(e):
-                    raise from_grpc(e) from e
-                if not self.bypass:
-                    log.warning("scheduler unreachable; dispatching by myself (bypass mode)",
-                                error=e.code().name)
-                self.bypass = True
-                metrics.BYPASS.set(1)
-                self._bypass_until = time.monotonic() + self.bypass_retry_s
+            if not self.bypass:
+                log.warning("scheduler unreachable; dispatching by myself (bypass mode)", error=down)
+            self.bypass = True
+            metrics.BYPASS.set(1)
+            self._bypass_until = time.monotonic() + self.bypass_retry_s
         return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude)
+
+    async def _ask_scheduler(self, req: spb.DispatchRequest) -> tuple[spb.DispatchReply | None, str]:
+        """The scheduler's reply, or (None, why) when it is unavailable (the
+        bypass rule); any other failure raises its FerryError. Over the
+        shared dispatch stream where the scheduler has it, else unary."""
+        if self._stream.supported:
+            try:
+                reply = await self._stream.ask(req, self.dispatch_timeout_s)
+            except StreamBroken as e:
+                if self._stream.supported:
+                    if e.unavailable:
+                        return None, str(e)
+                    raise (from_grpc(e.error) if isinstance(e.error, grpc.RpcError) else e.error) from e
+            else:
+                if not reply.error_code:
+                    return reply, ""
+                err = FerryError(reply.error_message, code=Code(reply.error_code))
+                if err.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+                    return None, err.code.name
+                raise err
+        try:
+            return await self._sched.Dispatch(req, timeout=self.dispatch_timeout_s), ""
+        except grpc.RpcError as e:
+            if not is_unavailable(e):
+                raise from_grpc(e) from e
+            return None, e.code().name
 
     def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> Dispatched:
         metrics.BYPASS_DISPATCHES.inc()

@@ -46,7 +46,7 @@ class _Server(uvicorn.Server):
 async def run_frontend(config: FrontendConfig) -> None:
     tokenizer = load_tokenizer(config.model)
     router = Router(config.scheduler, config.meta_store, config.dispatch_timeout_s, config.bypass_retry_s,
-                    config.status_interval_s, config.stall_timeout_s)
+                    config.status_interval_s, config.stall_timeout_s, config.dispatch_stream)
     router.start()
     app = create_app(config, router, tokenizer)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

@@ -21,7 +21,7 @@ from ferry.pb import scheduler_pb2_grpc as pb_grpc
 from libs.common import convert, rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
-from libs.common.errors import FailedPrecondition, NotFound, Unavailable, abort_with
+from libs.common.errors import FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
 from libs.common.policies.phases import place
@@ -94,14 +94,32 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.svc = svc
 
     async def Dispatch(self, request, context):
+        try:
+            return self._dispatch(request)
+        except FerryError as e:
+            await abort_with(context, e)
+
+    async def DispatchStream(self, request_iterator, context):
+        """Dispatch's decision for each request of the stream, in order;
+        one that cannot be placed gets its error in the reply."""
+        async for request in request_iterator:
+            try:
+                reply = self._dispatch(request)
+            except FerryError as e:
+                reply = pb.DispatchReply(error_code=e.code.value, error_message=e.message)
+            reply.request_id = request.request_id
+            yield reply
+
+    def _dispatch(self, request) -> pb.DispatchReply:
+        """Place one request (raises FerryError where it cannot be placed)."""
         view = self.svc.view
         if not view.synced.is_set():
-            await abort_with(context, Unavailable("scheduler has no cluster view yet"))
+            raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids))
         placed = place(self.svc.dispatcher, view.views(), req)
         if placed is None:
-            await abort_with(context, Unavailable("no live instance to dispatch to"))
+            raise Unavailable("no live instance to dispatch to")
         rec = view.records[placed.prefill]
         view.add_pending(placed.prefill, request.request_id, blocks_for(request.num_prompt_tokens, rec.info.block_size))
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
