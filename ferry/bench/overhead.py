@@ -90,6 +90,30 @@ async def _rate_step(http: aiohttp.ClientSession, rate: float, duration_s: float
             "latency_ms_p50": 1000 * lat[len(lat) // 2], "latency_ms_p99": 1000 * lat[int(len(lat) * 0.99)]}
 
 
+async def _ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
+    """Added TTFT p50 of each cluster, their samples interleaved in rounds
+    (the same machine state for all): {label: {frontend, direct, added}}."""
+    sess = {k: aiohttp.ClientSession(base_url=c.url) for k, c in clusters.items()}
+    front: dict[str, list[float]] = {k: [] for k in clusters}
+    direct: dict[str, list[float]] = {k: [] for k in clusters}
+    try:
+        for k, c in clusters.items():
+            await _frontend_ttft(sess[k], 20)
+            await _direct_ttft(c.instances()[0].address, 20)
+        for _ in range(8):
+            for k, c in clusters.items():
+                front[k] += await _frontend_ttft(sess[k], samples // 8)
+                direct[k] += await _direct_ttft(c.instances()[0].address, samples // 8)
+    finally:
+        for h in sess.values():
+            await h.close()
+    out = {}
+    for k in clusters:
+        f, d = 1000 * float(np.median(front[k])), 1000 * float(np.median(direct[k]))
+        out[k] = {"frontend_ttft_ms_p50": f, "direct_ttft_ms_p50": d, "added_ttft_ms_p50": f - d}
+    return out
+
+
 async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: float) -> dict:
     inst = cluster.instances()[0]
     async with aiohttp.ClientSession(base_url=cluster.url, connector=aiohttp.TCPConnector(limit=2000),
@@ -128,11 +152,19 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 @click.option("--step-s", default=4.0, show_default=True, help="seconds per rate step")
 @click.option("--token-delay-ms", default=1.0, show_default=True, help="fake engine step time")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results here")
-def overhead(instances, samples, rates, step_s, token_delay_ms, json_path) -> None:
+@click.option("--ab-frontend-arg", "ab_args", multiple=True,
+              help="instead of the rate steps, compare added TTFT against a second cluster whose frontend has this "
+                   "extra argument (repeatable), the two sampled in turns, e.g. --ab-frontend-arg=--no-dispatch-stream")
+def overhead(instances, samples, rates, step_s, token_delay_ms, json_path, ab_args) -> None:
     """Frontend + scheduler overhead on a fake-engine cluster."""
-    spec = ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
-                       instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"])
-    cluster = LocalCluster(spec)
+    def spec(frontend_args=()):
+        return ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
+                           instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"],
+                           frontend_args=list(frontend_args))
+    if ab_args:
+        _overhead_ab(spec, samples, list(ab_args), json_path)
+        return
+    cluster = LocalCluster(spec())
     cluster.start(timeout_s=60)
     try:
         res = asyncio.run(_run(cluster, samples, [float(r) for r in rates.split(",")], step_s))
@@ -146,3 +178,22 @@ def overhead(instances, samples, rates, step_s, token_delay_ms, json_path) -> No
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
+
+
+def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) -> None:
+    labels = {"default": [], " ".join(ab_args): ab_args}
+    clusters = {k: LocalCluster(spec(a)) for k, a in labels.items()}
+    try:
+        for c in clusters.values():
+            c.start(timeout_s=60)
+        res = asyncio.run(_ab(clusters, samples))
+    finally:
+        for c in clusters.values():
+            c.stop()
+    click.echo(f"\n{'frontend':28s}{'added p50 ms':>14s}{'frontend p50':>14s}{'direct p50':>12s}")
+    for k, r in res.items():
+        click.echo(f"{k:28s}{r['added_ttft_ms_p50']:14.2f}{r['frontend_ttft_ms_p50']:14.2f}"
+                   f"{r['direct_ttft_ms_p50']:12.2f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"ab": res, "samples": samples}, f, indent=2)
