@@ -21,7 +21,7 @@ from ferry.pb import scheduler_pb2_grpc as pb_grpc
 from libs.common import convert, rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
-from libs.common.errors import FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
+from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
 from libs.common.policies.phases import place
@@ -107,6 +107,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 reply = self._dispatch(request)
             except FerryError as e:
                 reply = pb.DispatchReply(error_code=e.code.value, error_message=e.message)
+            except Exception as e:  # noqa: BLE001  (one request's failure must not end the others' stream)
+                log.exception("dispatch failed", request_id=request.request_id)
+                reply = pb.DispatchReply(error_code=Code.INTERNAL.value, error_message=f"dispatch failed: {e}")
             reply.request_id = request.request_id
             yield reply
 
