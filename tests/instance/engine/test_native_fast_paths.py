@@ -56,23 +56,6 @@ def test_dense_decode_under_preemption_and_a_small_budget(make_engine):
     assert _run_all(small) == ref
 
 
-def test_one_long_context_beside_short_ones_keeps_the_dense_path(make_engine):
-    # 16 blocks (256 positions) of paged cache; a 100-token request decoding
-    # beside two 8-token ones needs 3 slots padded to ~106 positions: more
-    # than the paged cache's size, within the default budget (twice it).
-    # With the paged cache's size as the budget, every decode gathered.
-    prompts = [list(range(200, 300)), list(range(400, 408)), list(range(500, 508))]
-
-    def go(engine):
-        for i, p in enumerate(prompts):
-            engine.add_request(req(str(i), p, max_tokens=6, min_tokens=6))
-        return run(engine)
-    fast = _fast(make_engine, num_blocks=16)
-    assert go(fast) == go(_plain(make_engine, num_blocks=16))
-    buf = fast.executor.decode_cache.buf
-    assert buf is not None and buf.shape[2] >= 3  # the three decoded from their dense copies
-
-
 @pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
                     reason="no oneDNN bf16 on this CPU")
 def test_packed_bf16_projections_give_the_plain_tokens(make_engine):

@@ -35,9 +35,6 @@ from services.instance.engine.native.sampler import (
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-DENSE_BUDGET_X = 2  # the dense decode cache's default budget, in paged caches (see __init__)
-
-
 class ModelRunner(Executor):
     layer_taps = True
 
@@ -63,14 +60,9 @@ class ModelRunner(Executor):
                           if device.type == "cpu" else None)
         self._seeds = np.random.default_rng(seed)  # seeds for requests without one
         # Decodes read a dense copy of their context on CPU (see decode_cache.py);
-        # by default it may take twice the paged cache's memory. Its slots are
-        # padded to the longest context, so one long request beside short ones
-        # needs slots x longest: with the paged cache's size as the budget, an
-        # 8,000-token request beside two short ones in a 17,600-token cache
-        # did not fit, every decode of the batch fell back to gathering, and
-        # the step took 195 ms against 50 ms with the dense copy (SmolLM2, bf16).
+        # by default it may take as much memory as the paged cache.
         if decode_cache_bytes is None:
-            decode_cache_bytes = DENSE_BUDGET_X * self.kv_cache.numel() * self.kv_cache.element_size()
+            decode_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         dense = device.type == "cpu" and decode_cache_bytes > 0
         # bf16 on CPU: vLLM's attention kernel (decodes, prefill) and RMSNorm's fp32 part when installed
         # (cpu_kernels.py).
