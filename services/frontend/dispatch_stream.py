@@ -106,9 +106,8 @@ class DispatchStream:
     async def ask(self, req: spb.DispatchRequest, timeout_s: float) -> spb.DispatchReply:
         if self._stream is None or self._stream.broken is not None:
             self._stream = _Stream(self._stub)
-        if req.request_id in self._stream.waiting:  # the same id twice at once: not ours to match
-            raise StreamBroken(FerryError(f"request {req.request_id!r} is already being dispatched",
-                                          code=Code.INVALID_ARGUMENT), unavailable=False)
+        if self.busy(req.request_id):
+            raise ValueError(f"request {req.request_id!r} is already being dispatched on the stream")
         try:
             return await self._stream.ask(req, timeout_s)
         except StreamBroken as e:
@@ -116,6 +115,11 @@ class DispatchStream:
                 log.info("the scheduler has no DispatchStream; dispatching with unary calls")
                 self.supported = False
             raise
+
+    def busy(self, request_id: str) -> bool:
+        """A dispatch of this request id waits on the stream (its replies
+        could not be told apart: ask the second one with a unary call)."""
+        return self._stream is not None and request_id in self._stream.waiting
 
     async def close(self) -> None:
         s, self._stream = self._stream, None

@@ -122,7 +122,7 @@ class Router:
         """The scheduler's reply, or (None, why) when it is unavailable (the
         bypass rule); any other failure raises its FerryError. Over the
         shared dispatch stream where the scheduler has it, else unary."""
-        if self._stream.supported:
+        if self._stream.supported and not self._stream.busy(req.request_id):
             try:
                 reply = await self._stream.ask(req, self.dispatch_timeout_s)
             except StreamBroken as e:
@@ -133,7 +133,11 @@ class Router:
             else:
                 if not reply.error_code:
                     return reply, ""
-                err = FerryError(reply.error_message, code=Code(reply.error_code))
+                try:
+                    code = Code(reply.error_code)
+                except ValueError:  # a code this frontend does not know
+                    code = Code.INTERNAL
+                err = FerryError(reply.error_message, code=code)
                 if err.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
                     return None, err.code.name
                 raise err

@@ -128,17 +128,33 @@ async def test_a_reply_that_never_comes_breaks_the_stream_and_the_next_opens_ano
         await ds.close()
 
 
-async def test_the_same_request_id_twice_at_once_is_refused(serve):
+async def test_the_same_request_id_twice_at_once_goes_unary_the_second_time(serve):
     sched = ScriptedScheduler()
-    async with grpc.aio.insecure_channel(await serve(sched)) as ch:
-        ds = DispatchStream(spb_grpc.SchedulerStub(ch))
-        first = asyncio.create_task(ds.ask(spb.DispatchRequest(request_id="mute-x"), 5.0))
+    router = Router(await serve(sched), "127.0.0.1:1", dispatch_timeout_s=5.0)
+    try:
+        first = asyncio.create_task(router.dispatch("mute-x", 8, Priority.NORMAL))
         await asyncio.sleep(0.05)
-        with pytest.raises(StreamBroken) as e:
-            await ds.ask(spb.DispatchRequest(request_id="mute-x"), 5.0)
-        assert not e.value.unavailable
+        with pytest.raises(ValueError):  # the stream itself refuses to match two
+            await router._stream.ask(spb.DispatchRequest(request_id="mute-x"), 5.0)
+        got = await router.dispatch("mute-x", 8, Priority.NORMAL)
+        assert got.instance_id == "at-mute-x" and sched.unary == 1
         first.cancel()
-        await ds.close()
+    finally:
+        await router.close()
+
+
+async def test_an_unknown_error_code_is_an_internal_error(serve):
+    class NewCodes(ScriptedScheduler):
+        async def DispatchStream(self, request_iterator, context):
+            async for r in request_iterator:
+                yield spb.DispatchReply(request_id=r.request_id, error_code="from_the_future", error_message="?")
+    router = Router(await serve(NewCodes()), "127.0.0.1:1")
+    try:
+        with pytest.raises(FerryError) as e:
+            await router.dispatch("r", 8, Priority.NORMAL)
+        assert e.value.code is Code.INTERNAL
+    finally:
+        await router.close()
 
 
 async def test_a_scheduler_without_the_stream_is_asked_with_unary_calls(serve):
