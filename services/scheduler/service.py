@@ -107,7 +107,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 reply = self._dispatch(request)
             except FerryError as e:
                 reply = pb.DispatchReply(error_code=e.code.value, error_message=e.message)
-            except Exception as e:  # noqa: BLE001  (one request's failure must not end the others' stream)
+            except Exception as e:  # (one request's failure must not end the others' stream)
                 log.exception("dispatch failed", request_id=request.request_id)
                 reply = pb.DispatchReply(error_code=Code.INTERNAL.value, error_message=f"dispatch failed: {e}")
             reply.request_id = request.request_id
