@@ -90,26 +90,35 @@ async def _rate_step(http: aiohttp.ClientSession, rate: float, duration_s: float
             "latency_ms_p50": 1000 * lat[len(lat) // 2], "latency_ms_p99": 1000 * lat[int(len(lat) * 0.99)]}
 
 
+async def _ttft_samples(targets: dict[str, tuple[aiohttp.ClientSession, str]], samples: int,
+                        rounds: int) -> dict[str, tuple[list[float], list[float]]]:
+    """For each target (a frontend session, an instance address): warm up
+    both paths, then (direct, frontend) TTFT samples taken in ``rounds``
+    rounds that interleave the paths and the targets, so drift hits all alike."""
+    for http, address in targets.values():
+        await _frontend_ttft(http, 20)
+        await _direct_ttft(address, 20)
+    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in targets}
+    for _ in range(rounds):
+        for k, (http, address) in targets.items():
+            out[k][0].extend(await _direct_ttft(address, samples // rounds))
+            out[k][1].extend(await _frontend_ttft(http, samples // rounds))
+    return out
+
+
 async def _ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
     """Added TTFT p50 of each cluster, their samples interleaved in rounds
     (the same machine state for all): {label: {frontend, direct, added}}."""
     sess = {k: aiohttp.ClientSession(base_url=c.url) for k, c in clusters.items()}
-    front: dict[str, list[float]] = {k: [] for k in clusters}
-    direct: dict[str, list[float]] = {k: [] for k in clusters}
     try:
-        for k, c in clusters.items():
-            await _frontend_ttft(sess[k], 20)
-            await _direct_ttft(c.instances()[0].address, 20)
-        for _ in range(8):
-            for k, c in clusters.items():
-                front[k] += await _frontend_ttft(sess[k], samples // 8)
-                direct[k] += await _direct_ttft(c.instances()[0].address, samples // 8)
+        got = await _ttft_samples({k: (sess[k], c.instances()[0].address) for k, c in clusters.items()},
+                                  samples, rounds=8)
     finally:
         for h in sess.values():
             await h.close()
     out = {}
-    for k in clusters:
-        f, d = 1000 * float(np.median(front[k])), 1000 * float(np.median(direct[k]))
+    for k, (direct, front) in got.items():
+        f, d = 1000 * float(np.median(front)), 1000 * float(np.median(direct))
         out[k] = {"frontend_ttft_ms_p50": f, "direct_ttft_ms_p50": d, "added_ttft_ms_p50": f - d}
     return out
 
@@ -118,12 +127,7 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
     inst = cluster.instances()[0]
     async with aiohttp.ClientSession(base_url=cluster.url, connector=aiohttp.TCPConnector(limit=2000),
                                      timeout=aiohttp.ClientTimeout(total=30)) as http:
-        await _frontend_ttft(http, 20)  # warm up both paths
-        await _direct_ttft(inst.address, 20)
-        direct, front = [], []
-        for _ in range(4):  # interleave so drift hits both alike
-            direct += await _direct_ttft(inst.address, samples // 4)
-            front += await _frontend_ttft(http, samples // 4)
+        direct, front = (await _ttft_samples({"": (http, inst.address)}, samples, rounds=4))[""]
         steps = []
         for rate in rates:
             s = await _rate_step(http, rate, step_s, timeout_s=5.0)

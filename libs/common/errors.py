@@ -121,6 +121,10 @@ def openai_error(err: FerryError) -> tuple[int, dict]:
     }
 
 
-def is_unavailable(err: grpc.RpcError) -> bool:
+def is_unavailable(err: grpc.RpcError | FerryError) -> bool:
+    """The callee did not answer (down, or not in time), as a failed call or
+    as a FerryError carried in a reply."""
+    if isinstance(err, FerryError):
+        return err.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)
     code = err.code() if hasattr(err, "code") else None
     return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -18,7 +18,7 @@ import grpc
 
 from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
-from libs.common.errors import Code, FerryError
+from libs.common.errors import Code, FerryError, is_unavailable
 from libs.common.logging import get_logger
 
 log = get_logger(__name__)
@@ -57,9 +57,7 @@ class _Stream:
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
         except grpc.RpcError as e:
-            broken = StreamBroken(e, unavailable=e.code() in (grpc.StatusCode.UNAVAILABLE,
-                                                             grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                             grpc.StatusCode.CANCELLED))
+            broken = StreamBroken(e, unavailable=is_unavailable(e) or e.code() == grpc.StatusCode.CANCELLED)
         finally:
             self.break_(broken)
 
@@ -98,10 +96,10 @@ class DispatchStream:
     StreamBroken; ``supported`` turns False for a scheduler without the
     method."""
 
-    def __init__(self, stub: spb_grpc.SchedulerStub):
+    def __init__(self, stub: spb_grpc.SchedulerStub, enabled: bool = True):
         self._stub = stub
         self._stream: _Stream | None = None
-        self.supported = True
+        self.supported = enabled
 
     async def ask(self, req: spb.DispatchRequest, timeout_s: float) -> spb.DispatchReply:
         if self._stream is None or self._stream.broken is not None:

@@ -52,8 +52,7 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, ipb_grpc.InstanceStub] = {}
         self._sched = spb_grpc.SchedulerStub(self.channel(scheduler))
-        self._stream = DispatchStream(self._sched)
-        self._stream.supported = dispatch_stream
+        self._stream = DispatchStream(self._sched, enabled=dispatch_stream)
         self.bypass = False
         self._bypass_until = 0.0
         self.watchdog = StallWatchdog(self.instance, stall_timeout_s)
@@ -138,7 +137,7 @@ class Router:
                 except ValueError:  # a code this frontend does not know
                     code = Code.INTERNAL
                 err = FerryError(reply.error_message, code=code)
-                if err.code in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+                if is_unavailable(err):
                     return None, err.code.name
                 raise err
         try:
