@@ -165,12 +165,14 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
     from services.instance.engine.native.config import SHAPES
+    from services.instance.engine.native.engine import default_block_size
 
     bss, hf_bss = int_list(batch_sizes), int_list(hf_batch_sizes, allow_empty=True)
-    need_blocks = max(bss) * -(-(prompt_len + output_len) // 16) + 8
+    block_size = 16 if no_vllm_kernels else default_block_size(device, dtype)  # as `ferry serve instance` picks
+    need_blocks = max(bss) * -(-(prompt_len + output_len) // block_size) + 8
     t0 = time.perf_counter()
     eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
-                                     num_blocks=need_blocks, max_num_batched_tokens=2048,
+                                     num_blocks=need_blocks, block_size=block_size, max_num_batched_tokens=2048,
                                      extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
     ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
@@ -182,6 +184,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(), "loadavg": load,
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
               "repeats": repeats, "native_vllm_kernels": getattr(eng.executor, "kernels", None) is not None,
+              "block_size": block_size, "kv_in_kernel_layout": eng.kv_layout.k_transposed,
               "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked"}.get(
                   type(getattr(eng.executor.model, "lm_head_packed", None)).__name__, "F.linear"),
               "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},

@@ -352,18 +352,20 @@ class MigrationResult(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ..., commit_ack_ms: _Optional[float] = ..., suspended_at: _Optional[float] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+    __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_transposed")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    K_TRANSPOSED_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    k_transposed: bool
+    def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_transposed: _Optional[bool] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
     __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff")

@@ -55,7 +55,7 @@ class InstanceConfig(CommonConfig):
     model: str = opt("smollm2", "model name or Hugging Face directory (native, vllm; vllm also takes hub names)")
     num_blocks: int | None = opt(None, "KV cache blocks (default: from --kv-cache-gb or the engine)", min=1)
     kv_cache_gb: float | None = opt(None, "KV cache memory budget in GiB", min=0.001)
-    block_size: int | None = opt(None, "tokens per KV block (default: 16; vllm: 16 on GPU, 32 on CPU, "
+    block_size: int | None = opt(None, "tokens per KV block (default: 16; native bf16 on CPU with the vllm extra and vllm: 32 on CPU, "
                                  "where vLLM's CPU attention needs a multiple of 32)", min=1)
     max_num_seqs: int = opt(256, "most requests in a running batch", min=1)
     max_num_batched_tokens: int = opt(2048, "token budget per step (chunked prefill)", min=1)
@@ -121,7 +121,8 @@ class InstanceConfig(CommonConfig):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             engine=self.engine, model=self.model, num_blocks=self.num_blocks, kv_cache_gb=self.kv_cache_gb,
-            block_size=self.block_size or default_block_size(self.engine), max_num_seqs=self.max_num_seqs,
+            block_size=self.block_size or default_block_size(self.engine, self.device, self.dtype),
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
             seed=self.seed, extra=self._engine_extra(),
@@ -136,11 +137,15 @@ class InstanceConfig(CommonConfig):
         return extra
 
 
-def default_block_size(engine: str) -> int:
+def default_block_size(engine: str, device: str = "cpu", dtype: str = "auto") -> int:
     if engine == "vllm":
         from services.instance.engine.vllm.args import default_block_size as vllm_default
 
         return vllm_default()
+    if engine == "native":
+        from services.instance.engine.native.engine import default_block_size as native_default
+
+        return native_default(device, dtype)
     return 16
 
 

@@ -47,13 +47,20 @@ class EngineRequest:
 @dataclass(frozen=True)
 class KvLayout:
     """Shape of one KV block in the fused transfer buffer
-    ``[n_blocks, layers, 2, block_size, kv_heads, head_dim]``."""
+    ``[n_blocks, layers, 2, block_size, kv_heads, head_dim]``.
+
+    ``k_transposed``: within a (block, layer) the K part is stored
+    ``[kv_heads, head_dim, block_size]`` and the V part ``[kv_heads,
+    block_size, head_dim]`` (the layout vLLM's CPU attention kernel reads:
+    the native engine's bf16 CPU path, native/cpu_kernels.py); the bytes per
+    block are the same, but blocks move only between engines that agree."""
 
     dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    k_transposed: bool = False
 
     @property
     def bytes_per_block(self) -> int:

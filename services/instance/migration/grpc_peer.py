@@ -25,11 +25,12 @@ from services.instance.migration.messages import (
 # --- conversions ----------------------------------------------------------------------
 def header_to_pb(layout: KvLayout) -> pb.KvHeader:
     return pb.KvHeader(dtype=layout.dtype, block_size=layout.block_size, num_layers=layout.num_layers,
-                       num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim)
+                       num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                       k_transposed=layout.k_transposed)
 
 
 def layout_from_pb(h: pb.KvHeader) -> KvLayout:
-    return KvLayout(h.dtype, h.block_size, h.num_layers, h.num_kv_heads, h.head_dim)
+    return KvLayout(h.dtype, h.block_size, h.num_layers, h.num_kv_heads, h.head_dim, h.k_transposed)
 
 
 def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:

@@ -129,3 +129,77 @@ def test_a_bf16_engine_keeps_every_slot_equal_to_the_paged_cache(make_engine):
     assert e.load().num_preemptions > 0
     assert dense_steps > 20
     assert {k: len(v) for k, v in out.items()} == {str(i): n for i, n in enumerate((24, 8, 30, 12, 20, 16))}
+
+
+def test_paged_attention_in_place_matches_the_torch_path():
+    """Blocks of 32 in the kernel's layout (KvLayout.k_transposed): one call
+    writes the step's new K/V into each request's own blocks and attends
+    through its block table, decodes and prefill chunks together; the same
+    as the torch path over the plain layout (gathered decodes, SDPA for the
+    chunks), and the new K/V land where the layout says."""
+    from services.instance.engine.native.cpu_kernels import paged_views
+
+    bs, nb = 32, 40
+    g = torch.Generator().manual_seed(4)
+    ctx, q_lens = [150, 61, 0, 33], [1, 1, 40, 70]  # two decodes, then prefill chunks with and without context
+    tables = [[7, 3, 30, 12, 5], [21, 8], [0, 39], [17, 25, 9, 2]]  # scattered, not in order
+    plain = torch.zeros(nb, LAYERS, 2, bs, KVH, D, dtype=torch.bfloat16)
+    for t, n in zip(tables, ctx):  # the contexts' KV, random, in both layouts
+        for p in range(n):
+            plain[t[p // bs], :, :, p % bs] = torch.randn(LAYERS, 2, KVH, D, generator=g).to(torch.bfloat16)
+    transposed = torch.empty_like(plain)
+    tv = transposed.view(nb, LAYERS, 2, KVH, bs, D)
+    tv[:, :, 0].view(nb, LAYERS, KVH, D, bs).copy_(plain[:, :, 0].permute(0, 1, 3, 4, 2))
+    tv[:, :, 1].copy_(plain[:, :, 1].permute(0, 1, 3, 2, 4))
+    t = sum(q_lens)
+    q = torch.randn(t, H, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(t, KVH, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(t, KVH, D, generator=g).to(torch.bfloat16)
+    layer = 1
+    slots = torch.tensor([tb[p // bs] * (LAYERS * 2 * bs) + p % bs
+                          for tb, s, n in zip(tables, ctx, q_lens) for p in range(s, s + n)])
+    dev = torch.device("cpu")
+    used = [tb[: -(-(s + n) // bs)] for tb, s, n in zip(tables, ctx, q_lens)]
+    meta = AttentionMeta(slot_rows(slots, LAYERS, bs), build_group(q_lens[:2], ctx[:2], used[:2], bs, LAYERS, dev),
+                         build_group(q_lens[2:], ctx[2:], used[2:], bs, LAYERS, dev), LAYERS, bs)
+    want = paged_attention(q, k, v, plain, layer, meta, D ** -0.5).float()
+    step = KERNELS.step_meta(ctx, bs, H, KVH, D, torch.bfloat16, q_lens=q_lens, block_tables=used)
+    meta = AttentionMeta(None, None, None, LAYERS, bs, kernels=KERNELS, paged=step)
+    got = paged_attention(q, k, v, transposed, layer, meta, D ** -0.5).float()
+    assert got.abs().max() > 0.1
+    assert (got - want).abs().max() < 0.03
+    kc, vc = paged_views(transposed, layer)
+    row = 0
+    for tb, s, n in zip(tables, ctx, q_lens):
+        for p in range(s, s + n):
+            blk, off = tb[p // bs], p % bs
+            assert torch.equal(kc[blk].reshape(KVH, D, bs)[:, :, off], k[row])
+            assert torch.equal(vc[blk, :, off], v[row])
+            row += 1
+    others = [i for i in range(LAYERS) if i != layer]  # the kernel wrote this layer's part of the blocks only
+    assert torch.equal(transposed[:, others], tv.view_as(plain)[:, others])
+
+
+@pytest.mark.model
+def test_a_bf16_engine_attending_in_place_gives_the_dense_paths_tokens(make_engine):
+    """SmolLM2 in bf16, greedy: blocks of 32 (the kernel over the paged
+    cache, preempted and recomputed in a small pool) against blocks of 16
+    (the dense decode cache, a pool that holds everything)."""
+    prompts = [list(range(100 + 7 * i, 100 + 7 * i + n)) for i, n in enumerate([5, 40, 17, 90, 33, 64])]
+    lens = (24, 8, 30, 12, 20, 16)
+    out = {}
+    for bs, blocks in ((16, 64), (32, 7)):
+        e = make_engine("native", dtype="bfloat16", block_size=bs, num_blocks=blocks, watermark=0.0,
+                        extra={"share_weights": True, "warmup": False})
+        assert e.kv_layout.k_transposed == (bs == 32)
+        assert (e.executor.decode_cache is None) == (bs == 32)
+        for i, (p, n) in enumerate(zip(prompts, lens)):
+            e.add_request(req(str(i), p, max_tokens=n, min_tokens=n))
+        got: dict[str, list[int]] = {}
+        while e.has_work():
+            for o in e.step():
+                got.setdefault(o.request_id, []).append(o.token_id)
+            e.check_integrity()
+        out[bs] = (got, e.load().num_preemptions)
+    assert out[32][1] > 0 and out[16][1] == 0
+    assert out[32][0] == out[16][0]

@@ -24,10 +24,24 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def native(num_blocks: int = 64, **config):
-    return create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=num_blocks, block_size=16,
-                                      max_model_len=512, dtype="float32",
-                                      extra={"share_weights": True, "warmup": False}, **config))
+def native(num_blocks: int = 64, block_size: int = 16, dtype: str = "float32", extra: dict | None = None,
+           **config):
+    return create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=num_blocks, block_size=block_size,
+                                      max_model_len=512, dtype=dtype,
+                                      extra={"share_weights": True, "warmup": False, **(extra or {})}, **config))
+
+
+def kernel_native(num_blocks: int = 32, **config):
+    """bf16 with blocks of 32: vLLM's CPU kernel attends over the paged
+    cache in place (KvLayout.k_transposed); skips where it is not installed."""
+    from services.instance.engine.native import cpu_kernels
+
+    if cpu_kernels.vllm_ops() is None:
+        pytest.skip("vLLM's CPU kernels are not installed")
+    e = native(num_blocks, block_size=32, dtype="bfloat16", **config)
+    if not e.kv_layout.k_transposed:
+        pytest.skip("vLLM's CPU kernels are not usable here")
+    return e
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,9 @@
 """The migration protocol in one process between two native engines on the
 real default model (SmolLM2-135M): a migrated request emits exactly the
-tokens of an unmigrated run (greedy and seeded), across a cancel too."""
+tokens of an unmigrated run (greedy and seeded), across a cancel too; in
+float32 (the path checked against transformers) and in bf16 with vLLM's CPU
+kernel attending over the paged cache in its own layout (k_transposed
+blocks move as they are). An engine of the other layout is refused."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.instance.migration.harness import Client, order
+from tests.instance.migration.harness import Client, Cluster, order
 from tests.instance.migration.native_engines import (
     cluster_of,
+    kernel_native,
     native,
     one_torch_thread,  # noqa: F401 - a fixture
 )
@@ -23,9 +27,11 @@ PROMPT = [100 + (i * 37) % 5000 for i in range(90)]
 N = 40
 
 
-@pytest.fixture(scope="module")
-def engines():
-    return native(), native()
+@pytest.fixture(scope="module", params=["float32", "bf16-kernel"])
+def engines(request):
+    if request.param == "float32":
+        return native(), native()
+    return kernel_native(), kernel_native()
 
 
 @pytest.fixture
@@ -64,3 +70,23 @@ async def test_cancel_after_suspend_resumes_with_the_same_tokens(two):
     assert cl.path == ["a"]
     for node in two.nodes.values():
         await node.check_clean()
+
+
+async def test_a_k_transposed_cache_is_refused_by_a_plain_one():
+    """Same dtype and block size, the other block layout: the bytes would
+    be read as the wrong positions, so the destination refuses them."""
+    c = Cluster()
+    c.add("a", kernel_native(num_blocks=16))
+    c.add("b", native(16, block_size=32, dtype="bfloat16", extra={"vllm_kernels": False}))
+    try:
+        cl = Client(c, "r")
+        task = asyncio.create_task(cl.run("a", PROMPT, N))
+        await cl.wait_tokens(3, timeout_s=60)
+        out = await c.nodes["a"].manager.migrate_one("r", "b", "b")
+        assert not out.committed and "kv layout mismatch" in out.reason
+        assert len(await asyncio.wait_for(task, 120)) == N
+        assert cl.path == ["a"]
+        for node in c.nodes.values():
+            await node.check_clean()
+    finally:
+        await c.stop()

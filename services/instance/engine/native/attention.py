@@ -21,6 +21,12 @@ The metadata (row indices, masks) is built once per step and shared by all layer
 On CPU the decodes read their context from a dense per-request copy instead
 of gathering it (decode_cache.py: the gather was ~40% of a batch-32 step);
 ``AttentionMeta.dense`` is set then, and the gather path stays the fallback.
+
+With vLLM's CPU kernels and blocks of a multiple of 32 positions, none of
+the above: the cache is kept in the kernel's layout (``KvLayout.k_transposed``)
+and ``AttentionMeta.paged`` is set: the kernel writes the step's new K/V into
+their blocks and attends over each request's own blocks through its block
+table, decodes and prefill chunks in one call (cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.instance.engine.native.cpu_kernels import CpuKernels, StepMeta
+from services.instance.engine.native.cpu_kernels import CpuKernels, StepMeta, paged_views
 
 
 @dataclass
@@ -62,13 +68,14 @@ class DenseMeta:
 
 @dataclass
 class AttentionMeta:
-    slot_rows: torch.Tensor  # [layers, 2T] rows of the new tokens' K, then V, in the token-row view
+    slot_rows: torch.Tensor | None  # [layers, 2T] rows of the new tokens' K, then V, in the token-row view
     decode: GroupMeta | None
     prefill: GroupMeta | None
     num_layers: int
     block_size: int
     dense: DenseMeta | None = None  # decodes read from DecodeCache (then ``decode`` is None)
     kernels: CpuKernels | None = None  # vLLM's CPU kernels (cpu_kernels.py): attention, RMSNorm's fp32 part
+    paged: StepMeta | None = None  # every chunk by the kernels over the k_transposed paged cache (then only this)
 
 
 def _per_layer(base: torch.Tensor, layer_stride: int, v_offset: int, num_layers: int) -> torch.Tensor:
@@ -178,6 +185,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """q: [T, H, D], k/v: [T, KVH, D] for the step's new tokens (decodes
     first); returns [T, H*D]."""
     T, H, D = q.shape
+    if meta.paged is not None:
+        kc, vc = paged_views(kv_cache, layer)
+        meta.kernels.write(k, v, kc, vc, meta.paged.slot_mapping)
+        return meta.kernels.attend(q.contiguous(), kc, vc, meta.paged, scale).view(T, H * D)
     kvh = k.shape[1]
     bs = meta.block_size
     n_blocks = kv_cache.shape[0]

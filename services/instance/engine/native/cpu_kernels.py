@@ -32,9 +32,16 @@ checks them on a small case against plain torch and returns None (the torch
 path) if anything is missing or wrong, e.g. after a vLLM upgrade.
 
 vLLM's attention reads a cache whose blocks hold K transposed ([kv_heads,
-head_dim, block] per block; V plain) and writes it with its own op. The dense
-decode cache (decode_cache.py) keeps its slots that way when the kernels are
-in use: a slot is one block of ``cap`` positions, and block i is slot i.
+head_dim, block] per block; V plain) and writes it with its own op. It
+follows the cache's stride between blocks, so it reads and writes the paged
+cache in place, one (layer, K|V) of each block at a time (``paged_views``),
+when the engine's blocks are a multiple of BLOCK_ALIGN positions: then the
+paged cache is kept in that layout (``KvLayout.k_transposed``) and a step's
+decodes and prefill chunks attend over their own blocks in one call, with
+no copy of their context. With other block sizes the dense decode cache
+(decode_cache.py) keeps its slots that way instead: a slot is one block of
+``cap`` positions, and block i is slot i; prefill chunks gather their
+context into such blocks.
 """
 
 from __future__ import annotations
@@ -68,18 +75,35 @@ class CpuKernels:
         self._ones: dict[int, torch.Tensor] = {}
 
     def step_meta(self, starts: list[int], cap: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  dtype: torch.dtype, q_lens: list[int] | None = None) -> StepMeta:
+                  dtype: torch.dtype, q_lens: list[int] | None = None,
+                  block_tables: list[list[int]] | None = None) -> StepMeta:
         """starts: each request's context before its new tokens; q_lens: its
-        new tokens (default 1: decodes)."""
+        new tokens (default 1: decodes). ``block_tables``: each request's
+        blocks of ``cap`` positions in the cache (the paged cache itself:
+        then slot_mapping covers every new token); default: request i is
+        block i and only decodes are written."""
         b = len(starts)
+        # The work split is made for OpenMP's thread count on this thread, and
+        # the attention checks it against its own. torch applies its thread
+        # setting to a new thread lazily, on its first parallel op: called
+        # first on the engine's thread (nothing else ran there yet), the split
+        # saw OpenMP's default (2) and the attention torch's setting (1).
+        torch.get_num_threads()
         q_lens = q_lens or [1] * b
         pos = torch.tensor(starts, dtype=torch.long)
         seq_lens = (pos + torch.tensor(q_lens)).to(torch.int32)
         qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         sched = self._ops.get_scheduler_metadata(b, num_heads, num_kv_heads, head_dim, seq_lens, dtype, qsl,
                                                  True, -1, self.isa, False, None, "auto")
-        return StepMeta(torch.arange(b) * cap + pos, seq_lens, qsl,
-                        torch.arange(b, dtype=torch.int32).view(b, 1), sched, cap)
+        if block_tables is None:
+            return StepMeta(torch.arange(b) * cap + pos, seq_lens, qsl,
+                            torch.arange(b, dtype=torch.int32).view(b, 1), sched, cap)
+        table = torch.zeros(b, max(len(t) for t in block_tables), dtype=torch.int32)
+        slots = []
+        for i, (t, s, n) in enumerate(zip(block_tables, starts, q_lens)):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            slots += [t[p // cap] * cap + p % cap for p in range(s, s + n)]
+        return StepMeta(torch.tensor(slots, dtype=torch.long), seq_lens, qsl, table, sched, cap)
 
     def normalize(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """fp32 x [rows, hidden] -> x * rsqrt(mean(x^2) + eps), fp32."""
@@ -119,6 +143,15 @@ class CpuKernels:
                                               None, -1, m.block_table, 0.0, m.scheduler, None, None, 1.0, 1.0,
                                               "auto")
         return out
+
+
+def paged_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``layer`` in a k_transposed paged cache (``[blocks, layers,
+    2, block, kv_heads, head_dim]`` as allocated) as the kernel's caches:
+    ``[blocks, kv_heads, block, head_dim]`` each, strided over the blocks."""
+    nb, layers, _, bs, kvh, d = kv_cache.shape
+    kv = kv_cache.view(nb, layers, 2, kvh, bs, d)
+    return kv[:, layer, 0], kv[:, layer, 1]
 
 
 # vLLM's portable x86 kernel. Its "amx" variant (on CPUs with AMX) lays the

@@ -1,6 +1,10 @@
 """A dense copy of the decoding requests' KV, so decode attention reads each
 request's context in place instead of gathering it from the paged cache.
 
+Not used where vLLM's CPU kernel attends over the paged cache itself (bf16,
+blocks of a multiple of 32: cpu_kernels.py); there the copy, its padding to
+the longest context and its cost when a long request joins are gone.
+
 Why: decode attention is memory-bound on CPU. Gathering a request's blocks
 into a padded batch writes the whole context once more and reads it back
 (3x the traffic of reading it once); at batch 32, context ~200 that gather

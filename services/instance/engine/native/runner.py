@@ -46,8 +46,14 @@ class ModelRunner(Executor):
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = cfg.vocab_size
+        # bf16 on CPU: vLLM's attention kernel and RMSNorm's fp32 part when installed (cpu_kernels.py).
+        self.kernels = (cpu_kernels.load(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                        if vllm_kernels and device.type == "cpu" and dtype == torch.bfloat16 else None)
+        # With blocks the kernel can read, it attends over the paged cache in place (K transposed
+        # within each block): no dense decode copy, no gathered context (attention.py).
+        self.paged_kernels = self.kernels is not None and block_size % cpu_kernels.BLOCK_ALIGN == 0
         self._layout = KvLayout(_DTYPE_NAMES[dtype], block_size, cfg.num_hidden_layers,
-                                cfg.num_key_value_heads, cfg.head_dim)
+                                cfg.num_key_value_heads, cfg.head_dim, k_transposed=self.paged_kernels)
         # The fused transfer layout; see attention.py for why it is also fine for attention.
         self.kv_cache = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size,
                                     cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -63,11 +69,9 @@ class ModelRunner(Executor):
         # by default it may take as much memory as the paged cache.
         if decode_cache_bytes is None:
             decode_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        dense = device.type == "cpu" and decode_cache_bytes > 0
-        # bf16 on CPU: vLLM's attention kernel (decodes, prefill) and RMSNorm's fp32 part when installed
-        # (cpu_kernels.py).
-        self.kernels = (cpu_kernels.load(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-                        if vllm_kernels and dense and dtype == torch.bfloat16 else None)
+        dense = device.type == "cpu" and decode_cache_bytes > 0 and not self.paged_kernels
+        if not dense and not self.paged_kernels:
+            self.kernels = None  # without a dense cache the decodes gather their context and torch attends
         self.decode_cache = (DecodeCache(self.kv_cache, decode_cache_bytes, k_transposed=self.kernels is not None)
                              if dense else None)
         self._decode_cache_bytes = decode_cache_bytes
@@ -100,6 +104,8 @@ class ModelRunner(Executor):
         decodes are in ``cache``'s slot order (default: the decode cache) and
         read from it. ``with_ids``: the token ids (a guest's layers need none)."""
         bs, layers = self._layout.block_size, self._layout.num_layers
+        if self.paged_kernels:
+            return self._metadata_paged(chunks, with_ids)
         ids, pos, slots = [], [], []
         for c in chunks:
             r = c.request
@@ -130,11 +136,32 @@ class ModelRunner(Executor):
             dc = cache or self.decode_cache
             meta.dense = (build_dense_kernels(dc.buf, starts, self.kernels, cfg.num_attention_heads)
                           if self.kernels is not None else build_dense(dc.buf, dc.slot_rows(starts), starts))
+        return self._inputs(chunks, ids, pos, meta)
+
+    def _metadata_paged(self, chunks: list[ScheduledChunk], with_ids: bool):
+        """_metadata when the kernels attend over the paged cache: one call
+        for every chunk, each through its own block table."""
+        bs, cfg = self._layout.block_size, self.model.config
+        ids, pos = [], []
+        for c in chunks:
+            if with_ids:
+                ids += c.request.tokens(c.start, c.end)
+            pos += range(c.start, c.end)
+        step = self.kernels.step_meta(
+            [c.start for c in chunks], bs, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            self.kv_cache.dtype, q_lens=[c.num_new for c in chunks],
+            block_tables=[c.request.block_ids[: -(-c.end // bs)] for c in chunks])
+        meta = AttentionMeta(None, None, None, self._layout.num_layers, bs, kernels=self.kernels, paged=step)
+        return self._inputs(chunks, ids, pos, meta)
+
+    def _inputs(self, chunks: list[ScheduledChunk], ids: list[int], pos: list[int], meta: AttentionMeta):
+        """(token ids, positions, meta, the rows whose logits are sampled) as tensors."""
         last_rows, row = [], 0
         for c in chunks:
             row += c.num_new
             if c.samples:
                 last_rows.append(row - 1)
+        dev = self.device
         return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
                 torch.tensor(last_rows, dtype=torch.long, device=dev))
 
