@@ -25,6 +25,8 @@ from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 
+_KV_TOKENS = 17_600  # the KV cache of every run on record (1,100 blocks of 16)
+
 
 class Background:
     """Requests decoding on one instance through its own gRPC stream; their
@@ -350,7 +352,9 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
-@click.option("--num-blocks", default=1100, show_default=True)
+@click.option("--num-blocks", type=int, default=None,
+              help="KV blocks per instance (default: 17,600 tokens' worth at the instance's default block size: "
+                   "1,100 of 16, 550 of 32)")
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
 @click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
@@ -360,11 +364,16 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
               instance_args, pin_cores, json_path) -> None:
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
     lens = [int(x) for x in lengths.split(",")]
+    if num_blocks is None:
+        from services.instance.service import default_block_size
+
+        num_blocks = _KV_TOKENS // default_block_size(engine, device, dtype)
     args = ["--num-blocks", str(num_blocks), "--device", device, "--dtype", dtype,
             "--max-model-len", str(max(lens) + out_tokens + 64), *instance_args]
     spec = ClusterSpec(instances=2, engine=engine, model=model, port=free_port(), dispatch="round_robin",
                        instance_args=args, scheduler_args=["--no-migration"], log_level="warning", pin_cores=pin_cores)
     config = {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
+              "num_blocks": num_blocks,
               "instance_cpus": [spec.instance_cpus(i) for i in range(spec.instances)],
               "background_per_instance": background, "out_tokens": out_tokens, "at_token": at_token,
               "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
