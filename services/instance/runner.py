@@ -50,6 +50,8 @@ class EngineRunner:
         self._guest_wake = threading.Event()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._holds: dict[str, float] = {}  # key -> monotonic time until which no step starts (hold)
+        self._holds_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.last_step_s = 0.0  # wall time of the latest step
@@ -114,6 +116,29 @@ class EngineRunner:
                 raise TimeoutError(f"no reply from a pipeline peer in {timeout_s:g} s")
             self._guest_wake.wait(min(left, 0.05))
 
+    def hold(self, key: str, seconds: float) -> None:
+        """Any thread: start no step for up to ``seconds`` unless ``release(key)``
+        comes first; commands still run meanwhile. For a request about to join
+        (a migration's commit): it joins the next step instead of waiting for
+        the end of one that began meanwhile."""
+        with self._holds_lock:
+            self._holds[key] = time.monotonic() + seconds
+
+    def release(self, key: str) -> None:
+        """Any thread: end the hold ``key`` (none: nothing happens)."""
+        with self._holds_lock:
+            held = self._holds.pop(key, None)
+        if held is not None:
+            self._wake.set()
+
+    def _held_for(self) -> float:
+        """Seconds left of the longest hold (0: none); drops the expired ones."""
+        now = time.monotonic()
+        with self._holds_lock:
+            for k in [k for k, t in self._holds.items() if t <= now]:
+                del self._holds[k]
+            return max(self._holds.values(), default=now) - now
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (errors are logged)."""
         self._cmds.put((fn, args, None))
@@ -168,6 +193,13 @@ class EngineRunner:
         try:
             while not self._stop.is_set():
                 changed = self._drain()
+                held = self._held_for()
+                if held > 0:
+                    if changed:
+                        self._publish([])
+                    self._wake.wait(held)
+                    self._wake.clear()
+                    continue
                 if self.engine.has_work():
                     if die_after is not None and self.steps >= int(die_after):
                         raise EngineBroken(f"failpoint: engine.die_after_steps={die_after}")

@@ -83,6 +83,9 @@ class InstanceConfig(CommonConfig):
     migration_precopy_chunk_mb: float = opt(1.0, "migration: chunk size of the pre-copy stages (MiB)", min=0.01)
     migration_copy_duty: float = opt(0.25, "migration: most fraction of wall time a pre-copy stage spends "
                                      "copying (1 = unpaced)", min=0.01, max=1.0)
+    migration_join_hold_ms: float = opt(20.0, "migration: after an incoming migration's last pre-allocation, start "
+                                        "no step for up to this long unless its commit comes first, so that the "
+                                        "request joins the next step (0 = off)", min=0.0)
     max_migrate_out: int = opt(2, "migration: concurrent migrations out of this instance", min=1)
     max_migrate_out_per_dest: int = opt(2, "migration: concurrent migrations out of this instance to one "
                                         "destination", min=1)
@@ -116,7 +119,7 @@ class InstanceConfig(CommonConfig):
             max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms,
             max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
             precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)), max_handoff_in=self.max_handoff_in,
-            handoff_per_layer_threshold=self.handoff_per_layer_threshold)
+            handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

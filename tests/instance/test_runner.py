@@ -46,3 +46,35 @@ async def test_a_dead_engine_thread_is_reported_and_fails_every_command(die_afte
         assert deaths == [1]
     finally:
         runner.stop()
+
+
+async def test_a_hold_keeps_the_step_boundary_open_until_released_or_expired():
+    """``hold``: no step starts while it lasts, commands still run (a
+    migration's install joins the very next step); ``release`` ends it at
+    once; a hold nobody releases ends by itself."""
+    engine = create_engine(EngineConfig(engine="fake", num_blocks=64, token_delay_ms=1.0))
+    runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, load: None)
+    runner.start()
+    try:
+        await runner.call(engine.add_request, req("r", [97, 98], max_tokens=100_000))
+        await asyncio.sleep(0.05)
+        runner.hold("m", 30.0)
+        await runner.call(lambda: None)  # the boundary after the hold began
+        held_at = runner.steps
+        await asyncio.sleep(0.2)
+        assert runner.steps == held_at  # ~200 steps of 1 ms would have run
+        assert await asyncio.wait_for(runner.call(engine.has_work), 1)  # commands run meanwhile
+        runner.release("m")
+        await asyncio.sleep(0.2)
+        assert runner.steps > held_at + 10
+        runner.hold("n", 0.3)  # never released
+        await runner.call(lambda: None)
+        held_at = runner.steps
+        await asyncio.sleep(0.1)
+        assert runner.steps == held_at
+        await asyncio.sleep(0.6)
+        assert runner.steps > held_at + 10
+        runner.release("unknown")  # nothing to release: nothing happens
+        await runner.call(engine.abort_request, "r")
+    finally:
+        runner.stop()

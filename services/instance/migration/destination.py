@@ -70,13 +70,14 @@ class Reservation:
 
 class Destination:
     def __init__(self, host: MigrationHost, max_migrate_in: int, counters: MigrationCounters | None = None,
-                 max_handoff_in: int = 16):
+                 max_handoff_in: int = 16, join_hold_s: float = 0.0):
         self.host = host
         self.counters = counters or MigrationCounters()
         self.engine = host.engine
         self.runner = host.runner
         self.max_migrate_in = max_migrate_in
         self.max_handoff_in = max_handoff_in
+        self.join_hold_s = join_hold_s  # MigrationConfig.join_hold_ms
         self.reservations: dict[str, Reservation] = {}
         self.settled: OrderedDict[str, float] = OrderedDict()  # migration id -> commit ack -> first step (ms)
         self._committed: dict[str, Reservation] = {}  # migration id -> committed, until settled
@@ -214,6 +215,8 @@ class Destination:
                        total_blocks=len(res.blocks))
         if p.stage == 0:  # the request's context is about this long: its first step here need not be slow
             self.engine.expect_context(len(res.held) * self.engine.block_size)
+        if p.last and self.join_hold_s > 0:  # the commit is a copy and a round trip away: keep the boundary open
+            self.runner.hold(p.migration_id, self.join_hold_s)
         self.host.changed()
         return True, ""
 
@@ -295,6 +298,12 @@ class Destination:
             marks[b * layout.num_layers + chunk.layer] = 1
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
+        try:
+            self._commit(migration_id, state)
+        finally:  # a held step boundary (join_hold_s) opens: after the install was queued, or on a refusal
+            self.runner.release(migration_id)
+
+    def _commit(self, migration_id: str, state: RequestState) -> None:
         res = self._get(migration_id)
         missing = {s: len(b) - res.received.get(s, 0) for s, b in res.stages.items()
                    if res.received.get(s, 0) != len(b)}
@@ -311,8 +320,8 @@ class Destination:
         # Validated: acknowledge now and install at the engine's next step
         # boundary (waiting for it here would add a step to the downtime).
         self.host.streams.open(state.request_id, next_index=len(state.output_token_ids))
-        self.runner.submit(self._install, res, state)
         res.committed_at = time.monotonic()
+        self.runner.submit(self._install, res, state)
         self._committed[migration_id] = res
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
         self.counters.destination_committed()
@@ -358,6 +367,7 @@ class Destination:
             await self.runner.call(self._drop_committed, res, rid)
         else:
             res.machine.to(DestState.ABORTED, reason=reason)  # first: no transfer writes on
+            self.runner.release(migration_id)
             await self._release(res)
             self.host.changed()
             return True
@@ -379,6 +389,7 @@ class Destination:
             st = res.machine.state
             if st in (DestState.NONE, DestState.RESERVED) and now > res.deadline:
                 res.machine.to(DestState.EXPIRED, blocks=len(res.held))
+                self.runner.release(mid)
                 await self._release(res)
                 self.host.changed()
             elif st is DestState.COMMITTED:

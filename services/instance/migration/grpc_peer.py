@@ -37,12 +37,12 @@ def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:
     return pb.PreAllocateRequest(
         migration_id=p.migration_id, request_id=p.request_id, num_blocks=p.num_blocks, stage=p.stage,
         header=header_to_pb(p.layout), deadline_ms=p.deadline_ms, source_instance_id=p.source_instance_id,
-        spare_blocks=p.spare_blocks, handoff=p.handoff)
+        spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last)
 
 
 def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
     return PreAllocate(m.migration_id, m.request_id, m.stage, m.num_blocks, layout_from_pb(m.header),
-                       m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff)
+                       m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last)
 
 
 def chunk_to_pb(c: KvChunk) -> pb.KvChunk:

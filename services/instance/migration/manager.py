@@ -41,7 +41,8 @@ class MigrationManager:
         self.host = host
         self.config = config
         self.counters = MigrationCounters()
-        self.dest = Destination(host, config.max_migrate_in, self.counters, max_handoff_in=config.max_handoff_in)
+        self.dest = Destination(host, config.max_migrate_in, self.counters, max_handoff_in=config.max_handoff_in,
+                                join_hold_s=config.join_hold_ms / 1000)
         self.outgoing: dict[str, SourceMigration] = {}  # request id -> migration in flight
         self.fault = fault
         self._peers = peers or self._grpc_peer

@@ -40,6 +40,13 @@ class MigrationConfig:
     # Prompts at least this long are planned as per-layer handoffs
     # (phases.handoff_mode); 0: every handoff is serialized.
     handoff_per_layer_threshold: int = 0
+    # After the last stage's pre-allocation the destination starts no step
+    # for up to this long, unless the commit (or an abort) comes first: the
+    # request then joins the very next step instead of waiting for the end of
+    # one that began meanwhile (up to a whole step of downtime). The cost: a
+    # pause of at most this long in the destination's other requests, once
+    # per migration in. 0: off.
+    join_hold_ms: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class PreAllocate:
     source_instance_id: str
     spare_blocks: int = 0
     handoff: bool = False  # a prefill->decode handoff, not a load-balancing migration
+    last: bool = False  # the last stage: the request is suspended at the source
 
 
 @dataclass(frozen=True)

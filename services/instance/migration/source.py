@@ -103,10 +103,10 @@ class SourceMigration:
         mid-migration (`ferry bench migration`)."""
         return max(self.config.deadline_ms, int(STEPS_PER_DEADLINE * 1000 * self.runner.last_step_s))
 
-    async def _pre_allocate(self, stage: int, n: int, spare: int = 0) -> None:
+    async def _pre_allocate(self, stage: int, n: int, spare: int = 0, last: bool = False) -> None:
         ok, reason = await self.peer.pre_allocate(PreAllocate(
             self.id, self.request_id, stage, n, self.engine.kv_layout, self.deadline_ms,
-            self.host.instance_id, spare, handoff=self.handoff))
+            self.host.instance_id, spare, handoff=self.handoff, last=last))
         if not ok:
             self.dest_failed = True
             raise MigrationAborted(f"destination refused: {reason}")
@@ -224,7 +224,7 @@ class SourceMigration:
         if not suspended:
             raise MigrationAborted("request finished or was preempted before suspend")
         self._to(S.PRE_ALLOC_LAST, stage=stage, blocks=len(rest))
-        await self._pre_allocate(stage, len(rest))
+        await self._pre_allocate(stage, len(rest), last=True)
         self._to(S.COPY_LAST, stage=stage, blocks=len(rest))
         nbytes = await self._copy(stage, rest)
         self.out.blocks += len(rest)

@@ -8,6 +8,8 @@ both block pools are whole afterwards."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import pytest
 
@@ -453,3 +455,63 @@ def test_load_without_leaving_requests():
 
 def test_config_defaults_bound_concurrency():
     assert CONFIG.max_migrate_out >= CONFIG.max_migrate_out_per_dest
+
+
+async def test_the_destination_keeps_its_step_boundary_open_for_the_commit():
+    """After the last stage's pre-allocation the destination starts no step
+    until the commit installs the request (MigrationConfig.join_hold_ms),
+    however long the commit takes within the hold: the request joins the
+    very next step. Its other request decodes on afterwards."""
+    c = Cluster()
+    config = dataclasses.replace(CONFIG, join_hold_ms=10_000)
+    c.add("a", fake(), config)
+    b = c.add("b", fake(), config)
+    try:
+        bg, bg_task = await start(c, rid="bg", n=LONG, node="b")  # b steps every 2 ms
+        cl, task = await start(c)
+        seen = {}
+
+        def slow_commit():  # the hold is in place (the last stage is reserved); the commit comes 100 ms late
+            seen["held"] = b.runner.steps
+            time.sleep(0.1)
+
+        install = b.engine.install_request
+
+        def recording_install(state, blocks):
+            seen["install"] = b.runner.steps
+            install(state, blocks)
+
+        b.engine.install_request = recording_install
+        c.nodes["a"].faults["source.commit"] = slow_commit
+        res = await c.nodes["a"].manager.migrate_out(order("b", "r"))
+        assert res.committed == 1, res
+        # at most the step under way when the hold began finished before the install (50 would have run)
+        assert seen["install"] - seen["held"] <= 1, seen
+        assert b.runner._held_for() == 0
+        await finish(c, cl, task, 200)
+        await asyncio.wait_for(bg_task, 30)
+        assert bg.tokens == fake_generate(PROMPT, LONG)
+    finally:
+        await c.stop()
+
+
+async def test_an_abort_after_the_last_pre_allocation_releases_the_hold():
+    c = Cluster()
+    config = dataclasses.replace(CONFIG, join_hold_ms=10_000)
+    c.add("a", fake(), config)
+    b = c.add("b", fake(), config)
+    try:
+        cl, task = await start(c, n=LONG)
+        c.nodes["a"].faults["source.copy_last"] = lambda: asyncio.current_task().cancel()
+        mig = asyncio.create_task(c.nodes["a"].manager.migrate_one("r", "b", "b"))
+        with pytest.raises(asyncio.CancelledError):
+            await mig
+        assert b.runner._held_for() == 0
+        steps = b.runner.steps
+        bg, bg_task = await start(c, rid="bg", n=20, node="b")  # b steps again
+        await asyncio.wait_for(bg_task, 30)
+        assert b.runner.steps > steps
+        await finish(c, cl, task, LONG)
+        assert cl.path == ["a"]
+    finally:
+        await c.stop()
