@@ -215,7 +215,9 @@ class Destination:
                        total_blocks=len(res.blocks))
         if p.stage == 0:  # the request's context is about this long: its first step here need not be slow
             self.engine.expect_context(len(res.held) * self.engine.block_size)
-        if p.last and self.join_hold_s > 0:  # the commit is a copy and a round trip away: keep the boundary open
+        if p.last and not p.handoff and self.join_hold_s > 0:
+            # The commit is a small copy and a round trip away: keep the boundary open for it. Not for a
+            # handoff, whose last stage is the whole prompt's KV (a pause per request here).
             self.runner.hold(p.migration_id, self.join_hold_s)
         self.host.changed()
         return True, ""
