@@ -132,7 +132,10 @@ class EngineRunner:
             self._wake.set()
 
     def _held_for(self) -> float:
-        """Seconds left of the longest hold (0: none); drops the expired ones."""
+        """Seconds left of the longest hold (0: none); drops the expired ones.
+        Called before every step: no lock while there is none (the common case)."""
+        if not self._holds:
+            return 0.0
         now = time.monotonic()
         with self._holds_lock:
             for k in [k for k, t in self._holds.items() if t <= now]:

@@ -55,8 +55,9 @@ class InstanceConfig(CommonConfig):
     model: str = opt("smollm2", "model name or Hugging Face directory (native, vllm; vllm also takes hub names)")
     num_blocks: int | None = opt(None, "KV cache blocks (default: from --kv-cache-gb or the engine)", min=1)
     kv_cache_gb: float | None = opt(None, "KV cache memory budget in GiB", min=0.001)
-    block_size: int | None = opt(None, "tokens per KV block (default: 16; native bf16 on CPU with the vllm extra and vllm: 32 on CPU, "
-                                 "where vLLM's CPU attention needs a multiple of 32)", min=1)
+    block_size: int | None = opt(None, "tokens per KV block (default: 16; 32 on CPU for vllm, and for native "
+                                 "in bf16 with the vllm extra: vLLM's CPU attention needs a multiple of 32)",
+                                 min=1)
     max_num_seqs: int = opt(256, "most requests in a running batch", min=1)
     max_num_batched_tokens: int = opt(2048, "token budget per step (chunked prefill)", min=1)
     max_model_len: int | None = opt(None, "context length (default: the model's)", min=16)

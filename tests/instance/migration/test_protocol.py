@@ -508,7 +508,7 @@ async def test_an_abort_after_the_last_pre_allocation_releases_the_hold():
             await mig
         assert b.runner._held_for() == 0
         steps = b.runner.steps
-        bg, bg_task = await start(c, rid="bg", n=20, node="b")  # b steps again
+        _, bg_task = await start(c, rid="bg", n=20, node="b")  # b steps again
         await asyncio.wait_for(bg_task, 30)
         assert b.runner.steps > steps
         await finish(c, cl, task, LONG)

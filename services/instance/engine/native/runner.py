@@ -104,16 +104,15 @@ class ModelRunner(Executor):
         decodes are in ``cache``'s slot order (default: the decode cache) and
         read from it. ``with_ids``: the token ids (a guest's layers need none)."""
         bs, layers = self._layout.block_size, self._layout.num_layers
-        if self.paged_kernels:
-            return self._metadata_paged(chunks, with_ids)
-        ids, pos, slots = [], [], []
+        ids, pos = [], []
         for c in chunks:
-            r = c.request
             if with_ids:
-                ids += r.tokens(c.start, c.end)
-            p = range(c.start, c.end)
-            pos += p
-            slots += [r.block_ids[i // bs] * (layers * 2 * bs) + i % bs for i in p]
+                ids += c.request.tokens(c.start, c.end)
+            pos += range(c.start, c.end)
+        if self.paged_kernels:
+            return self._inputs(chunks, ids, pos, self._paged_meta(chunks))
+        slots = [c.request.block_ids[i // bs] * (layers * 2 * bs) + i % bs for c in chunks
+                 for i in range(c.start, c.end)]
         groups, cfg = [], self.model.config
         for decode in (True, False):
             sel = [c for c in chunks if (c.num_new == 1) == decode]
@@ -138,21 +137,15 @@ class ModelRunner(Executor):
                           if self.kernels is not None else build_dense(dc.buf, dc.slot_rows(starts), starts))
         return self._inputs(chunks, ids, pos, meta)
 
-    def _metadata_paged(self, chunks: list[ScheduledChunk], with_ids: bool):
-        """_metadata when the kernels attend over the paged cache: one call
-        for every chunk, each through its own block table."""
+    def _paged_meta(self, chunks: list[ScheduledChunk]) -> AttentionMeta:
+        """_metadata's attention part when the kernels attend over the paged
+        cache: one call for every chunk, each through its own block table."""
         bs, cfg = self._layout.block_size, self.model.config
-        ids, pos = [], []
-        for c in chunks:
-            if with_ids:
-                ids += c.request.tokens(c.start, c.end)
-            pos += range(c.start, c.end)
         step = self.kernels.step_meta(
             [c.start for c in chunks], bs, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
             self.kv_cache.dtype, q_lens=[c.num_new for c in chunks],
             block_tables=[c.request.block_ids[: -(-c.end // bs)] for c in chunks])
-        meta = AttentionMeta(None, None, None, self._layout.num_layers, bs, kernels=self.kernels, paged=step)
-        return self._inputs(chunks, ids, pos, meta)
+        return AttentionMeta(None, None, None, self._layout.num_layers, bs, kernels=self.kernels, paged=step)
 
     def _inputs(self, chunks: list[ScheduledChunk], ids: list[int], pos: list[int], meta: AttentionMeta):
         """(token ids, positions, meta, the rows whose logits are sampled) as tensors."""
