@@ -15,7 +15,13 @@ from ferry.pb import meta_store_pb2_grpc as mpb_grpc
 from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
-from tests.helpers import expected_fake_text, find_instance_of, migrate, stream_completion, wait_idle_and_check
+from tests.helpers import (
+    expected_fake_text,
+    find_instance_of,
+    migrate,
+    stream_completion,
+    wait_idle_and_check,
+)
 
 FAST = ["--token-delay-ms", "10", "--migration-last-stage-max-blocks", "1"]
 
@@ -65,7 +71,7 @@ async def test_autoscale_out_fills_by_migration_then_in_drains_without_cutting(t
     try:
         async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
             prompts = [f"up {i:02d} " * 4 for i in range(10)]  # 24 bytes: 2 blocks
-            tasks = [asyncio.create_task(stream_completion(http, {"prompt": p, "max_tokens": 500}))
+            tasks = [asyncio.create_task(stream_completion(http, {"prompt": p, "max_tokens": 800}))
                      for p in prompts]
             seen = {}
 
@@ -115,7 +121,7 @@ async def test_autoscale_out_fills_by_migration_then_in_drains_without_cutting(t
                     late_ids.setdefault(p, rid)
                 late.append(p)
                 late_tasks.append(asyncio.create_task(
-                    stream_completion(http, {"prompt": p, "max_tokens": 1000}, on_chunk=note)))
+                    stream_completion(http, {"prompt": p, "max_tokens": 1200}, on_chunk=note)))
 
                 async def started(p=p):
                     return p in late_ids
@@ -131,7 +137,7 @@ async def test_autoscale_out_fills_by_migration_then_in_drains_without_cutting(t
                 assert await wait_for(lambda: on_newcomer(rid0), timeout=5)
             # No request was dispatched to the newcomer before: it filled by migration.
             results = await asyncio.gather(*tasks)
-            assert [t for t, _ in results] == [expected_fake_text(p, 500) for p in prompts]
+            assert [t for t, _ in results] == [expected_fake_text(p, 800) for p in prompts]
             moved = [f for _, f in results if seen["auto"] in f["instances"]]
             assert moved and all(f["migrations"] >= 1 and f["instances"][0] == "instance-0" for f in moved)
             assert all(f["resumes"] == 0 for _, f in results)
@@ -145,7 +151,7 @@ async def test_autoscale_out_fills_by_migration_then_in_drains_without_cutting(t
             assert await wait_for(lambda: _gone(c, seen["auto"]), timeout=40)
             assert all(not t.done() for t in late_tasks)  # drained and stopped mid-stream
             late_results = await asyncio.gather(*late_tasks)
-        assert [t for t, _ in late_results] == [expected_fake_text(p, 1000) for p in late]
+        assert [t for t, _ in late_results] == [expected_fake_text(p, 1200) for p in late]
         assert all(f["resumes"] == 0 for _, f in late_results)  # drained by migration, never cut
         on_auto = [f for _, f in late_results if seen["auto"] in f["instances"]]
         assert on_auto, "no late request ran on the newcomer: the scale-in drained nothing"
