@@ -326,7 +326,7 @@ class MigrateOutReply(_message.Message):
     def __init__(self, started: _Optional[int] = ..., committed: _Optional[int] = ..., aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms", "commit_ack_ms", "suspended_at")
+    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms", "commit_ack_ms", "suspended_at", "kv_shared")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +338,7 @@ class MigrationResult(_message.Message):
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_ACK_MS_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARED_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     outcome: str
@@ -349,7 +350,8 @@ class MigrationResult(_message.Message):
     downtime_ms: float
     commit_ack_ms: float
     suspended_at: float
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ..., commit_ack_ms: _Optional[float] = ..., suspended_at: _Optional[float] = ...) -> None: ...
+    kv_shared: bool
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ..., commit_ack_ms: _Optional[float] = ..., suspended_at: _Optional[float] = ..., kv_shared: _Optional[bool] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_transposed")
@@ -368,7 +370,7 @@ class KvHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_transposed: _Optional[bool] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last")
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +381,7 @@ class PreAllocateRequest(_message.Message):
     SPARE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARE_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     num_blocks: int
@@ -389,18 +392,33 @@ class PreAllocateRequest(_message.Message):
     spare_blocks: int
     handoff: bool
     last: bool
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ...) -> None: ...
+    kv_share: KvShare
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ...) -> None: ...
+
+class KvShare(_message.Message):
+    __slots__ = ("pid", "fd", "name", "size")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    name: str
+    size: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PreAllocateReply(_message.Message):
-    __slots__ = ("accepted", "reason")
+    __slots__ = ("accepted", "reason", "kv_shared")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARED_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    kv_shared: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_shared: _Optional[bool] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes", "layer")
+    __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes", "layer", "src_blocks")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
@@ -409,6 +427,7 @@ class KvChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     stage: int
     header: KvHeader
@@ -417,7 +436,8 @@ class KvChunk(_message.Message):
     data: bytes
     total_bytes: int
     layer: int
-    def __init__(self, migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., layer: _Optional[int] = ...) -> None: ...
+    src_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[str] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., num_blocks: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ..., layer: _Optional[int] = ..., src_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferKvReply(_message.Message):
     __slots__ = ("blocks_written", "bytes")

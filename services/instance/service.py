@@ -87,6 +87,9 @@ class InstanceConfig(CommonConfig):
     migration_join_hold_ms: float = opt(20.0, "migration: after an incoming migration's last pre-allocation, start "
                                         "no step for up to this long unless its commit comes first, so that the "
                                         "request joins the next step (0 = off)", min=0.0)
+    migration_shared_kv: bool = opt(True, "migration: keep the KV cache (fake, native on CPU) in shared memory; "
+                                    "a destination on this host that can map it copies the blocks straight from "
+                                    "it, so the source sends block ids instead of bytes (else bytes over gRPC)")
     max_migrate_out: int = opt(2, "migration: concurrent migrations out of this instance", min=1)
     max_migrate_out_per_dest: int = opt(2, "migration: concurrent migrations out of this instance to one "
                                         "destination", min=1)
@@ -120,7 +123,8 @@ class InstanceConfig(CommonConfig):
             max_migrate_in=self.max_migrate_in, deadline_ms=self.migration_deadline_ms,
             max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
             precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)), max_handoff_in=self.max_handoff_in,
-            handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms)
+            handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms,
+            shared_kv=self.migration_shared_kv)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -129,7 +133,7 @@ class InstanceConfig(CommonConfig):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
-            seed=self.seed, extra=self._engine_extra(),
+            seed=self.seed, share_kv=self.migration_shared_kv, extra=self._engine_extra(),
         )
 
     def _engine_extra(self) -> dict:

@@ -113,6 +113,7 @@ async def test_with_the_token_the_cluster_serves_and_migrates(token_cluster):
                 request_id=rid, dest_instance_id=dst.name, dest_address=dst.address), timeout=30)
         text, final = await task
     assert reply.committed == 1, reply
+    assert reply.results[0].kv_shared  # the KV from the source's shared cache, the protocol over TLS
     assert text == expected_fake_text(prompt, 80) and final["migrations"] == 1
 
 

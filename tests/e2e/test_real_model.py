@@ -85,6 +85,8 @@ async def test_migrated_output_equals_unmigrated(real_cluster, sampling):
             assert text == reference, f"{n_migrations} migrations changed the output"
             committed = sum(o.committed for o in orders if o is not None)
             assert final["migrations"] == committed >= 1
+            # Processes on one host: the destination copied from the source's shared cache.
+            assert all(r.kv_shared for o in orders if o is not None for r in o.results if r.outcome == "committed")
     for inst in real_cluster.instances():
         r = await asyncio.to_thread(wait_idle_and_check, inst.address)
         assert r.ok and r.num_requests == 0 and r.free_blocks == r.total_blocks, r

@@ -23,6 +23,7 @@ from libs.common.types import (
     SamplingParams,
     TokenOutput,
 )
+from services.instance.engine.shared_kv import KvShare
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,13 @@ class Engine(abc.ABC):
     def all_blocks(self, request_id: str) -> list[int]:
         """Block ids holding the request's KV (full and the partial last one)."""
 
+    def kv_share(self) -> KvShare | None:
+        """Where another process on this host can map this engine's KV cache
+        (shared_kv.py), laid out as gather_kv's buffer over every block id;
+        None: it cannot (migrations then send bytes). It changes when the
+        cache is reallocated (grown)."""
+        return None
+
     @abc.abstractmethod
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         """Copy blocks into one contiguous CPU buffer laid out as
@@ -316,6 +324,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     token_delay_ms: float = 10.0  # fake engine: time per step
+    # The KV cache in shared memory a destination on this host can map
+    # (shared_kv.py): fake and native engines on CPU.
+    share_kv: bool = True
     profile: str = "llama-7b-a10"  # sim engine: profile name or path
     seed: int = 0
     extra: dict = field(default_factory=dict)

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from services.instance.engine import shared_kv
 from services.instance.engine.base import EngineConfig, KvLayout
 from services.instance.engine.core.engine import CoreEngine
 from services.instance.engine.core.executor import Executor, TappedChunk
@@ -70,9 +71,26 @@ class TokenKvExecutor(Executor):
     vocab_size = 1 << 24  # ids a float32 KV stores exactly
     layer_taps = True  # its one layer is written by _write
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, share_kv: bool = True):
         self._layout = KvLayout("float32", block_size, 1, 1, 1)
-        self.cache = np.zeros((num_blocks, 1, 2, block_size, 1, 1), dtype=np.float32)
+        self._share = share_kv
+        self._region: shared_kv.SharedRegion | None = None
+        self.cache = self._zeros(num_blocks)
+
+    def _zeros(self, num_blocks: int) -> np.ndarray:
+        """A zeroed cache; in shared memory when asked and possible (the
+        region replaces the current one)."""
+        shape = (num_blocks, 1, 2, self._layout.block_size, 1, 1)
+        region = shared_kv.allocate(num_blocks * self._layout.bytes_per_block, "fake") if self._share else None
+        if self._region is not None:
+            self._region.close()
+        self._region = region
+        if region is None:
+            return np.zeros(shape, dtype=np.float32)
+        return np.frombuffer(region.buffer, dtype=np.float32).reshape(shape)
+
+    def kv_share(self) -> shared_kv.KvShare | None:
+        return self._region.share if self._region is not None else None
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -120,9 +138,11 @@ class TokenKvExecutor(Executor):
         return memoryview(np.ascontiguousarray(self.cache[block_ids]).tobytes())
 
     def grow_kv(self, num_blocks: int, fresh=None) -> None:
-        extra = num_blocks - self.cache.shape[0]
-        if extra > 0:
-            self.cache = np.concatenate([self.cache, np.zeros((extra,) + self.cache.shape[1:], np.float32)])
+        have = self.cache.shape[0]
+        if num_blocks > have:
+            bigger = self._zeros(num_blocks)
+            bigger[:have] = self.cache
+            self.cache = bigger
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         arr = np.frombuffer(data, dtype=np.float32).reshape((len(block_ids),) + self.cache.shape[1:])
@@ -134,8 +154,8 @@ class TokenKvExecutor(Executor):
 
 
 class FakeExecutor(TokenKvExecutor):
-    def __init__(self, num_blocks: int, block_size: int, delay_s: float):
-        super().__init__(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, delay_s: float, share_kv: bool = True):
+        super().__init__(num_blocks, block_size, share_kv)
         self.delay_s = delay_s
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -147,5 +167,5 @@ class FakeEngine(CoreEngine):
 
     def __init__(self, config: EngineConfig):
         num_blocks = config.num_blocks or 1024
-        executor = FakeExecutor(num_blocks, config.block_size, config.token_delay_ms / 1000.0)
+        executor = FakeExecutor(num_blocks, config.block_size, config.token_delay_ms / 1000.0, config.share_kv)
         super().__init__(config, executor, num_blocks, config.max_model_len or 2048, model_name="fake")

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from libs.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from libs.common.logging import get_logger
 from libs.common.types import InstanceStatus, RequestState
+from services.instance.engine.shared_kv import KvShareError, PeerKv, runs
 from services.instance.migration.host import MigrationHost
-from services.instance.migration.messages import KvChunk, PreAllocate
+from services.instance.migration.messages import Admission, KvChunk, PreAllocate
 from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.policy import accepts_migration
 from services.instance.migration.states import DestState, Machine
@@ -51,6 +52,7 @@ class Reservation:
     handoff: bool = False  # Splitwise handoff: counted against max_handoff_in
     # stage -> one byte per (block, layer) written, for stages sent per layer
     layer_marks: dict[int, bytearray] = field(default_factory=dict)
+    peer_kv: PeerKv | None = None  # the source's shared KV cache, mapped (PreAllocate.kv_share)
 
     @property
     def open(self) -> bool:
@@ -70,8 +72,9 @@ class Reservation:
 
 class Destination:
     def __init__(self, host: MigrationHost, max_migrate_in: int, counters: MigrationCounters | None = None,
-                 max_handoff_in: int = 16, join_hold_s: float = 0.0):
+                 max_handoff_in: int = 16, join_hold_s: float = 0.0, shared_kv: bool = True):
         self.host = host
+        self.shared_kv = shared_kv  # map a source's shared KV cache when offered (MigrationConfig.shared_kv)
         self.counters = counters or MigrationCounters()
         self.engine = host.engine
         self.runner = host.runner
@@ -130,6 +133,7 @@ class Destination:
             held = res.held
             res.closed = True
             res.stages, res.spare = {}, []
+            res.peer_kv = None  # unmapped once no copy in flight holds it
         self.engine.release_blocks(held)
         return len(held)
 
@@ -141,6 +145,7 @@ class Destination:
                 return
             blocks, spare = res.blocks, res.spare
             res.closed = True
+            res.peer_kv = None
         if spare:
             self.engine.release_blocks(spare)
         try:
@@ -162,7 +167,29 @@ class Destination:
         return await self.runner.call(self._give_back, res)
 
     # --- the protocol --------------------------------------------------------------
-    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
+    async def pre_allocate(self, p: PreAllocate) -> Admission:
+        ok, reason = await self._admit(p)
+        if not ok:
+            return Admission(False, reason)
+        res = self.reservations.get(p.migration_id)
+        return Admission(True, kv_shared=res is not None and self._map_source_kv(res, p))
+
+    def _map_source_kv(self, res: Reservation, p: PreAllocate) -> bool:
+        """Map the source's shared KV cache when it offers one (again when it
+        changed: the source's cache grew); False: bytes it is."""
+        if p.kv_share is None or not self.shared_kv:
+            return False
+        if res.peer_kv is not None and res.peer_kv.share == p.kv_share:
+            return True
+        try:
+            res.peer_kv = PeerKv(p.kv_share, self.engine.kv_layout.bytes_per_block)
+        except KvShareError as e:
+            res.peer_kv = None
+            log.info("source KV cache not mapped: bytes over gRPC", migration_id=p.migration_id, reason=str(e))
+            return False
+        return True
+
+    async def _admit(self, p: PreAllocate) -> tuple[bool, str]:
         mine = self.engine.kv_layout
         if p.layout != mine:
             return False, f"kv layout mismatch: source {p.layout}, destination {mine}"
@@ -250,12 +277,20 @@ class Destination:
             if chunk.offset % bpb or len(chunk.data) % bpb:
                 raise InvalidArgument("KV chunk is not aligned to whole blocks")
             first = chunk.offset // bpb
-            n = len(chunk.data) // bpb
+            n = len(chunk.src_blocks) if chunk.src_blocks else len(chunk.data) // bpb
+            if chunk.src_blocks and len(chunk.data):
+                raise InvalidArgument("KV chunk carries both bytes and source blocks")
             if first + n > len(blocks):
                 raise InvalidArgument(f"KV chunk for blocks {first}..{first + n} of a {len(blocks)}-block stage")
-            await self._scatter(res, self.engine.scatter_kv, blocks[first:first + n], chunk.data)
+            if chunk.src_blocks:
+                if res.peer_kv is None:
+                    raise InvalidArgument("KV chunk names source blocks, but no shared KV cache is mapped")
+                await self._scatter(res, self._copy_from_source, res.peer_kv, blocks[first:first + n],
+                                    list(chunk.src_blocks))
+            else:
+                await self._scatter(res, self.engine.scatter_kv, blocks[first:first + n], chunk.data)
             written += n
-            nbytes += len(chunk.data)
+            nbytes += n * bpb
         if res is not None:
             if res.machine.state is not DestState.RESERVED:
                 raise Aborted("migration aborted during transfer")
@@ -267,6 +302,16 @@ class Destination:
                 written = res.received[stage] = sum(
                     1 for b in range(len(blocks)) if 0 not in marks[b * layers:(b + 1) * layers])
         return written, nbytes
+
+    def _copy_from_source(self, peer: PeerKv, dst: list[int], src: list[int]) -> None:
+        """Copy source blocks ``src`` (its shared cache) into reserved blocks
+        ``dst``: one scatter per run of consecutive source blocks, each
+        reading the source's memory in place."""
+        try:
+            for pos, first, n in runs(src):
+                self.engine.scatter_kv(dst[pos:pos + n], peer.blocks(first, n))
+        except KvShareError as e:
+            raise InvalidArgument(str(e)) from None
 
     async def _scatter(self, res: Reservation, fn, *args) -> None:
         """Run a scatter off the loop, counted as a writer of the reservation."""

@@ -12,7 +12,9 @@ from ferry.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.types import RequestState
 from services.instance.engine.base import KvLayout
+from services.instance.engine.shared_kv import KvShare
 from services.instance.migration.messages import (
+    Admission,
     KvChunk,
     MigrateOutOrder,
     OrderResult,
@@ -34,25 +36,30 @@ def layout_from_pb(h: pb.KvHeader) -> KvLayout:
 
 
 def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:
+    share = p.kv_share
     return pb.PreAllocateRequest(
         migration_id=p.migration_id, request_id=p.request_id, num_blocks=p.num_blocks, stage=p.stage,
         header=header_to_pb(p.layout), deadline_ms=p.deadline_ms, source_instance_id=p.source_instance_id,
-        spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last)
+        spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last,
+        kv_share=None if share is None else pb.KvShare(pid=share.pid, fd=share.fd, name=share.name,
+                                                      size=share.size))
 
 
 def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
+    share = (KvShare(m.kv_share.pid, m.kv_share.fd, m.kv_share.name, m.kv_share.size)
+             if m.HasField("kv_share") else None)
     return PreAllocate(m.migration_id, m.request_id, m.stage, m.num_blocks, layout_from_pb(m.header),
-                       m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last)
+                       m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last, share)
 
 
 def chunk_to_pb(c: KvChunk) -> pb.KvChunk:
     return pb.KvChunk(migration_id=c.migration_id, stage=c.stage, num_blocks=c.num_blocks, offset=c.offset,
-                      data=bytes(c.data), total_bytes=c.total_bytes, layer=c.layer)
+                      data=bytes(c.data), total_bytes=c.total_bytes, layer=c.layer, src_blocks=c.src_blocks)
 
 
 def chunk_from_pb(m: pb.KvChunk) -> KvChunk:
     return KvChunk(m.migration_id, m.stage, m.offset, m.data, m.num_blocks, m.total_bytes,
-                   m.layer if m.HasField("layer") else None)
+                   m.layer if m.HasField("layer") else None, tuple(m.src_blocks))
 
 
 async def chunks_from_pb(stream) -> AsyncIterator[KvChunk]:
@@ -69,7 +76,8 @@ def outcome_to_pb(o: Outcome) -> pb.MigrationResult:
     return pb.MigrationResult(
         migration_id=o.migration_id, request_id=o.request_id, outcome="committed" if o.committed else "aborted",
         reason=o.reason, stages=o.stages, blocks=o.blocks, bytes=o.bytes, duration_ms=o.duration_ms,
-        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms, suspended_at=o.suspended_at)
+        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms, suspended_at=o.suspended_at,
+        kv_shared=o.kv_shared)
 
 
 def order_result_to_pb(r: OrderResult) -> pb.MigrateOutReply:
@@ -92,12 +100,12 @@ class GrpcPeer:
         self.stub = pb_grpc.InstanceStub(channel)
         self.timeout_s = timeout_s
 
-    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
+    async def pre_allocate(self, p: PreAllocate) -> Admission:
         try:
             reply = await self.stub.PreAllocate(pre_allocate_to_pb(p), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise PeerError(_reason(e)) from None
-        return reply.accepted, reply.reason
+        return Admission(reply.accepted, reply.reason, reply.kv_shared)
 
     async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
         async def pbs():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.instance.engine.base import KvLayout
+from services.instance.engine.shared_kv import KvShare
 
 
 class MigrationAborted(Exception):
@@ -47,6 +48,10 @@ class MigrationConfig:
     # pause of at most this long in the destination's other requests, once
     # per migration in. 0: off.
     join_hold_ms: float = 20.0
+    # Same-host transfer through the source's shared KV cache (engine/shared_kv.py):
+    # the source offers it at the first pre-allocation, the destination maps it
+    # if it can, and the stages then send block ids, not bytes.
+    shared_kv: bool = True
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,18 @@ class PreAllocate:
     spare_blocks: int = 0
     handoff: bool = False  # a prefill->decode handoff, not a load-balancing migration
     last: bool = False  # the last stage: the request is suspended at the source
+    kv_share: KvShare | None = None  # the source's shared KV cache, offered (shared_kv.py)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The destination's answer to a pre-allocation."""
+
+    accepted: bool
+    reason: str = ""
+    # It mapped the source's shared KV cache (PreAllocate.kv_share): chunks
+    # may name source blocks (KvChunk.src_blocks) instead of carrying bytes.
+    kv_shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,10 @@ class KvChunk:
     """Part of one stage's fused KV buffer, ``offset`` bytes into it. With
     ``layer`` set (per-layer transfer), part of that one layer's buffer
     ``[stage blocks, 2, block_size, kv_heads, head_dim]`` instead; empty data
-    only renews the reservation. A stage takes one kind of chunk."""
+    only renews the reservation. With ``src_blocks`` (the destination mapped
+    the source's shared cache), no data: the blocks of the source's cache that
+    hold these bytes of the stage, for the destination to copy itself. A
+    stage takes one kind of chunk."""
 
     migration_id: str
     stage: int
@@ -77,6 +97,7 @@ class KvChunk:
     num_blocks: int = 0  # blocks in the whole stage
     total_bytes: int = 0
     layer: int | None = None
+    src_blocks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -93,6 +114,7 @@ class Outcome:
     commit_ack_ms: float = 0.0
     # Unix time (s) of the suspend at the source: places the downtime on a client's timeline (0: none).
     suspended_at: float = 0.0
+    kv_shared: bool = False  # the KV went through the source's shared cache (else bytes)
 
 
 @dataclass(frozen=True)

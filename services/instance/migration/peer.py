@@ -11,15 +11,15 @@ from typing import Protocol
 
 from libs.common.types import RequestState
 from services.instance.migration.destination import Destination
-from services.instance.migration.messages import KvChunk, PreAllocate
+from services.instance.migration.messages import Admission, KvChunk, PreAllocate
 
 
 class DestinationPeer(Protocol):
     """Every call raises PeerError (or another exception) when the
     destination cannot be reached or fails; a refusal is a result."""
 
-    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
-        """(accepted, why not)."""
+    async def pre_allocate(self, p: PreAllocate) -> Admission:
+        """Accepted or why not; whether the source's shared KV cache is mapped."""
 
     async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
         """Stream one stage's chunks; returns the blocks the destination wrote."""
@@ -47,7 +47,7 @@ class InProcessPeer:
     def __init__(self, dest: Destination):
         self.dest = dest
 
-    async def pre_allocate(self, p: PreAllocate) -> tuple[bool, str]:
+    async def pre_allocate(self, p: PreAllocate) -> Admission:
         return await self.dest.pre_allocate(p)
 
     async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:

@@ -28,10 +28,10 @@ class MigrationRpcs:
         return order_result_to_pb(await self.manager.migrate_out(order_from_pb(req)))
 
     async def pre_allocate(self, req: pb.PreAllocateRequest) -> pb.PreAllocateReply:
-        ok, reason = await self.dest.pre_allocate(pre_allocate_from_pb(req))
-        if not ok:
-            log.info("pre-allocate refused", migration_id=req.migration_id, reason=reason)
-        return pb.PreAllocateReply(accepted=ok, reason=reason)
+        a = await self.dest.pre_allocate(pre_allocate_from_pb(req))
+        if not a.accepted:
+            log.info("pre-allocate refused", migration_id=req.migration_id, reason=a.reason)
+        return pb.PreAllocateReply(accepted=a.accepted, reason=a.reason, kv_shared=a.kv_shared)
 
     async def transfer_kv(self, chunks) -> pb.TransferKvReply:
         if failpoints.enabled("dest.crash_mid_transfer"):

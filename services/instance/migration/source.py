@@ -80,6 +80,8 @@ class SourceMigration:
         self.preemptions = 0
         self.dest_failed = False  # the destination could not be reached or refused
         self.handoff = handoff
+        # The engine's shared KV cache as last offered, if the destination mapped it (shared_kv.py).
+        self.shared = None
 
     # --- helpers ---------------------------------------------------------------
     def _to(self, state: SourceState, **fields) -> None:
@@ -104,26 +106,32 @@ class SourceMigration:
         return max(self.config.deadline_ms, int(STEPS_PER_DEADLINE * 1000 * self.runner.last_step_s))
 
     async def _pre_allocate(self, stage: int, n: int, spare: int = 0, last: bool = False) -> None:
-        ok, reason = await self.peer.pre_allocate(PreAllocate(
+        share = self.engine.kv_share() if self.config.shared_kv else None
+        a = await self.peer.pre_allocate(PreAllocate(
             self.id, self.request_id, stage, n, self.engine.kv_layout, self.deadline_ms,
-            self.host.instance_id, spare, handoff=self.handoff, last=last))
-        if not ok:
+            self.host.instance_id, spare, handoff=self.handoff, last=last, kv_share=share))
+        if not a.accepted:
             self.dest_failed = True
-            raise MigrationAborted(f"destination refused: {reason}")
+            raise MigrationAborted(f"destination refused: {a.reason}")
+        self.shared = share if a.kv_shared else None
 
     async def _copy(self, stage: int, blocks: list[int], paced: bool = False) -> int:
         """Gather the blocks in chunks (off the event loop and the engine
         thread) and stream them; returns bytes sent. Paced (pre-copy while
         the request decodes here): smaller chunks, and after each a pause so
-        that copying takes at most ``copy_duty`` of the wall time."""
+        that copying takes at most ``copy_duty`` of the wall time. When the
+        destination mapped this engine's shared cache (and it is still the
+        one offered: a grown cache is another), the chunks name the blocks
+        and the destination copies them: nothing is gathered here."""
         if not blocks:
             return 0
+        if self.shared is not None and self.engine.kv_share() == self.shared:
+            return await self._copy_shared(stage, blocks)
         bpb = self.engine.kv_layout.bytes_per_block
         chunk_bytes = min(self.config.chunk_bytes, self.config.precopy_chunk_bytes) if paced \
             else self.config.chunk_bytes
         per_chunk = max(1, chunk_bytes // bpb)
         total = len(blocks) * bpb
-        delay = failpoints.value("source.copy_delay_ms")
         duty = self.config.copy_duty if paced else 1.0
 
         async def chunks():
@@ -137,12 +145,31 @@ class SourceMigration:
                 if 0 < duty < 1 and i + per_chunk < len(blocks):
                     await asyncio.sleep((time.perf_counter() - t) * (1 / duty - 1))
 
-        written = await self.peer.transfer(chunks())
+        await self._sent(blocks, await self.peer.transfer(chunks()))
+        return total
+
+    async def _copy_shared(self, stage: int, blocks: list[int]) -> int:
+        bpb = self.engine.kv_layout.bytes_per_block
+        per_chunk = max(1, self.config.chunk_bytes // bpb)
+        total = len(blocks) * bpb
+
+        async def chunks():
+            for i in range(0, len(blocks), per_chunk):
+                yield KvChunk(self.id, stage, i * bpb, b"", len(blocks), total,
+                              src_blocks=tuple(blocks[i:i + per_chunk]))
+                if i == 0:
+                    self.fault("source.crash_mid_transfer")
+
+        await self._sent(blocks, await self.peer.transfer(chunks()))
+        self.out.kv_shared = True
+        return total
+
+    async def _sent(self, blocks: list[int], written: int) -> None:
         if written != len(blocks):
             raise MigrationAborted(f"destination wrote {written} of {len(blocks)} blocks")
+        delay = failpoints.value("source.copy_delay_ms")  # tests: a slow transfer
         if delay and len(blocks) >= int(failpoints.value("source.copy_delay_min_blocks") or 0):
             await asyncio.sleep(float(delay) / 1000)
-        return total
 
     async def _verify(self) -> None:
         phase = await self.runner.call(self.engine.request_phase, self.request_id)

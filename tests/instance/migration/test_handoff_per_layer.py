@@ -61,7 +61,7 @@ def watch(c: Cluster, on_chunk) -> list[tuple[int | None, int]]:
     seen = []
 
     def record(ch):
-        if ch.data:
+        if ch.data or ch.src_blocks:  # bytes, or blocks of p's shared cache
             r = p.engine.requests.get("r")
             seen.append((ch.layer, r.num_computed_tokens if r else -1))
         on_chunk(seen)

@@ -83,8 +83,9 @@ async def test_per_layer_chunks_flow_while_the_prompt_computes(two):
 
     def record(ch):
         r = a.engine.requests.get("r")
-        if ch.data:
-            seen.append((ch.layer, ch.offset // 128, len(ch.data) // 128, r.num_computed_tokens if r else -1))
+        if ch.data or ch.src_blocks:  # bytes, or blocks of a's shared cache
+            n = len(ch.src_blocks) or len(ch.data) // 128
+            seen.append((ch.layer, ch.offset // 128, n, r.num_computed_tokens if r else -1))
 
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, record)
     _, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, PER_LAYER)
@@ -200,7 +201,7 @@ async def test_destination_fails_mid_stream(two, mode):
     at = 2 if mode is PER_LAYER else 1  # serialized sends its 7 blocks in one chunk
 
     def break_mid_stream(ch):
-        if ch.data:
+        if ch.data or ch.src_blocks:
             n.append(ch)
         if len(n) == at:
             raise PeerError("UNAVAILABLE: destination went away")
@@ -307,7 +308,7 @@ async def test_handoff_over_grpc(two, mode):
         async def TransferKv(self, chunks, ctx):
             async def seen():
                 async for m in chunks:
-                    if m.data:
+                    if m.data or m.src_blocks:
                         layers.append(m.layer if m.HasField("layer") else None)
                     yield m
 

@@ -81,7 +81,7 @@ async def clean(c: Cluster) -> None:
 async def test_handoff_gives_exactly_the_colocated_tokens(two, mode, sampling):
     want = await reference(two, sampling)
     layers = []
-    two.peer_wrappers["b"] = lambda p: WatchedPeer(p, lambda ch: layers.append(ch.layer) if ch.data else None)
+    two.peer_wrappers["b"] = lambda p: WatchedPeer(p, lambda ch: layers.append(ch.layer) if ch.data or ch.src_blocks else None)
     cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, mode, config=CFG, **sampling)
     out = await asyncio.wait_for(ht, 120)
     assert out.committed, out

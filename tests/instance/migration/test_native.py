@@ -8,12 +8,13 @@ blocks move as they are). An engine of the other layout is refused."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 pytest.importorskip("torch")
 
-from tests.instance.migration.harness import Client, Cluster, order
+from tests.instance.migration.harness import CONFIG, Client, Cluster, order
 from tests.instance.migration.native_engines import (
     cluster_of,
     kernel_native,
@@ -40,19 +41,24 @@ async def two(engines):
         yield c
 
 
+@pytest.mark.parametrize("transport", ["shared", "bytes"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
-async def test_migrated_tokens_equal_the_unmigrated_run(two, sampling):
-    ref = Client(two, "ref")
-    want = await asyncio.wait_for(ref.run("a", PROMPT, N, **sampling), 120)
-    cl = Client(two, "r")
-    task = asyncio.create_task(cl.run("a", PROMPT, N, **sampling))
-    await cl.wait_tokens(5, timeout_s=60)
-    res = await two.nodes["a"].manager.migrate_out(order("b", "r"))
-    assert res.committed == 1, res
-    assert await asyncio.wait_for(task, 120) == want
-    assert cl.path == ["a", "b"]
-    for node in two.nodes.values():
-        await node.check_clean()
+async def test_migrated_tokens_equal_the_unmigrated_run(engines, sampling, transport):
+    """The KV through the source's shared cache (b copies a's blocks) or as bytes."""
+    config = CONFIG if transport == "shared" else dataclasses.replace(CONFIG, shared_kv=False)
+    async with cluster_of(engines, config=config) as two:
+        ref = Client(two, "ref")
+        want = await asyncio.wait_for(ref.run("a", PROMPT, N, **sampling), 120)
+        cl = Client(two, "r")
+        task = asyncio.create_task(cl.run("a", PROMPT, N, **sampling))
+        await cl.wait_tokens(5, timeout_s=60)
+        res = await two.nodes["a"].manager.migrate_out(order("b", "r"))
+        assert res.committed == 1, res
+        assert res.results[0].kv_shared == (transport == "shared")
+        assert await asyncio.wait_for(task, 120) == want
+        assert cl.path == ["a", "b"]
+        for node in two.nodes.values():
+            await node.check_clean()
 
 
 async def test_cancel_after_suspend_resumes_with_the_same_tokens(two):
@@ -90,3 +96,23 @@ async def test_a_k_transposed_cache_is_refused_by_a_plain_one():
             await node.check_clean()
     finally:
         await c.stop()
+
+
+def test_the_shared_cache_holds_the_engines_blocks(engines):
+    """What a destination maps (kv_share) is this engine's cache, block for
+    block as gather_kv lays it out."""
+    import numpy as np
+
+    from services.instance.engine.shared_kv import PeerKv
+
+    e = engines[0]
+    bpb = e.kv_layout.bytes_per_block
+    peer = PeerKv(e.kv_share(), bpb)
+    assert peer.num_blocks == e.num_total_blocks
+    ids = e.reserve_blocks(3)
+    try:
+        data = np.random.default_rng(0).integers(0, 255, 3 * bpb, dtype=np.uint8)
+        e.scatter_kv(ids, memoryview(data))
+        assert b"".join(bytes(peer.blocks(b, 1)) for b in ids) == data.tobytes() == bytes(e.gather_kv(ids))
+    finally:
+        e.release_blocks(ids)

@@ -28,11 +28,17 @@ def fake(num_blocks=256, block_size=16, delay_ms=2.0):
                                       token_delay_ms=delay_ms))
 
 
-@pytest.fixture
-async def two():
+BYTES = dataclasses.replace(CONFIG, shared_kv=False)  # KV as bytes, never through a shared cache
+
+
+@pytest.fixture(params=["shared", "bytes"])
+async def two(request):
+    """Two fake instances; the KV goes through the source's shared cache
+    (the default) or as bytes."""
     c = Cluster()
-    c.add("a", fake())
-    c.add("b", fake())
+    cfg = CONFIG if request.param == "shared" else BYTES
+    c.add("a", fake(), cfg)
+    c.add("b", fake(), cfg)
     yield c
     await c.stop()
 
@@ -515,3 +521,92 @@ async def test_an_abort_after_the_last_pre_allocation_releases_the_hold():
         assert cl.path == ["a"]
     finally:
         await c.stop()
+
+
+# --- the KV through the source's shared cache (engine/shared_kv.py) -------------------------
+@pytest.fixture
+async def plain():
+    c = Cluster()
+    c.add("a", fake())
+    c.add("b", fake())
+    yield c
+    await c.stop()
+
+
+def count_gathers(node) -> list[int]:
+    """Blocks the node's engine gathers (for bytes), recorded."""
+    gathered, inner = [], node.engine.gather_kv
+
+    def gather(ids):
+        gathered.extend(ids)
+        return inner(ids)
+    node.engine.gather_kv = gather
+    return gathered
+
+
+async def test_through_the_shared_cache_the_source_gathers_nothing(plain):
+    gathered = count_gathers(plain.nodes["a"])
+    cl, task = await start(plain)
+    res = await plain.nodes["a"].manager.migrate_out(order("b", "r"))
+    assert res.committed == 1, res
+    out = res.results[0]
+    assert out.kv_shared and out.blocks >= 6 and out.bytes == out.blocks * 16 * 2 * 4
+    assert gathered == []
+    await finish(plain, cl, task, 200)
+    assert cl.path == ["a", "b"]
+
+
+async def test_a_cache_the_destination_cannot_map_goes_as_bytes(plain):
+    """The destination cannot map what the source offers (here: a wrong
+    nonce, as for a recycled fd or another PID namespace): it says so, and
+    every stage sends bytes."""
+    a = plain.nodes["a"]
+    gathered = count_gathers(a)
+    real = a.engine.kv_share
+    a.engine.kv_share = lambda: dataclasses.replace(real(), name=real().name + "-not-it")
+    cl, task = await start(plain)
+    res = await a.manager.migrate_out(order("b", "r"))
+    assert res.committed == 1, res
+    assert not res.results[0].kv_shared and len(gathered) == res.results[0].blocks
+    await finish(plain, cl, task, 200)
+
+
+async def test_a_cache_reallocated_mid_migration_is_not_read(plain):
+    """The source's cache changes (KunServe grows it) after a stage was
+    admitted on the old one: that stage and the rest go as bytes, and the
+    tokens stay exact."""
+    a = plain.nodes["a"]
+    gathered = count_gathers(a)
+    real = a.engine.kv_share
+    moved = {}
+
+    def reallocated():
+        if moved:
+            return dataclasses.replace(real(), name=real().name + "-grown")
+        return real()
+    a.engine.kv_share = reallocated
+    a.faults["source.copy"] = lambda: moved.setdefault("at", len(gathered))
+    cl, task = await start(plain)
+    res = await a.manager.migrate_out(order("b", "r"))
+    assert res.committed == 1, res
+    assert moved == {"at": 0} and len(gathered) == res.results[0].blocks  # every block went as bytes
+    await finish(plain, cl, task, 200)
+
+
+async def test_source_blocks_are_refused_without_a_mapped_cache(plain):
+    """A chunk that names source blocks for a reservation that mapped
+    nothing is an error, not a silent copy of nothing."""
+    from libs.common.errors import InvalidArgument
+    from services.instance.migration.messages import KvChunk
+
+    b = plain.nodes["b"]
+    p = PreAllocate("m-x", "x", 0, 2, b.engine.kv_layout, 1000, "a")  # no kv_share offered
+    a = await b.manager.dest.pre_allocate(p)
+    assert a.accepted and not a.kv_shared
+
+    async def chunks():
+        yield KvChunk("m-x", 0, 0, b"", 2, 2 * 128, src_blocks=(0, 1))
+    with pytest.raises(InvalidArgument, match="no shared KV cache"):
+        await b.manager.dest.transfer(chunks())
+    assert await b.manager.dest.abort("m-x", "test")
+    await b.check_clean()

@@ -402,6 +402,9 @@ class CoreEngine(Engine):
             if r is not None and r.block_ids:
                 self.pool.free(r.block_ids)
 
+    def kv_share(self):
+        return self.executor.kv_share()
+
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return self.executor.gather_kv(list(block_ids))
 

@@ -8,6 +8,7 @@ import abc
 from services.instance.engine.base import EngineError, KvLayout, LayerKv
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
+from services.instance.engine.shared_kv import KvShare
 
 
 class Executor(abc.ABC):
@@ -29,6 +30,10 @@ class Executor(abc.ABC):
         the requests when the failure is theirs; it must be raised before any
         request's sampler state (RNG) moved, so that the step can run again
         for the others with the same result."""
+
+    def kv_share(self) -> KvShare | None:
+        """See Engine.kv_share; None: the cache is not in shared memory."""
+        return None
 
     @abc.abstractmethod
     def gather_kv(self, block_ids: list[int]) -> memoryview:

@@ -9,6 +9,7 @@ import mmap
 import numpy as np
 import torch
 
+from services.instance.engine import shared_kv
 from services.instance.engine.base import EngineError, KvLayout
 from services.instance.engine.core.executor import Executor, TappedChunk, tapped_chunks
 from services.instance.engine.core.request import Request
@@ -40,7 +41,7 @@ class ModelRunner(Executor):
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0,
-                 decode_cache_bytes: int | None = None, vllm_kernels: bool = True):
+                 decode_cache_bytes: int | None = None, vllm_kernels: bool = True, share_kv: bool = True):
         cfg = model.config
         self.model = model
         self.device = device
@@ -55,8 +56,13 @@ class ModelRunner(Executor):
         self._layout = KvLayout(_DTYPE_NAMES[dtype], block_size, cfg.num_hidden_layers,
                                 cfg.num_key_value_heads, cfg.head_dim, k_transposed=self.paged_kernels)
         # The fused transfer layout; see attention.py for why it is also fine for attention.
-        self.kv_cache = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+        # On CPU in shared memory a destination on this host can copy from (shared_kv.py).
+        self._share_kv = share_kv and device.type == "cpu"
+        self._region: shared_kv.SharedRegion | None = None
+        self._regions: dict[int, shared_kv.SharedRegion] = {}  # new_kv's tensors, by data_ptr
+        self.kv_cache = self._alloc_kv((num_blocks, cfg.num_hidden_layers, 2, block_size,
+                                        cfg.num_key_value_heads, cfg.head_dim), dtype)
+        self._adopt_region(self.kv_cache)
         # On CPU, KV transfer copies through a numpy view of the cache,
         # [block, layer, K|V ... bytes]: one memcpy per (block[, layer]) on the
         # calling thread. torch's index_select/index_copy_ on these shapes took
@@ -372,11 +378,29 @@ class ModelRunner(Executor):
         written: zeroing 212 MB up front (a page fault a page) took 0.3-3.9 s
         of CPU on four instances sharing two cores, and stalled the other
         instances' steps too. Elsewhere, a zeroed tensor (a device memset)."""
-        shape = (num_blocks,) + tuple(self.kv_cache.shape[1:])
+        return self._alloc_kv((num_blocks,) + tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype)
+
+    def _alloc_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_cache.dtype, device=self.device)
-        buf = mmap.mmap(-1, math.prod(shape) * self.kv_cache.element_size())  # the tensor keeps it mapped
-        return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_cache.dtype).view(shape)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        region = shared_kv.allocate(size, "native") if self._share_kv else None
+        buf = region.buffer if region is not None else mmap.mmap(-1, size)  # the tensor keeps it mapped
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+        if region is not None:
+            self._regions[t.data_ptr()] = region
+        return t
+
+    def _adopt_region(self, cache: torch.Tensor) -> None:
+        """``cache`` (from _alloc_kv) is the cache now: its region is the one
+        peers map; the previous one closes (its mapping stays valid here)."""
+        region = self._regions.pop(cache.data_ptr(), None)
+        if self._region is not None:
+            self._region.close()
+        self._region = region
+
+    def kv_share(self) -> shared_kv.KvShare | None:
+        return self._region.share if self._region is not None else None
 
     def grow_kv(self, num_blocks: int, fresh: torch.Tensor | None = None) -> None:
         """Make the cache hold block ids 0..num_blocks-1 (parameter memory
@@ -386,8 +410,11 @@ class ModelRunner(Executor):
         if num_blocks <= have:
             return
         bigger = fresh if fresh is not None and fresh.shape[0] == num_blocks else self.new_kv(num_blocks)
+        if fresh is not None and fresh is not bigger:
+            self._regions.pop(fresh.data_ptr(), None)
         bigger[:have].copy_(self.kv_cache)
         self.kv_cache = bigger
+        self._adopt_region(bigger)
         if self._np_cache is not None:
             self._np_cache = bigger.view(torch.uint8).numpy().reshape(num_blocks, self._layout.num_layers, -1)
         for dc in (self.decode_cache, self._guest_cache):
