@@ -229,6 +229,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
             # suspend -> first step on the destination (0 = the destination did not say)
             "downtime_ms": res.downtime_ms or None, "commit_ack_ms": res.commit_ack_ms,
             "total_ms": res.duration_ms, "stages": res.stages, "bytes": res.bytes, "blocks": res.blocks,
+            "kv_shared": res.kv_shared,  # through the source's shared cache (else bytes over gRPC)
             "stall_ms": stall, "itl_ms": itl, "breakdown": parts,
             "tokens_match": text == reference and final["migrations"] == 1,
             "step_ms_during": bg.step_ms(info["t0"], info["t1"], True),
@@ -283,6 +284,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         "dest_step_ms": med("dest_step_ms"), "stages": med("stages"), "bytes": med("bytes"),
         "total_ms": med("total_ms"),
         "tokens_match": bool(rows) and all(r["tokens_match"] for r in rows),
+        "kv_shared": sum(1 for r in ok if r.get("kv_shared")),  # committed runs whose KV went through shared memory
         # The source's background step: with the request decoding there and no migration (the
         # reference run), and during the migration.
         "decode_step_ms": {"without_migration": outside, "during_migration": during,
