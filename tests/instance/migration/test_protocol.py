@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 
 import pytest
@@ -640,5 +641,5 @@ async def test_copies_from_the_shared_cache_are_paced_in_pre_copy_stages():
         await c.stop()
     pre = [x for x in copies if not x[0]]
     assert len(pre) >= 3  # 6 blocks, 2 a chunk
-    for (_, s0, e0), (_, s1, _) in zip(pre, pre[1:]):
+    for (_, s0, e0), (_, s1, _) in itertools.pairwise(pre):
         assert s1 - e0 >= 3 * (e0 - s0) * 0.9  # idle 3x the copy's time after it: duty 0.25
