@@ -53,7 +53,6 @@ class Reservation:
     # stage -> one byte per (block, layer) written, for stages sent per layer
     layer_marks: dict[int, bytearray] = field(default_factory=dict)
     peer_kv: PeerKv | None = None  # the source's shared KV cache, mapped (PreAllocate.kv_share)
-    last_stage: int | None = None  # the stage pre-allocated as the last (the request suspended at the source)
 
     @property
     def open(self) -> bool:
@@ -73,13 +72,9 @@ class Reservation:
 
 class Destination:
     def __init__(self, host: MigrationHost, max_migrate_in: int, counters: MigrationCounters | None = None,
-                 max_handoff_in: int = 16, join_hold_s: float = 0.0, shared_kv: bool = True,
-                 copy_duty: float = 1.0):
+                 max_handoff_in: int = 16, join_hold_s: float = 0.0, shared_kv: bool = True):
         self.host = host
         self.shared_kv = shared_kv  # map a source's shared KV cache when offered (MigrationConfig.shared_kv)
-        # Copies from a source's shared cache in a pre-copy stage take at most this fraction of wall
-        # time (MigrationConfig.copy_duty): the pacing the source does for bytes it gathers.
-        self.copy_duty = copy_duty
         self.counters = counters or MigrationCounters()
         self.engine = host.engine
         self.runner = host.runner
@@ -247,8 +242,6 @@ class Destination:
                        total_blocks=len(res.blocks))
         if p.stage == 0:  # the request's context is about this long: its first step here need not be slow
             self.engine.expect_context(len(res.held) * self.engine.block_size)
-        if p.last:
-            res.last_stage = p.stage
         if p.last and not p.handoff and self.join_hold_s > 0:
             # The commit is a small copy and a round trip away: keep the boundary open for it. Not for a
             # handoff, whose last stage is the whole prompt's KV (a pause per request here).
@@ -292,11 +285,8 @@ class Destination:
             if chunk.src_blocks:
                 if res.peer_kv is None:
                     raise InvalidArgument("KV chunk names source blocks, but no shared KV cache is mapped")
-                t = time.perf_counter()
                 await self._scatter(res, self._copy_from_source, res.peer_kv, blocks[first:first + n],
                                     list(chunk.src_blocks))
-                if 0 < self.copy_duty < 1 and stage != res.last_stage:  # pre-copy: paced, as at the source
-                    await asyncio.sleep((time.perf_counter() - t) * (1 / self.copy_duty - 1))
             else:
                 await self._scatter(res, self.engine.scatter_kv, blocks[first:first + n], chunk.data)
             written += n

@@ -42,8 +42,7 @@ class MigrationManager:
         self.config = config
         self.counters = MigrationCounters()
         self.dest = Destination(host, config.max_migrate_in, self.counters, max_handoff_in=config.max_handoff_in,
-                                join_hold_s=config.join_hold_ms / 1000, shared_kv=config.shared_kv,
-                                copy_duty=config.copy_duty)
+                                join_hold_s=config.join_hold_ms / 1000, shared_kv=config.shared_kv)
         self.outgoing: dict[str, SourceMigration] = {}  # request id -> migration in flight
         self.fault = fault
         self._peers = peers or self._grpc_peer

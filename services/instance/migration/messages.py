@@ -30,9 +30,8 @@ class MigrationConfig:
     # Most migrations out of this instance to one destination at once.
     max_migrate_out_per_dest: int = 2
     # Pre-copy stages (the request still decodes here) copy in smaller chunks
-    # and spend at most this fraction of wall time copying (gather + send;
-    # through a shared cache the destination paces its copies so), so that
-    # the source's decode steps barely slow down; the last stage (the
+    # and spend at most this fraction of wall time copying (gather + send),
+    # so that the source's decode steps barely slow down; the last stage (the
     # request suspended) runs at full speed.
     copy_duty: float = 0.25
     precopy_chunk_bytes: int = 1 << 20

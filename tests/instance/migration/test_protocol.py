@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import time
 
 import pytest
@@ -612,34 +611,3 @@ async def test_source_blocks_are_refused_without_a_mapped_cache(plain):
     assert await b.manager.dest.abort("m-x", "test")
     await b.check_clean()
 
-
-async def test_copies_from_the_shared_cache_are_paced_in_pre_copy_stages():
-    """The destination spends at most copy_duty of a pre-copy stage's wall
-    time copying from the source's cache (as the source does gathering
-    bytes); the last stage (the request suspended) is not paced."""
-    cfg = dataclasses.replace(CONFIG, chunk_bytes=2 * 128, copy_duty=0.25)  # 2 fake blocks a chunk
-    c = Cluster()
-    c.add("a", fake(), cfg)
-    b = c.add("b", fake(), cfg)
-    dest = b.manager.dest
-    copies = []  # (stage is the last, start, end)
-    inner = dest._copy_from_source
-
-    def slow_copy(peer, dst, src):
-        t = time.perf_counter()
-        time.sleep(0.01)  # a copy that takes a while
-        inner(peer, dst, src)
-        res = next(r for r in dest.reservations.values() if r.open)
-        copies.append((res.last_stage is not None, t, time.perf_counter()))
-    dest._copy_from_source = slow_copy
-    try:
-        cl, task = await start(c)
-        res = await c.nodes["a"].manager.migrate_out(order("b", "r"))
-        assert res.committed == 1 and res.results[0].kv_shared, res
-        await finish(c, cl, task, 200)
-    finally:
-        await c.stop()
-    pre = [x for x in copies if not x[0]]
-    assert len(pre) >= 3  # 6 blocks, 2 a chunk
-    for (_, s0, e0), (_, s1, _) in itertools.pairwise(pre):
-        assert s1 - e0 >= 3 * (e0 - s0) * 0.9  # idle 3x the copy's time after it: duty 0.25
