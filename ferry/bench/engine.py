@@ -135,6 +135,9 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--hf-batch-sizes", default="1,8", show_default=True)
 @click.option("--prompt-len", default=128, show_default=True)
 @click.option("--output-len", default=128, show_default=True)
+@click.option("--max-num-batched-tokens", default=2048, show_default=True,
+              help="token budget per step (chunked prefill), the same for both engines: `ferry serve "
+                   "instance`'s and vLLM's server's default (vLLM's offline LLM would take 4,096 on CPU)")
 @click.option("--threads", type=int, default=None,
               help="torch threads for native and transformers (default: cores - 1, at least 1, as vLLM's CPU "
                    "backend picks for itself; on a shared 2-core box 2 threads stepped 5-15x slower)")
@@ -148,8 +151,8 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
               help="the native engine without vLLM's CPU kernels (attention, RMSNorm, matmul handler): pure PyTorch")
 @click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, threads, no_reference,
-           repeats, vllm_python, no_vllm, no_vllm_kernels, vllm_log, json_path):
+def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
+           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, vllm_log, json_path):
     """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
     import torch
 
@@ -172,7 +175,8 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     need_blocks = max(bss) * -(-(prompt_len + output_len) // block_size) + 8
     t0 = time.perf_counter()
     eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
-                                     num_blocks=need_blocks, block_size=block_size, max_num_batched_tokens=2048,
+                                     num_blocks=need_blocks, block_size=block_size,
+                                     max_num_batched_tokens=max_num_batched_tokens,
                                      extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
     ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
@@ -183,13 +187,15 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         load = None
     result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(), "loadavg": load,
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
+              "max_num_batched_tokens": max_num_batched_tokens,
               "repeats": repeats, "native_vllm_kernels": getattr(eng.executor, "kernels", None) is not None,
               "block_size": block_size, "kv_in_kernel_layout": eng.kv_layout.k_transposed,
               "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked"}.get(
                   type(getattr(eng.executor.model, "lm_head_packed", None)).__name__, "F.linear"),
               "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
               "vllm": None, "matches_reference": None}
-    vl = _start_vllm(vllm, model, dt, prompt_len + output_len + 16, vllm_log) if vllm else None
+    vl = _start_vllm(vllm, model, dt, prompt_len + output_len + 16, vllm_log, max_num_batched_tokens) \
+        if vllm else None
     result["vllm"] = vl if isinstance(vl, dict) else None
     for bs in bss:
         _measure(eng, vl if not isinstance(vl, dict) else None, bs, _prompts(bs, prompt_len, vocab, bs), output_len,
@@ -221,7 +227,8 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
             json.dump(result, f, indent=2)
 
 
-def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log_path: str | None):
+def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log_path: str | None,
+                max_num_batched_tokens: int | None = None):
     """A running VllmOffline, or the result's ``vllm`` entry saying why not."""
     from ferry.bench.vllm_run import VllmOffline, VllmUnavailable
     from libs.common.models import ensure_model
@@ -229,7 +236,8 @@ def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log
     python, version = vllm
     click.echo(f"starting vLLM {version} under {python} ...", err=True)
     try:
-        return VllmOffline(python, str(ensure_model(model)), dtype, max_len, log_path)
+        return VllmOffline(python, str(ensure_model(model)), dtype, max_len, log_path,
+                           max_num_batched_tokens=max_num_batched_tokens)
     except VllmUnavailable as e:
         click.echo(f"vLLM failed: {e}", err=True)
         return {"python": python, "version": version, "error": str(e)}
@@ -293,7 +301,8 @@ def _cpu_ms(runs: list[dict]) -> float | None:
 
 def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
     click.echo(f"model {r['model']}  device {r['device']}  dtype {r['dtype']}  threads {r['threads']}  "
-               f"prompt {r['prompt_len']}  output {r['output_len']}  repeats {r['repeats']} (medians)  "
+               f"prompt {r['prompt_len']}  output {r['output_len']}  budget {r['max_num_batched_tokens']} tokens/step  "
+               f"repeats {r['repeats']} (medians)  "
                f"native: vLLM kernels {'on' if r.get('native_vllm_kernels') else 'off'}, "
                f"projections {r.get('native_projections')}")
     vllm = r["vllm"]["tok_s"] if r["vllm"] and not r["vllm"].get("error") else None

@@ -10,7 +10,8 @@ Ferry (whose dependencies need not be in vLLM's environment).
 
 Protocol, one JSON object per line. First line on stdin::
 
-    {"model_dir": str, "dtype": "bfloat16", "max_model_len": int, "kv_cache_gb": float}
+    {"model_dir": str, "dtype": "bfloat16", "max_model_len": int, "kv_cache_gb": float,
+     "max_num_batched_tokens": int (optional: vLLM's default, 4096 on CPU for LLM)}
 
 answered by ``{"ready": true, "vllm_version": str}``; then each line
 ``{"prompts": [[token ids], ...], "output_len": int}`` is answered by
@@ -63,8 +64,10 @@ def main() -> None:
 
     # vLLM's CPU backend reserves --gpu-memory-utilization of RAM (0.92 by
     # default, refused on a shared machine): the KV space is given in bytes.
+    extra = {"max_num_batched_tokens": int(spec["max_num_batched_tokens"])} if spec.get("max_num_batched_tokens") \
+        else {}
     llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-              kv_cache_memory_bytes=int(spec.get("kv_cache_gb", 1.0) * 2**30))
+              kv_cache_memory_bytes=int(spec.get("kv_cache_gb", 1.0) * 2**30), **extra)
     _reply({"ready": True, "vllm_version": vllm.__version__})
     for line in sys.stdin:
         if not line.strip():

@@ -44,7 +44,7 @@ class VllmOffline:
     """vllm_offline.py under ``python``; ``generate`` is one timed batch."""
 
     def __init__(self, python: str, model_dir: str, dtype: str, max_model_len: int, log_path: str | None = None,
-                 kv_cache_gb: float = 1.0):
+                 kv_cache_gb: float = 1.0, max_num_batched_tokens: int | None = None):
         self.log_path = log_path
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         env = dict(os.environ)
@@ -52,7 +52,7 @@ class VllmOffline:
         self.proc = subprocess.Popen([python, str(SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, cwd="/", env=env)
         ready = self._call({"model_dir": model_dir, "dtype": dtype, "max_model_len": max_model_len,
-                            "kv_cache_gb": kv_cache_gb})
+                            "kv_cache_gb": kv_cache_gb, "max_num_batched_tokens": max_num_batched_tokens})
         self.version = ready.get("vllm_version", "?")
 
     def _call(self, msg: dict) -> dict:
