@@ -373,8 +373,8 @@ class ModelRunner(Executor):
 
     def new_kv(self, num_blocks: int) -> torch.Tensor:
         """A zeroed cache tensor of ``num_blocks`` blocks, for ``grow_kv``
-        (any thread). On CPU it is anonymous memory from the kernel, which
-        reads as zeros and is committed page by page as blocks are first
+        (any thread). On CPU it is anonymous memory from the kernel (a memfd
+        when the cache is shared, shared_kv.py), which reads as zeros and is committed page by page as blocks are first
         written: zeroing 212 MB up front (a page fault a page) took 0.3-3.9 s
         of CPU on four instances sharing two cores, and stalled the other
         instances' steps too. Elsewhere, a zeroed tensor (a device memset)."""
