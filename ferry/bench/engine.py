@@ -149,10 +149,13 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--no-vllm", is_flag=True, help="do not run vLLM")
 @click.option("--no-vllm-kernels", is_flag=True,
               help="the native engine without vLLM's CPU kernels (attention, RMSNorm, matmul handler): pure PyTorch")
+@click.option("--no-shared-kv", is_flag=True,
+              help="the native engine's KV cache in ordinary memory, not the memfd a same-host migration maps")
 @click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
-           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, vllm_log, json_path):
+           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, vllm_log,
+           json_path):
     """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
     import torch
 
@@ -176,7 +179,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     t0 = time.perf_counter()
     eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
                                      num_blocks=need_blocks, block_size=block_size,
-                                     max_num_batched_tokens=max_num_batched_tokens,
+                                     max_num_batched_tokens=max_num_batched_tokens, share_kv=not no_shared_kv,
                                      extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
     ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
@@ -187,7 +190,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         load = None
     result = {"model": model, "device": device, "dtype": dt, "threads": torch.get_num_threads(), "loadavg": load,
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
-              "max_num_batched_tokens": max_num_batched_tokens,
+              "max_num_batched_tokens": max_num_batched_tokens, "kv_shared_memory": eng.kv_share() is not None,
               "repeats": repeats, "native_vllm_kernels": getattr(eng.executor, "kernels", None) is not None,
               "block_size": block_size, "kv_in_kernel_layout": eng.kv_layout.k_transposed,
               "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked"}.get(
