@@ -80,14 +80,11 @@ class TokenKvExecutor(Executor):
     def _zeros(self, num_blocks: int) -> np.ndarray:
         """A zeroed cache; in shared memory when asked and possible (the
         region replaces the current one)."""
-        shape = (num_blocks, 1, 2, self._layout.block_size, 1, 1)
-        region = shared_kv.allocate(num_blocks * self._layout.bytes_per_block, "fake") if self._share else None
+        buf, region = shared_kv.zeroed(num_blocks * self._layout.bytes_per_block, "fake", self._share)
         if self._region is not None:
             self._region.close()
         self._region = region
-        if region is None:
-            return np.zeros(shape, dtype=np.float32)
-        return np.frombuffer(region.buffer, dtype=np.float32).reshape(shape)
+        return np.frombuffer(buf, dtype=np.float32).reshape(num_blocks, 1, 2, self._layout.block_size, 1, 1)
 
     def kv_share(self) -> shared_kv.KvShare | None:
         return self._region.share if self._region is not None else None

@@ -90,6 +90,15 @@ def allocate(size: int, tag: str = "") -> SharedRegion | None:
         return None
 
 
+def zeroed(size: int, tag: str, share: bool) -> tuple[mmap.mmap, SharedRegion | None]:
+    """``size`` zeroed bytes for a KV cache, committed page by page as they
+    are first written: a shared region's (``share`` and possible), else
+    anonymous memory (region None). Whoever views the buffer keeps it
+    mapped; the region is what a peer maps, until closed."""
+    region = allocate(size, tag) if share else None
+    return (region.buffer if region is not None else mmap.mmap(-1, size)), region
+
+
 class PeerKv:
     """Another process's shared cache, mapped read-only: ``blocks(first, n)``
     is a zero-copy view of ``n`` consecutive blocks of ``bytes_per_block``."""

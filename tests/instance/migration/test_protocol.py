@@ -31,14 +31,18 @@ def fake(num_blocks=256, block_size=16, delay_ms=2.0):
 BYTES = dataclasses.replace(CONFIG, shared_kv=False)  # KV as bytes, never through a shared cache
 
 
+def pair(cfg: MigrationConfig = CONFIG) -> Cluster:
+    c = Cluster()
+    c.add("a", fake(), cfg)
+    c.add("b", fake(), cfg)
+    return c
+
+
 @pytest.fixture(params=["shared", "bytes"])
 async def two(request):
     """Two fake instances; the KV goes through the source's shared cache
     (the default) or as bytes."""
-    c = Cluster()
-    cfg = CONFIG if request.param == "shared" else BYTES
-    c.add("a", fake(), cfg)
-    c.add("b", fake(), cfg)
+    c = pair(CONFIG if request.param == "shared" else BYTES)
     yield c
     await c.stop()
 
@@ -526,9 +530,8 @@ async def test_an_abort_after_the_last_pre_allocation_releases_the_hold():
 # --- the KV through the source's shared cache (engine/shared_kv.py) -------------------------
 @pytest.fixture
 async def plain():
-    c = Cluster()
-    c.add("a", fake())
-    c.add("b", fake())
+    """Two fake instances, the default transport only."""
+    c = pair()
     yield c
     await c.stop()
 

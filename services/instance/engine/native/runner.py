@@ -4,7 +4,6 @@ chunks into one flat batch, runs the forward pass and samples."""
 from __future__ import annotations
 
 import math
-import mmap
 
 import numpy as np
 import torch
@@ -373,19 +372,19 @@ class ModelRunner(Executor):
 
     def new_kv(self, num_blocks: int) -> torch.Tensor:
         """A zeroed cache tensor of ``num_blocks`` blocks, for ``grow_kv``
-        (any thread). On CPU it is anonymous memory from the kernel (a memfd
-        when the cache is shared, shared_kv.py), which reads as zeros and is committed page by page as blocks are first
-        written: zeroing 212 MB up front (a page fault a page) took 0.3-3.9 s
-        of CPU on four instances sharing two cores, and stalled the other
-        instances' steps too. Elsewhere, a zeroed tensor (a device memset)."""
+        (any thread). On CPU it is memory from the kernel (a memfd when the
+        cache is shared, shared_kv.zeroed), which reads as zeros and is
+        committed page by page as blocks are first written: zeroing 212 MB
+        up front (a page fault a page) took 0.3-3.9 s of CPU on four
+        instances sharing two cores, and stalled the other instances' steps
+        too. Elsewhere, a zeroed tensor (a device memset)."""
         return self._alloc_kv((num_blocks,) + tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype)
 
     def _alloc_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        region = shared_kv.allocate(size, "native") if self._share_kv else None
-        buf = region.buffer if region is not None else mmap.mmap(-1, size)  # the tensor keeps it mapped
+        buf, region = shared_kv.zeroed(size, "native", self._share_kv)  # the tensor keeps buf mapped
         t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
         if region is not None:
             self._regions[t.data_ptr()] = region
