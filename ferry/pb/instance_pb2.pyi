@@ -495,6 +495,20 @@ class CommitReply(_message.Message):
     reason: str
     def __init__(self, ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ExpectCommitRequest(_message.Message):
+    __slots__ = ("migration_id", "in_ms")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_MS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    in_ms: float
+    def __init__(self, migration_id: _Optional[str] = ..., in_ms: _Optional[float] = ...) -> None: ...
+
+class ExpectCommitReply(_message.Message):
+    __slots__ = ("expected",)
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    expected: bool
+    def __init__(self, expected: _Optional[bool] = ...) -> None: ...
+
 class AbortMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "reason")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -92,6 +92,11 @@ class InstanceStub:
                 request_serializer=ferry_dot_pb_dot_instance__pb2.CommitRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_instance__pb2.CommitReply.FromString,
                 _registered_method=True)
+        self.ExpectCommit = channel.unary_unary(
+                '/ferry.v1.Instance/ExpectCommit',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitReply.FromString,
+                _registered_method=True)
         self.AbortMigration = channel.unary_unary(
                 '/ferry.v1.Instance/AbortMigration',
                 request_serializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
@@ -207,6 +212,14 @@ class InstanceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExpectCommit(self, request, context):
+        """Before the suspend: the commit is expected in about this long, so that
+        the destination starts no step that would make the request wait.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AbortMigration(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -317,6 +330,11 @@ def add_InstanceServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=ferry_dot_pb_dot_instance__pb2.CommitRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_instance__pb2.CommitReply.SerializeToString,
+            ),
+            'ExpectCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpectCommit,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitReply.SerializeToString,
             ),
             'AbortMigration': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortMigration,
@@ -653,6 +671,33 @@ class Instance:
             '/ferry.v1.Instance/Commit',
             ferry_dot_pb_dot_instance__pb2.CommitRequest.SerializeToString,
             ferry_dot_pb_dot_instance__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpectCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Instance/ExpectCommit',
+            ferry_dot_pb_dot_instance__pb2.ExpectCommitRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.ExpectCommitReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,11 +50,13 @@ class EngineRunner:
         self._guest_wake = threading.Event()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._holds: dict[str, float] = {}  # key -> monotonic time until which no step starts (hold)
+        # key -> (monotonic time the hold is for, time it ends): no step starts (hold, expect)
+        self._holds: dict[str, tuple[float, float]] = {}
         self._holds_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.last_step_s = 0.0  # wall time of the latest step
+        self._step_t0: float | None = None  # perf_counter at the start of the step under way
         self.error: BaseException | None = None
         self.dead = False
 
@@ -121,8 +123,28 @@ class EngineRunner:
         comes first; commands still run meanwhile. For a request about to join
         (a migration's commit): it joins the next step instead of waiting for
         the end of one that began meanwhile."""
+        now = time.monotonic()
         with self._holds_lock:
-            self._holds[key] = time.monotonic() + seconds
+            self._holds[key] = (now, now + seconds)
+
+    def expect(self, key: str, at: float, seconds: float) -> None:
+        """Any thread: a request is expected to join at monotonic time ``at``
+        (a migration's commit, announced before the source suspends it). At
+        a step boundary less than half a step before ``at``, no step starts
+        (until ``release(key)``, or ``seconds`` after ``at``): a step begun
+        there would keep the request waiting longer than holding keeps the
+        others. Earlier boundaries step as usual. So neither waits more
+        than about half a step. A later ``hold(key, ...)`` replaces it."""
+        with self._holds_lock:
+            self._holds[key] = (at, at + seconds)
+
+    def to_boundary_s(self) -> float:
+        """Any thread: about how long until the step under way ends (the
+        latest step's duration since it began; 0 between steps)."""
+        t0 = self._step_t0
+        if t0 is None:
+            return 0.0
+        return max(0.0, t0 + self.last_step_s - time.perf_counter())
 
     def release(self, key: str) -> None:
         """Any thread: end the hold ``key`` (none: nothing happens)."""
@@ -132,15 +154,18 @@ class EngineRunner:
             self._wake.set()
 
     def _held_for(self) -> float:
-        """Seconds left of the longest hold (0: none); drops the expired ones.
-        Called before every step: no lock while there is none (the common case)."""
+        """Seconds left of the longest hold in force (0: none); drops the
+        expired ones. An expected join is in force from half a step before
+        it. Called before every step: no lock while there is none (the
+        common case)."""
         if not self._holds:
             return 0.0
         now = time.monotonic()
+        half = self.last_step_s / 2
         with self._holds_lock:
-            for k in [k for k, t in self._holds.items() if t <= now]:
+            for k in [k for k, (_, end) in self._holds.items() if end <= now]:
                 del self._holds[k]
-            return max(self._holds.values(), default=now) - now
+            return max((end - now for at, end in self._holds.values() if now >= at - half), default=0.0)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Fire and forget (errors are logged)."""
@@ -206,8 +231,9 @@ class EngineRunner:
                 if self.engine.has_work():
                     if die_after is not None and self.steps >= int(die_after):
                         raise EngineBroken(f"failpoint: engine.die_after_steps={die_after}")
-                    t = time.perf_counter()
+                    t = self._step_t0 = time.perf_counter()
                     outputs = self.engine.step()
+                    self._step_t0 = None
                     self.last_step_s = time.perf_counter() - t
                     self.steps += 1
                     self._publish(outputs)

@@ -87,6 +87,9 @@ class InstanceConfig(CommonConfig):
     migration_join_hold_ms: float = opt(20.0, "migration: after an incoming migration's last pre-allocation, start "
                                         "no step for up to this long unless its commit comes first, so that the "
                                         "request joins the next step (0 = off)", min=0.0)
+    migration_join_notice: bool = opt(True, "migration: before suspending a request, tell the destination when "
+                                      "its commit should come, so that it starts no step the request would wait "
+                                      "for (it holds its boundary instead, at most half a step)")
     migration_shared_kv: bool = opt(True, "migration: keep the KV cache (fake, native on CPU) in shared memory; "
                                     "a destination on this host that can map it copies the blocks straight from "
                                     "it, so the source sends block ids instead of bytes (else bytes over gRPC)")
@@ -124,7 +127,7 @@ class InstanceConfig(CommonConfig):
             max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
             precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)), max_handoff_in=self.max_handoff_in,
             handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms,
-            shared_kv=self.migration_shared_kv)
+            join_notice=self.migration_join_notice, shared_kv=self.migration_shared_kv)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -320,7 +323,7 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if svc.dead:
             await abort_with(context, Unavailable(f"the engine of instance {svc.instance_id} is not running"))
         rid = request.request_id or uuid.uuid4().hex
-        if rid in svc.streams:
+        if rid in svc.streams and not await svc.migration.dest.drop_unattached(rid):
             await abort_with(context, InvalidArgument(f"request id {rid!r} is already running here"))
         sampling = convert.sampling_from_pb(request.sampling)
         if not request.prompt_token_ids:
@@ -476,6 +479,9 @@ class InstanceServicer(pb_grpc.InstanceServicer):
 
     async def AbortMigration(self, request, context):
         return await self._migration().abort(request)
+
+    async def ExpectCommit(self, request, context):
+        return await self._migration().expect_commit(request)
 
     async def MigrationSettled(self, request, context):
         return await self._migration().settled(request)

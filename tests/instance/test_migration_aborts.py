@@ -149,3 +149,35 @@ async def test_source_killed_mid_transfer(tmp_path_factory):
         assert r.ok and r.num_reservations == 0 and r.free_blocks == start.free_blocks
     finally:
         c.stop()
+
+
+async def test_source_killed_after_the_commit_before_the_client_followed(tmp_path_factory):
+    """The source dies between the commit's acknowledgement and the client's
+    `moved` (seen in the chaos run): the frontend resumes the request by
+    recompute, and the freest instance left is the destination, where the
+    committed copy nobody follows still waits. That copy is dropped and the
+    resume runs there (it was refused as a duplicate id: the client lost
+    its request)."""
+    # The source's deadline (the committed copy's too) outlives the resume: not dropped by its expiry first.
+    c = make(tmp_path_factory, "killed-after-commit",
+             src=["--failpoints", "source.crash_after_commit", "--migration-deadline-ms", "30000"])
+    try:
+        dest = c.child("instance-1")
+        start = check_integrity(dest.address)
+        replies = []
+
+        async def on_chunk(text, rid):
+            if len(text) == 10 and not replies:
+                replies.append(asyncio.create_task(migrate(c, rid, dest=dest)))
+
+        async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
+            text, final = await stream_completion(http, {"prompt": PROMPT, "max_tokens": 80}, on_chunk)
+        assert text == expected_fake_text(PROMPT, 80)
+        assert final["resumes"] == 1 and final["instances"] == ["instance-0", "instance-1"], final
+        assert not c.child("instance-0").alive()
+        with pytest.raises(Exception):
+            await replies[0]
+        r = wait_idle_and_check(dest.address, timeout_s=8)
+        assert r.ok and r.num_reservations == 0 and r.free_blocks == start.free_blocks, r
+    finally:
+        c.stop()

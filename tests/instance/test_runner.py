@@ -4,6 +4,7 @@ it once and no command waits forever on the dead engine."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -75,6 +76,49 @@ async def test_a_hold_keeps_the_step_boundary_open_until_released_or_expired():
         await asyncio.sleep(0.6)
         assert runner.steps > held_at + 10
         runner.release("unknown")  # nothing to release: nothing happens
+        await runner.call(engine.abort_request, "r")
+    finally:
+        runner.stop()
+
+
+async def test_an_expected_join_holds_only_the_boundary_within_half_a_step_of_it():
+    """``expect(key, at, seconds)``: steps go on while a step begun now would
+    end well before ``at``; from half a step before ``at`` no step starts
+    (until ``seconds`` past it, or a release). Steps of 100 ms, recorded."""
+    engine = create_engine(EngineConfig(engine="fake", num_blocks=64, token_delay_ms=100.0))
+    starts = []
+    step = engine.step
+
+    def recording_step():
+        starts.append(time.monotonic())
+        return step()
+
+    engine.step = recording_step
+    runner = EngineRunner(engine, asyncio.get_running_loop(), lambda outs, load: None)
+    runner.start()
+    try:
+        await runner.call(engine.add_request, req("r", [97, 98], max_tokens=100_000))
+        await asyncio.sleep(0.25)
+        half = runner.last_step_s / 2
+        assert half > 0.04
+        at = time.monotonic() + 0.45
+        runner.expect("m", at, 0.3)
+        await asyncio.sleep(at + 0.5 - time.monotonic())
+        before = [s for s in starts if at - 0.45 <= s < at]
+        assert len(before) >= 3 and all(s < at - 0.9 * half for s in before), (before, at, half)
+        assert not [s for s in starts if at - 0.9 * half <= s < at + 0.28]  # held from then to its end
+        assert [s for s in starts if s >= at + 0.28]  # and it ended by itself
+
+        n = len(starts)
+        at = time.monotonic() + 0.05  # within half a step: held from the next boundary
+        runner.expect("n", at, 30.0)
+        await runner.call(lambda: None)
+        held = len(starts)
+        await asyncio.sleep(0.4)
+        assert len(starts) == held <= n + 1
+        runner.release("n")
+        await asyncio.sleep(0.3)
+        assert len(starts) > held + 1
         await runner.call(engine.abort_request, "r")
     finally:
         runner.stop()

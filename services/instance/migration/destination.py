@@ -29,6 +29,9 @@ from services.instance.migration.states import DestState, Machine
 from services.instance.status import instance_status
 
 log = get_logger("migration")
+# An expected commit further out than this is not held for (expect_commit): a
+# source's prediction a second ahead is a guess.
+MAX_EXPECT_MS = 1000.0
 
 
 @dataclass
@@ -249,6 +252,20 @@ class Destination:
         self.host.changed()
         return True, ""
 
+    def expect_commit(self, migration_id: str, in_ms: float) -> bool:
+        """The source is about to suspend the request: the commit should come
+        in about ``in_ms``. Hold the step boundary just before then when that
+        keeps the request from waiting on a step (EngineRunner.expect), for
+        at most join_hold_s past the expected time; the last pre-allocation,
+        the commit or an abort replaces or ends it. False: not held (no such
+        reservation, a handoff, holds off, or a time too far out to trust)."""
+        res = self.reservations.get(migration_id)
+        if (res is None or res.machine.state is not DestState.RESERVED or res.handoff or self.join_hold_s <= 0
+                or not 0 <= in_ms <= MAX_EXPECT_MS):
+            return False
+        self.runner.expect(migration_id, time.monotonic() + in_ms / 1000, self.join_hold_s)
+        return True
+
     def _status(self) -> InstanceStatus:
         """This instance as the consent rule sees it: the latest published
         load (reserved blocks included), as the simulated destination does."""
@@ -421,6 +438,23 @@ class Destination:
         res.machine.to(DestState.ABORTED, reason=reason)
         self.host.changed()
         return True
+
+    async def drop_unattached(self, request_id: str) -> bool:
+        """A client resumes ``request_id`` here from its prompt and the tokens
+        it has (Generate with resume tokens): its source died after this
+        instance committed the migration and before the client learned
+        where it went. Drop the committed copy that nobody follows, so that
+        the resume runs; True if there was one. NOTE: a copy a client
+        follows already (attached) stays, and the resume is refused."""
+        for mid, res in list(self.reservations.items()):
+            if res.machine.request_id == request_id and res.machine.state is DestState.COMMITTED:
+                stream = self.host.streams.get(request_id)
+                if stream is not None and stream.attached:
+                    return False
+                log.warning("dropping a committed copy nobody follows: its client resumes it here",
+                            migration_id=mid, request_id=request_id)
+                return await self.abort(mid, "the client resumed the request here")
+        return False
 
     def _drop_committed(self, res: Reservation, request_id: str) -> None:
         if not res.closed:  # not installed yet: its blocks are still ours

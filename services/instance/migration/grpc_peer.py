@@ -128,6 +128,14 @@ class GrpcPeer:
         if not reply.ok:
             raise PeerError(f"commit refused: {reply.reason}")
 
+    async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
+        try:
+            r = await self.stub.ExpectCommit(pb.ExpectCommitRequest(migration_id=migration_id, in_ms=in_ms),
+                                             timeout=2.0)
+        except grpc.RpcError:
+            return False  # an optimization only: the last pre-allocation still holds the boundary
+        return r.expected
+
     async def abort(self, migration_id: str, reason: str) -> None:
         try:
             await self.stub.AbortMigration(pb.AbortMigrationRequest(migration_id=migration_id, reason=reason),

@@ -33,6 +33,8 @@ from services.instance.migration.source import Fault, SourceMigration, failpoint
 log = get_logger("migration")
 
 PeerFactory = Callable[[str], DestinationPeer]  # destination address -> peer
+DEFAULT_ACK_MS = 10.0  # before any migration out has committed (bench migration: 7-15 ms on one host)
+ACK_WEIGHT = 0.3  # of the latest migration in the moving average
 
 
 class MigrationManager:
@@ -52,6 +54,9 @@ class MigrationManager:
         self._expiry = asyncio.create_task(self._expire_forever(expire_interval_s))
         self.handoffs = Handoffs(self, config.handoff_per_layer_threshold)
         self._drain: asyncio.Task | None = None  # a role change's drain (drain.py)
+        # Suspend -> commit acknowledgement of recent migrations out (ms, a moving
+        # average): when a new one's commit should reach its destination.
+        self.ack_ms = DEFAULT_ACK_MS
 
     @property
     def reservations(self):
@@ -118,7 +123,7 @@ class MigrationManager:
                                     f"{self.config.max_migrate_out_per_dest} per destination)")
         config = replace(self.config, max_stages=0) if blocking else self.config
         mig = SourceMigration(self.host, request_id, dest_id, dest_address, self._peers(dest_address), config,
-                              self.fault)
+                              self.fault, expected_ack_ms=self.ack_ms)
         self.outgoing[request_id] = mig
         self.host.changed()
         return mig
@@ -142,6 +147,8 @@ class MigrationManager:
             self.counters.handoff_done(out)
         else:
             self.counters.source_done(out)
+            if out.committed:
+                self.ack_ms += ACK_WEIGHT * (out.commit_ack_ms - self.ack_ms)
         return out
 
     def hand_off(self, request_id: str, dest_id: str, dest_address: str,

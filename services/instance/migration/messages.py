@@ -48,6 +48,12 @@ class MigrationConfig:
     # pause of at most this long in the destination's other requests, once
     # per migration in. 0: off.
     join_hold_ms: float = 20.0
+    # Before the suspend, tell the destination when the commit should come
+    # (this engine's next step boundary plus the recent suspend -> commit
+    # acknowledgement), so that it holds the boundary before that time
+    # instead of starting a step the request would wait for (at most half a
+    # step either way: EngineRunner.expect). Needs join_hold_ms > 0 there.
+    join_notice: bool = True
     # Same-host transfer through the source's shared KV cache (engine/shared_kv.py):
     # the source offers it at the first pre-allocation, the destination maps it
     # if it can, and the stages then send block ids, not bytes.

@@ -1,4 +1,4 @@
-"""The destination as the source sees it: four protocol calls on domain
+"""The destination as the source sees it: the protocol's calls on domain
 types. Two implementations: in-process (a Destination object in this
 process: tests, the simulator) and gRPC (grpc_peer.py: chunking, protobuf,
 credentials)."""
@@ -26,6 +26,10 @@ class DestinationPeer(Protocol):
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
         """Hand the request over; returns once the destination owns it."""
+
+    async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
+        """Best effort, before the suspend: the commit should come in about
+        ``in_ms`` (Destination.expect_commit); whether the destination holds for it."""
 
     async def abort(self, migration_id: str, reason: str) -> None:
         """Best effort: the reservation's deadline frees it otherwise."""
@@ -60,6 +64,9 @@ class InProcessPeer:
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
         await self.dest.commit(migration_id, copy_state(state))
+
+    async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
+        return self.dest.expect_commit(migration_id, in_ms)
 
     async def abort(self, migration_id: str, reason: str) -> None:
         await self.dest.abort(migration_id, reason)

@@ -48,6 +48,9 @@ class MigrationRpcs:
             raise Unavailable("failpoint: commit reply lost")
         return pb.CommitReply(ok=True)
 
+    async def expect_commit(self, req: pb.ExpectCommitRequest) -> pb.ExpectCommitReply:
+        return pb.ExpectCommitReply(expected=self.dest.expect_commit(req.migration_id, req.in_ms))
+
     async def abort(self, req: pb.AbortMigrationRequest) -> pb.AbortMigrationReply:
         found = await self.dest.abort(req.migration_id, req.reason or "aborted by the source")
         return pb.AbortMigrationReply(found=found)

@@ -53,17 +53,24 @@ def failpoint_faults(name: str) -> None:
     """The process-wide failpoints (``--failpoints``) at the source's fault
     points. NOTE: source.crash_mid_transfer simulates the source process
     being killed (SIGKILL): it exits, from the source core, not from inside
-    the transport's chunk generator."""
-    if name == "source.crash_mid_transfer" and failpoints.enabled(name):
+    the transport's chunk generator; source.crash_after_commit, between the
+    commit's acknowledgement and the client's ``moved``."""
+    if name in ("source.crash_mid_transfer", "source.crash_after_commit") and failpoints.enabled(name):
         import os
 
         os._exit(17)
 
 
+def _noticed(task: asyncio.Task) -> None:
+    """A commit notice's answer, for the log (an optimization: nothing depends on it)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.info("commit notice failed", error=repr(task.exception()))
+
+
 class SourceMigration:
     def __init__(self, host: MigrationHost, request_id: str, dest_id: str, dest_address: str,
                  peer: DestinationPeer, config: MigrationConfig, fault: Fault = failpoint_faults,
-                 handoff: bool = False):
+                 handoff: bool = False, expected_ack_ms: float = 10.0):
         self.host = host
         self.engine = host.engine
         self.runner = host.runner
@@ -82,6 +89,8 @@ class SourceMigration:
         self.handoff = handoff
         # The engine's shared KV cache as last offered, if the destination mapped it (shared_kv.py).
         self.shared = None
+        self.expected_ack_ms = expected_ack_ms  # suspend -> commit acknowledged, of recent migrations
+        self._notice: asyncio.Task | None = None  # the commit announced to the destination (join_notice)
 
     # --- helpers ---------------------------------------------------------------
     def _to(self, state: SourceState, **fields) -> None:
@@ -245,6 +254,8 @@ class SourceMigration:
     async def _last_stage(self, stage: int) -> None:
         """Suspend, copy what is left, commit, hand the client's stream over."""
         self._to(S.SUSPEND, stage=stage)
+        if self.config.join_notice and not self.handoff:
+            self._announce_commit()
         # One engine-thread call at a step boundary: suspend, export, and list
         # what is left to copy (a second call would wait a whole step).
         suspended, t_suspend, state, rest = await self.runner.call(self._suspend_and_export)
@@ -259,7 +270,18 @@ class SourceMigration:
         self._to(S.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         next_index = len(state.output_token_ids)
         await self.peer.commit(self.id, state)
+        self.fault("source.crash_after_commit")  # tests: killed before the client learns where it went
         self._hand_over(t_suspend, next_index, S.DONE)
+
+    def _announce_commit(self) -> None:
+        """Tell the destination, without waiting for its answer, when the
+        commit should reach it: the suspend runs at this engine's next step
+        boundary, and the commit is acknowledged about ``expected_ack_ms``
+        after it. Best effort: a lost or late notice leaves the hold of the
+        last pre-allocation."""
+        in_ms = self.runner.to_boundary_s() * 1000 + self.expected_ack_ms
+        self._notice = asyncio.ensure_future(self.peer.expect_commit(self.id, in_ms))
+        self._notice.add_done_callback(_noticed)
 
     def _hand_over(self, t_suspend: float, next_index: int, done) -> None:
         """After the commit acknowledgement. NOTE: nothing awaits here (no

@@ -527,6 +527,87 @@ async def test_an_abort_after_the_last_pre_allocation_releases_the_hold():
         await c.stop()
 
 
+def record_expects(node) -> list[tuple[str, float]]:
+    """(key, seconds from the call to the expected join) of each EngineRunner.expect on the node."""
+    calls = []
+    expect = node.runner.expect
+
+    def recording(key, at, seconds):
+        calls.append((key, at - time.monotonic()))
+        expect(key, at, seconds)
+
+    node.runner.expect = recording
+    return calls
+
+
+@pytest.mark.parametrize("notice", [True, False])
+async def test_the_source_announces_its_commit_before_the_suspend(notice):
+    """MigrationConfig.join_notice: before the suspend, the source tells the
+    destination when the commit should come (its next step boundary plus
+    the acknowledgement of recent migrations), and the destination expects
+    it; the acknowledgement measured goes into the source's average."""
+    config = dataclasses.replace(CONFIG, join_notice=notice)
+    c = Cluster()
+    a = c.add("a", fake(delay_ms=20.0), config)
+    b = c.add("b", fake(), config)
+    try:
+        calls = record_expects(b)
+        cl, task = await start(c, n=120)
+        a.manager.ack_ms = 50.0
+        out = await a.manager.migrate_one("r", "b", "b")
+        assert out.committed, out
+        if notice:
+            assert [k for k, _ in calls] == [out.migration_id]
+            # expected 50 ms (the average) after the suspend, which comes at the end of a 20-ms step
+            assert 0.045 <= calls[0][1] <= 0.05 + a.runner.last_step_s + 0.005, calls
+            assert a.manager.ack_ms == pytest.approx(50.0 + 0.3 * (out.commit_ack_ms - 50.0))
+        else:
+            assert calls == []
+        assert b.runner._held_for() == 0
+        await finish(c, cl, task, 120)
+    finally:
+        await c.stop()
+
+
+async def test_an_expected_commit_is_refused_unless_a_migration_in_is_reserved(plain):
+    dest = plain.nodes["b"].manager.dest
+    cl, task = await start(plain, n=LONG)
+    seen = {}
+
+    async def check():  # the source is about to suspend: its reservation at b is in place
+        mid = next(iter(dest.reservations))
+        seen["ok"] = dest.expect_commit(mid, 10.0)
+        seen["far"] = dest.expect_commit(mid, 5_000.0)  # beyond MAX_EXPECT_MS: a guess
+        seen["late"] = dest.expect_commit(mid, -1.0)
+        seen["unknown"] = dest.expect_commit("mig-nope", 10.0)
+
+    plain.peer_wrappers["b"] = lambda p: HookedPeer(p, before={"commit": check})
+    out = await plain.nodes["a"].manager.migrate_one("r", "b", "b")
+    assert out.committed and seen == {"ok": True, "far": False, "late": False, "unknown": False}
+    assert not dest.expect_commit(out.migration_id, 10.0)  # committed: nothing to expect
+    await finish(plain, cl, task, LONG)
+
+
+async def test_a_cancel_after_the_commit_notice_leaves_the_destination_unheld():
+    config = dataclasses.replace(CONFIG, join_hold_ms=10_000)
+    c = Cluster()
+    c.add("a", fake(), config)
+    b = c.add("b", fake(), config)
+    try:
+        calls = record_expects(b)
+        cl, task = await start(c, n=LONG)
+        c.nodes["a"].faults["source.pre_alloc_last"] = lambda: asyncio.current_task().cancel()
+        mig = asyncio.create_task(c.nodes["a"].manager.migrate_one("r", "b", "b"))
+        with pytest.raises(asyncio.CancelledError):
+            await mig
+        assert len(calls) == 1  # announced, then cancelled
+        assert b.runner._held_for() == 0 and not b.runner._holds
+        await finish(c, cl, task, LONG)
+        assert cl.path == ["a"]
+    finally:
+        await c.stop()
+
+
 # --- the KV through the source's shared cache (engine/shared_kv.py) -------------------------
 @pytest.fixture
 async def plain():
