@@ -361,9 +361,12 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
 @click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
               help="pin the two instances to their own share of the cores each (ferry up --pin-cores)")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="the services' logs at info level into this folder (each migration's transitions, and how "
+                   "long each request waited to join the destination's batch); else warnings to the terminal")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False))
 def migration(lengths, runs, background, out_tokens, at_token, engine, model, device, dtype, num_blocks, vocab,
-              instance_args, pin_cores, json_path) -> None:
+              instance_args, pin_cores, log_dir, json_path) -> None:
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
     lens = [int(x) for x in lengths.split(",")]
     if num_blocks is None:
@@ -373,7 +376,8 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
     args = ["--num-blocks", str(num_blocks), "--device", device, "--dtype", dtype,
             "--max-model-len", str(max(lens) + out_tokens + 64), *instance_args]
     spec = ClusterSpec(instances=2, engine=engine, model=model, port=free_port(), dispatch="round_robin",
-                       instance_args=args, scheduler_args=["--no-migration"], log_level="warning", pin_cores=pin_cores)
+                       instance_args=args, scheduler_args=["--no-migration"], log_level="info" if log_dir else "warning",
+                       log_dir=log_dir, pin_cores=pin_cores)
     config = {"engine": engine, "model": model, "device": device, "dtype": dtype, "runs": runs,
               "num_blocks": num_blocks,
               "instance_cpus": [spec.instance_cpus(i) for i in range(spec.instances)],

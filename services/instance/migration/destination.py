@@ -56,6 +56,7 @@ class Reservation:
     # stage -> one byte per (block, layer) written, for stages sent per layer
     layer_marks: dict[int, bytearray] = field(default_factory=dict)
     peer_kv: PeerKv | None = None  # the source's shared KV cache, mapped (PreAllocate.kv_share)
+    expected_at: float | None = None  # when the source said its commit would come (expect_commit)
 
     @property
     def open(self) -> bool:
@@ -263,7 +264,8 @@ class Destination:
         if (res is None or res.machine.state is not DestState.RESERVED or res.handoff or self.join_hold_s <= 0
                 or not 0 <= in_ms <= MAX_EXPECT_MS):
             return False
-        self.runner.expect(migration_id, time.monotonic() + in_ms / 1000, self.join_hold_s)
+        res.expected_at = time.monotonic() + in_ms / 1000
+        self.runner.expect(migration_id, res.expected_at, self.join_hold_s)
         return True
 
     def _status(self) -> InstanceStatus:
@@ -396,6 +398,9 @@ class Destination:
         its downtime ends as its first step here begins."""
         mid = res.machine.migration_id
         self.settled[mid] = (at - res.committed_at) * 1000
+        # How late the commit came against the source's notice, and how long it then waited for a step boundary.
+        log.info("migrated request joined the batch", migration_id=mid, after_commit_ms=round(self.settled[mid], 2),
+                 commit_late_ms=None if res.expected_at is None else round((res.committed_at - res.expected_at) * 1000, 2))
         while len(self.settled) > 1024:
             self.settled.popitem(last=False)
         self._committed.pop(mid, None)
