@@ -106,6 +106,17 @@ class Attention(nn.Module):
         return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
+# A step of more rows than MLP_SPLIT_ABOVE runs its MLP MLP_ROWS rows at a time when
+# the projections are prepacked (bf16 on CPU): gate|up's output for 2,048 rows of
+# SmolLM2 is 12 MiB, which SiLU, the multiply and down_proj would each read back
+# from memory; 256 rows of it stay in cache. Each row's arithmetic is unchanged
+# (bit-identical outputs). Measured on this project's 2-core CPU, one thread, one
+# MLP: 61.7 -> 55.5 ms at 2,048 rows, 122.8 -> 109.4 ms at 4,096, no change at 512
+# or 1,024 rows. fp32 and CUDA keep one call (not measured; GPUs want large GEMMs).
+MLP_ROWS = 256
+MLP_SPLIT_ABOVE = 1024
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -114,6 +125,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, config.hidden_size)
 
     def forward(self, x):
+        n = x.shape[0]
+        if n <= MLP_SPLIT_ABOVE or self.down_proj.packed is None:
+            return self._rows(x)
+        out = torch.empty(n, self.down_proj.out_features, dtype=x.dtype, device=x.device)
+        for i in range(0, n, MLP_ROWS):
+            out[i:i + MLP_ROWS] = self._rows(x[i:i + MLP_ROWS])
+        return out
+
+    def _rows(self, x):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
