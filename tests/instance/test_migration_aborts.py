@@ -125,28 +125,37 @@ async def test_destination_killed_mid_transfer(tmp_path_factory):
         c.stop()
 
 
+async def source_dies_while_migrating(c) -> dict:
+    """Stream one request from instance-0 and order its migration to
+    instance-1 once 10 characters arrived; the source's failpoint kills it.
+    The client still gets exactly its text (resumed by recompute), the order
+    fails, and the destination ends idle with every block back. Returns the
+    request's final record."""
+    dest = c.child("instance-1")
+    start = check_integrity(dest.address)
+    replies = []
+
+    async def on_chunk(text, rid):
+        if len(text) == 10 and not replies:
+            replies.append(asyncio.create_task(migrate(c, rid, dest=dest)))
+
+    async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
+        text, final = await stream_completion(http, {"prompt": PROMPT, "max_tokens": 80}, on_chunk)
+    assert text == expected_fake_text(PROMPT, 80)
+    assert final["resumes"] == 1 and not c.child("instance-0").alive()
+    with pytest.raises(Exception):
+        await replies[0]
+    r = wait_idle_and_check(dest.address, timeout_s=8)
+    assert r.ok and r.num_reservations == 0 and r.free_blocks == start.free_blocks, r
+    return final
+
+
 async def test_source_killed_mid_transfer(tmp_path_factory):
+    # The frontend resumes the request by recompute on the destination; the
+    # destination's reservation expires and frees its blocks.
     c = make(tmp_path_factory, "source-killed", src=["--failpoints", "source.crash_mid_transfer"])
     try:
-        dest = c.child("instance-1")
-        start = check_integrity(dest.address)
-        replies = []
-
-        async def on_chunk(text, rid):
-            if len(text) == 10 and not replies:
-                replies.append(asyncio.create_task(migrate(c, rid, dest=dest)))
-
-        async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
-            text, final = await stream_completion(http, {"prompt": PROMPT, "max_tokens": 80}, on_chunk)
-        # The source died mid-migration; the frontend resumed the request by
-        # recompute on the destination: still exactly the right tokens.
-        assert text == expected_fake_text(PROMPT, 80)
-        assert final["resumes"] == 1 and not c.child("instance-0").alive()
-        with pytest.raises(Exception):
-            await replies[0]
-        # The destination's reservation expired and freed its blocks.
-        r = wait_idle_and_check(dest.address, timeout_s=8)
-        assert r.ok and r.num_reservations == 0 and r.free_blocks == start.free_blocks
+        await source_dies_while_migrating(c)
     finally:
         c.stop()
 
@@ -162,22 +171,7 @@ async def test_source_killed_after_the_commit_before_the_client_followed(tmp_pat
     c = make(tmp_path_factory, "killed-after-commit",
              src=["--failpoints", "source.crash_after_commit", "--migration-deadline-ms", "30000"])
     try:
-        dest = c.child("instance-1")
-        start = check_integrity(dest.address)
-        replies = []
-
-        async def on_chunk(text, rid):
-            if len(text) == 10 and not replies:
-                replies.append(asyncio.create_task(migrate(c, rid, dest=dest)))
-
-        async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
-            text, final = await stream_completion(http, {"prompt": PROMPT, "max_tokens": 80}, on_chunk)
-        assert text == expected_fake_text(PROMPT, 80)
-        assert final["resumes"] == 1 and final["instances"] == ["instance-0", "instance-1"], final
-        assert not c.child("instance-0").alive()
-        with pytest.raises(Exception):
-            await replies[0]
-        r = wait_idle_and_check(dest.address, timeout_s=8)
-        assert r.ok and r.num_reservations == 0 and r.free_blocks == start.free_blocks, r
+        final = await source_dies_while_migrating(c)
+        assert final["instances"] == ["instance-0", "instance-1"], final
     finally:
         c.stop()
