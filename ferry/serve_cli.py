@@ -9,7 +9,7 @@ import click
 
 from libs.common.config import ConfigError, click_options, from_options
 from libs.common.logging import get_logger, setup_logging
-from libs.common.server import run
+from libs.common.server import freeze_startup_heap, run
 from libs.common.server import serve as serve_grpc
 from services.frontend.config import FrontendConfig
 from services.instance.service import InstanceConfig
@@ -33,6 +33,15 @@ def _setup(config_cls, options: dict, name: str):
     return cfg
 
 
+def _started(cfg):
+    """Called once the service serves: what start-up allocated is frozen
+    (--freeze-heap, the default: fewer objects for the collector to scan)."""
+    def ready(address: str) -> None:
+        if cfg.freeze_heap:
+            freeze_startup_heap()
+    return ready
+
+
 @click.group()
 def serve() -> None:
     """Run one Ferry service."""
@@ -45,7 +54,7 @@ def meta_store(**options) -> None:
     from services.meta_store.service import MetaStoreService
 
     cfg = _setup(MetaStoreConfig, options, "meta-store")
-    sys.exit(run(serve_grpc(MetaStoreService(cfg), cfg.host, cfg.port)))
+    sys.exit(run(serve_grpc(MetaStoreService(cfg), cfg.host, cfg.port, ready=_started(cfg))))
 
 
 @serve.command("scheduler")
@@ -55,7 +64,7 @@ def scheduler(**options) -> None:
     from services.scheduler.service import SchedulerService
 
     cfg = _setup(SchedulerConfig, options, "scheduler")
-    sys.exit(run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port)))
+    sys.exit(run(serve_grpc(SchedulerService(cfg), cfg.host, cfg.port, ready=_started(cfg))))
 
 
 @serve.command("instance", context_settings={"ignore_unknown_options": True})
@@ -84,7 +93,7 @@ def instance(engine_args, **options) -> None:
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--cpus") from None
         log.info("pinned to cores %s", format_cpus(cores))
-    sys.exit(run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port)))
+    sys.exit(run(serve_grpc(InstanceService(cfg), cfg.host, cfg.port, ready=_started(cfg))))
 
 
 @serve.command("frontend")
@@ -94,4 +103,4 @@ def frontend(**options) -> None:
     from services.frontend.service import run_frontend
 
     cfg = _setup(FrontendConfig, options, "frontend")
-    sys.exit(run(run_frontend(cfg)))
+    sys.exit(run(run_frontend(cfg, freeze_heap=cfg.freeze_heap)))

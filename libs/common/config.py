@@ -104,6 +104,8 @@ class CommonConfig(Validated):
     port: int = opt(0, "port to listen on (0 = any free port)", min=0, max=65535)
     log_level: str = opt("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = opt("console", "log format", choices=("console", "json"))
+    freeze_heap: bool = opt(True, "once serving, freeze what start-up allocated (gc.freeze): the garbage "
+                            "collector's full passes then scan only what serving allocates")
     # Internal gRPC credentials (libs/common/rpc.py). Prefer the env var or the
     # file to the flag: a flag's value shows in the process list.
     cluster_token: str = opt("", "shared token every internal gRPC call must carry (empty = none)")

@@ -6,6 +6,7 @@ services a token check on every call but health checks."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from typing import Awaitable, Callable
 
@@ -162,6 +163,24 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return denied
 
         return _rewrap(handler, deny_unary, deny_stream)
+
+
+def freeze_startup_heap() -> int:
+    """Once a service has started: collect, then move every object the
+    garbage collector tracks into its permanent generation (``gc.freeze``),
+    so that later full collections scan only what serving allocated. An
+    instance with the native engine holds ~390k tracked objects after
+    start-up (torch, transformers, the model), and one full collection of
+    them took 145 ms on this project's CPU: a pause of every stream on that
+    instance whenever one ran. Start-up objects live as long as the process,
+    so freezing them frees nothing that would have been freed. For a
+    service's process (``ferry serve``), not for one that also runs other
+    things (tests serve in-process). Returns the number frozen."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("start-up heap frozen", objects=frozen)
+    return frozen
 
 
 async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,

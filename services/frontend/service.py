@@ -11,7 +11,7 @@ import uvicorn
 
 from ferry.pb import frontend_pb2_grpc
 from libs.common.logging import get_logger
-from libs.common.server import Service, serve
+from libs.common.server import Service, freeze_startup_heap, serve
 from services.frontend.app import create_app
 from services.frontend.config import FrontendConfig
 from services.frontend.grpc_api import FrontendServicer
@@ -43,7 +43,9 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def run_frontend(config: FrontendConfig) -> None:
+async def run_frontend(config: FrontendConfig, freeze_heap: bool = False) -> None:
+    """``freeze_heap``: this process is the frontend alone (``ferry serve
+    frontend``): freeze its start-up heap (libs.common.server.freeze_startup_heap)."""
     tokenizer = load_tokenizer(config.model)
     router = Router(config.scheduler, config.meta_store, config.dispatch_timeout_s, config.bypass_retry_s,
                     config.status_interval_s, config.stall_timeout_s, config.dispatch_stream)
@@ -72,6 +74,8 @@ async def run_frontend(config: FrontendConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     log.info("frontend listening", url=f"http://{config.host}:{config.port}", model=config.model_name)
+    if freeze_heap:
+        freeze_startup_heap()
     try:
         await server.serve()
     finally:

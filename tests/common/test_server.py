@@ -1,4 +1,5 @@
-"""Every service's serve(): health checking and a graceful stop on SIGTERM."""
+"""Every service's serve(): health checking, a graceful stop on SIGTERM, and
+the start-up heap frozen once serving."""
 
 import subprocess
 import sys
@@ -28,6 +29,9 @@ def test_service_reports_health_and_stops_gracefully_on_sigterm():
         assert proc.wait(15) == 0
         err = proc.stderr.read()
         assert "stopping" in err and "stopped" in err
+        # Once serving, the process froze its start-up heap (freeze_startup_heap), with objects in it.
+        frozen = [line for line in err.splitlines() if "start-up heap frozen" in line]
+        assert len(frozen) == 1 and int(frozen[0].split("objects=")[1].split()[0]) > 1000, frozen
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -79,3 +83,12 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range():
         assert _PORT_RANGE[0] <= port < _PORT_RANGE[1]  # not a port outgoing connections get
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_freezing_the_heap_leaves_only_new_objects_to_collect():
+    code = ("import gc; from libs.common.server import freeze_startup_heap; "
+            "kept = [[] for _ in range(5000)]; n = freeze_startup_heap(); "
+            "assert n >= 5000 and gc.get_freeze_count() == n, n; "
+            "assert sum(gc.get_count()) < 100; print(n)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
