@@ -94,7 +94,11 @@ async def test_per_layer_chunks_flow_while_the_prompt_computes(two):
     assert {s[0] for s in seen} == {0}  # the fake engine has one layer
     # chunks of 24 tokens: [0,24) [24,48) ..; a block goes with the chunk that completes it
     assert [(first, n) for _, first, n, _ in seen] == [(0, 1), (1, 2), (3, 1), (4, 2), (6, 1)]
-    assert [c for *_, c in seen][:4] == [0, 24, 48, 72]  # each went while its step ran
+    # Each went while the prompt still computed: no earlier than its own step (24 tokens each), and
+    # before the prompt was done. (Read from the event loop, the engine thread may be a step ahead
+    # on a loaded machine: CI once saw [0, 48, 48, 72].)
+    computed = [c for *_, c in seen][:4]
+    assert all(24 * i <= c < len(PROMPT) for i, c in enumerate(computed)), computed
     await clean(two)
 
     seen.clear()
