@@ -453,12 +453,12 @@ class Destination:
         follows already (attached) stays, and the resume is refused."""
         for mid, res in list(self.reservations.items()):
             if res.machine.request_id == request_id and res.machine.state is DestState.COMMITTED:
-                stream = self.host.streams.get(request_id)
-                if stream is not None and stream.attached:
-                    return False
-                log.warning("dropping a committed copy nobody follows: its client resumes it here",
-                            migration_id=mid, request_id=request_id)
-                return await self.abort(mid, "the client resumed the request here")
+                # abort() of a committed migration keeps a copy a client follows (False)
+                dropped = await self.abort(mid, "the client resumed the request here")
+                if dropped:
+                    log.warning("dropped a committed copy nobody followed: its client resumes it here",
+                                migration_id=mid, request_id=request_id)
+                return dropped
         return False
 
     def _drop_committed(self, res: Reservation, request_id: str) -> None:
