@@ -93,6 +93,9 @@ class InstanceConfig(CommonConfig):
     migration_shared_kv: bool = opt(True, "migration: keep the KV cache (fake, native on CPU) in shared memory; "
                                     "a destination on this host that can map it copies the blocks straight from "
                                     "it, so the source sends block ids instead of bytes (else bytes over gRPC)")
+    migration_kv_staging: bool = opt(True, "migration (native on CUDA): copy KV blocks on a side stream through "
+                                     "pinned host buffers, beside the engine's steps (else on the engine's stream "
+                                     "through pageable memory, queued behind the step in flight)")
     max_migrate_out: int = opt(2, "migration: concurrent migrations out of this instance", min=1)
     max_migrate_out_per_dest: int = opt(2, "migration: concurrent migrations out of this instance to one "
                                         "destination", min=1)
@@ -143,6 +146,7 @@ class InstanceConfig(CommonConfig):
         extra: dict = {"num_threads": self.torch_threads} if self.torch_threads else {}
         if self.engine == "native":
             extra["kunserve_exchange_mb"] = self.kunserve_exchange_mb
+            extra["kv_staging"] = self.migration_kv_staging
         if self.vllm_args:
             extra["vllm_args"] = self.vllm_args
         return extra

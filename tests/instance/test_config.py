@@ -5,8 +5,13 @@ from services.instance.service import InstanceConfig
 
 def test_torch_threads_reaches_the_native_engine_config():
     assert InstanceConfig(engine="native", torch_threads=1).engine_config().extra == {
-        "num_threads": 1, "kunserve_exchange_mb": 16.0}
+        "num_threads": 1, "kunserve_exchange_mb": 16.0, "kv_staging": True}
     assert "num_threads" not in InstanceConfig(engine="native").engine_config().extra
+
+
+def test_kv_staging_can_be_turned_off_for_the_native_engine():
+    assert InstanceConfig(engine="native", migration_kv_staging=False).engine_config().extra["kv_staging"] is False
+    assert "kv_staging" not in InstanceConfig(engine="fake").engine_config().extra
 
 
 def test_the_kunserve_exchange_budget_reaches_the_native_engine_only():

@@ -116,7 +116,8 @@ class NativeEngine(CoreEngine):
         dc_gb = config.extra.get("decode_cache_gb")
         runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, eos, seed=config.seed,
                              decode_cache_bytes=None if dc_gb is None else int(float(dc_gb) * 2**30),
-                             vllm_kernels=vllm_kernels, share_kv=config.share_kv)
+                             vllm_kernels=vllm_kernels, share_kv=config.share_kv,
+                             kv_staging=bool(config.extra.get("kv_staging", True)))
         max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)

@@ -23,6 +23,7 @@ from services.instance.engine.native.attention import (
     slot_rows,
 )
 from services.instance.engine.native.decode_cache import DecodeCache
+from services.instance.engine.native.kv_staging import CudaKvStaging
 from services.instance.engine.native.model import Attend, LlamaModel
 from services.instance.engine.native.pipeline import GuestChunk, LayerPeer, plan_segments
 from services.instance.engine.native.sampler import (
@@ -40,7 +41,8 @@ class ModelRunner(Executor):
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0,
-                 decode_cache_bytes: int | None = None, vllm_kernels: bool = True, share_kv: bool = True):
+                 decode_cache_bytes: int | None = None, vllm_kernels: bool = True, share_kv: bool = True,
+                 kv_staging: bool = True):
         cfg = model.config
         self.model = model
         self.device = device
@@ -69,6 +71,9 @@ class ModelRunner(Executor):
         # are busy with the engine's own steps.
         self._np_cache = (self.kv_cache.view(torch.uint8).numpy().reshape(num_blocks, cfg.num_hidden_layers, -1)
                           if device.type == "cpu" else None)
+        # On CUDA, KV transfer on a side stream through pinned host buffers (kv_staging.py);
+        # kv_staging=False keeps the plain path (the default stream, pageable memory) for comparison.
+        self._staging = CudaKvStaging(device) if device.type == "cuda" and kv_staging else None
         self._seeds = np.random.default_rng(seed)  # seeds for requests without one
         # Decodes read a dense copy of their context on CPU (see decode_cache.py);
         # by default it may take as much memory as the paged cache.
@@ -178,6 +183,8 @@ class ModelRunner(Executor):
             logits = self._pipelined(ordered, input_ids, positions, meta, logits_index)
         if dense:
             self.decode_cache.advance(sum(c.num_new == 1 for c in ordered))
+        if self._staging is not None:
+            self._staging.step_done()
         tokens = sample(logits, sampling, self.eos_token_ids) if sampling else []
         by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
         return [by_id[c.request.request_id] if c.samples else None for c in chunks]
@@ -420,12 +427,14 @@ class ModelRunner(Executor):
             if dc is not None:
                 dc.kv_cache = bigger
 
-    def _layer_rows(self, block_ids, layer: int) -> torch.Tensor:
+    def _layer_rows(self, block_ids, layer: int, on_host: bool = False) -> torch.Tensor:
         """Rows of (block, layer, K) and (block, layer, V) in the block-row
         view of the cache (see attention.py), [n, 2] flattened: whole
-        contiguous rows that hold a layer's ``[n, 2, block_size, kv_heads, head_dim]``."""
+        contiguous rows that hold a layer's ``[n, 2, block_size, kv_heads, head_dim]``.
+        On the cache's device, or on the host (``on_host``: for kv_staging)."""
         k = torch.tensor(block_ids, dtype=torch.long) * (self._layout.num_layers * 2) + 2 * layer
-        return torch.stack((k, k + 1), dim=1).view(-1).to(self.device)
+        rows = torch.stack((k, k + 1), dim=1).view(-1)
+        return rows if on_host else rows.to(self.device)
 
     def _block_rows(self) -> torch.Tensor:
         return self.kv_cache.view(self.kv_cache.shape[0] * self._layout.num_layers * 2, -1)
@@ -451,6 +460,8 @@ class ModelRunner(Executor):
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         if self._np_cache is not None:
             return memoryview(self._np_cache[list(block_ids)].reshape(-1))
+        if self._staging is not None:
+            return self._staging.gather(self.kv_cache, block_ids)
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         buf = self.kv_cache.index_select(0, idx).cpu()
         return memoryview(buf.view(torch.uint8).numpy()).cast("B")
@@ -461,6 +472,9 @@ class ModelRunner(Executor):
         if self._np_cache is not None:
             self._np_cache[list(block_ids)] = rows.reshape(n, self._layout.num_layers, -1)
             return
+        if self._staging is not None:
+            self._staging.scatter(self.kv_cache, block_ids, data)
+            return
         blocks = torch.from_numpy(rows.copy()).view(self.kv_cache.dtype).view((n,) + tuple(self.kv_cache.shape[1:]))
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.kv_cache.index_copy_(0, idx, blocks.to(self.device))
@@ -468,6 +482,8 @@ class ModelRunner(Executor):
     def _gather_layer(self, block_ids, layer: int) -> memoryview:
         if self._np_cache is not None:
             return memoryview(self._np_cache[list(block_ids), layer].reshape(-1))
+        if self._staging is not None:  # on the engine thread, mid-step: after the layer just queued
+            return self._staging.gather(self._block_rows(), self._layer_rows(block_ids, layer, True), now=True)
         # NOTE: .cpu() waits for the layer on CUDA (a pinned buffer and an event would not)
         part = self._block_rows().index_select(0, self._layer_rows(block_ids, layer)).cpu()
         return memoryview(part.view(torch.uint8).numpy()).cast("B")
@@ -477,6 +493,9 @@ class ModelRunner(Executor):
         rows = self._bytes_in(data, n, self._layout.bytes_per_block // self._layout.num_layers)
         if self._np_cache is not None:
             self._np_cache[list(block_ids), layer] = rows
+            return
+        if self._staging is not None:
+            self._staging.scatter(self._block_rows(), self._layer_rows(block_ids, layer, True), data)
             return
         src = torch.from_numpy(rows.copy()).view(self.kv_cache.dtype).view(2 * n, -1)
         self._block_rows().index_copy_(0, self._layer_rows(block_ids, layer), src.to(self.device))
