@@ -18,6 +18,7 @@ from ferry.cli import LazyGroup
         "handoff": "ferry.bench.handoff:handoff",
         "handoff-modes": "ferry.bench.handoff_modes:handoff_modes",
         "migration": "ferry.bench.migration:migration",
+        "migration-local": "ferry.bench.migration_local:migration_local",
         "overhead": "ferry.bench.overhead:overhead",
         "serving": "ferry.bench.serving:serving",
         "vllm": "ferry.bench.vllm_serve:vllm_bench",

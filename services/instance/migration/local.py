@@ -104,6 +104,7 @@ class Client:
     finish_reason: str | None = None
     first_token: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     moved_at: list[int] = dataclasses.field(default_factory=list)  # token index of each `moved`
+    times: list[float] = dataclasses.field(default_factory=list)  # perf_counter() at each token's arrival
 
     @property
     def where(self) -> str:
@@ -134,6 +135,7 @@ class Client:
                 if ev.token_id is not None:
                     assert ev.index == len(self.tokens), f"index {ev.index} after {len(self.tokens)} tokens"
                     self.tokens.append(ev.token_id)
+                    self.times.append(time.perf_counter())
                     self.first_token.set()
                 if ev.final:
                     break

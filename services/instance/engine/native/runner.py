@@ -96,6 +96,13 @@ class ModelRunner(Executor):
     def kv_layout(self) -> KvLayout:
         return self._layout
 
+    def set_kv_staging(self, on: bool) -> None:
+        """On CUDA: KV transfer through kv_staging.py (on) or the plain path
+        (off), from the next copy on; A/B runs in one process (``ferry bench
+        migration-local``). Call between migrations."""
+        if self.device.type == "cuda":
+            self._staging = CudaKvStaging(self.device) if on else None
+
     # --- forward --------------------------------------------------------------
     @staticmethod
     def _order(chunks: list[ScheduledChunk], cache: DecodeCache | None) -> tuple[list[ScheduledChunk], bool]:
