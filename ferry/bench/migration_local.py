@@ -84,6 +84,10 @@ class _Background:
         return statistics.median(gaps) if gaps else None
 
 
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def _med(vals) -> float | None:
     vals = [v for v in vals if v is not None]
     return statistics.median(vals) if vals else None
@@ -119,6 +123,9 @@ async def _length(cluster, bgs, length, runs, out_tokens, at_token, vocab, modes
     prompt = [rng.randrange(3, vocab) for _ in range(length)]
     ref = Client(cluster, f"ref-{length}")
     want = await ref.run("a", prompt, out_tokens)
+    # The same request again without a migration: in bf16 on a GPU, a batch of other requests can change
+    # the rounding (kernels chosen by batch shape), and a greedy token can flip with no migration at all.
+    control = await Client(cluster, f"ctl-{length}").run("a", prompt, out_tokens)
     t_ref = ref.times[at_token] if len(ref.times) > at_token else ref.times[0]
     baseline = bgs["a"].step_ms(t_ref, ref.times[-1])
     rows: dict[str, list[dict]] = {m: [] for m in modes}
@@ -126,9 +133,12 @@ async def _length(cluster, bgs, length, runs, out_tokens, at_token, vocab, modes
         for mode in (modes if k % 2 == 0 else modes[::-1]):  # alternate who goes first
             set_mode(mode)
             r = await _one(cluster, bgs, prompt, out_tokens, at_token, f"r-{length}-{mode}-{k}")
-            r["tokens_match"] = r.pop("tokens") == want and r["path"] == ["a", "b"]
+            tokens = r.pop("tokens")
+            r["tokens_match"] = tokens == want and r["path"] == ["a", "b"]
+            r["first_diff"] = _first_diff(tokens, want)  # the first token unlike the reference's (None: same)
             rows[mode].append(r)
-    out = {"reference_step_ms": baseline, "by_transfer": {}}
+    out = {"reference_step_ms": baseline, "control_match": control == want,
+           "control_first_diff": _first_diff(control, want), "at_token": at_token, "by_transfer": {}}
     for i, mode in enumerate(modes):
         set_mode(mode)
         blk = {"downtime_ms": None, "stall_ms": None, "tokens_match": True}
@@ -164,10 +174,11 @@ HEADER = ["length", "transfer", "downtime", "ack", "stall", "itl", "GB/s", "step
           "blocking", "blk.stall", "match"]
 
 
-def _row(length, mode, ref_step, r) -> str:
+def _row(length, mode, ref_step, r, control: bool) -> str:
     vals = [str(length), mode, r["downtime_ms"], r["commit_ack_ms"], r["stall_ms"], r["itl_ms"], r["copy_gbps"],
             ref_step, r["step_ms_during"], None if r["slowdown"] is None else f"{r['slowdown'] * 100:+.1f}%",
-            r["blocking_downtime_ms"], r["blocking_stall_ms"], str(r["tokens_match"] and r["blocking_tokens_match"])]
+            r["blocking_downtime_ms"], r["blocking_stall_ms"],
+            f"{r['tokens_match'] and r['blocking_tokens_match']}/{control}"]
     return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v!s:>11s}" for v in vals)
 
 
@@ -263,7 +274,7 @@ def migration_local(json_path, lengths, **opts) -> None:
                        f"{results['config']['num_blocks']} blocks per engine")
             click.echo("".join(f"{h:>11s}" for h in HEADER))
         for mode, m in r["by_transfer"].items():
-            click.echo(_row(length, mode, r["reference_step_ms"], m))
+            click.echo(_row(length, mode, r["reference_step_ms"], m, r["control_match"]))
         results["config"]["elapsed_s"] = time.perf_counter() - started
         if json_path:
             with open(json_path, "w") as f:
@@ -273,4 +284,5 @@ def migration_local(json_path, lengths, **opts) -> None:
     click.echo("(ms; downtime = suspend -> first step on the destination; ack = suspend -> commit acknowledged; "
                "stall = largest client inter-token gap across the migration minus itl; GB/s = bytes over the "
                "migration's duration; step = the source's background decode step with the request there, "
-               "without and during the migration; blocking = suspend, then copy everything)")
+               "without and during the migration; blocking = suspend, then copy everything; match = the "
+               "migrated runs' tokens equal the reference's / an unmigrated repeat's do)")
