@@ -480,12 +480,18 @@ class RequestState(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("migration_id", "state")
+    __slots__ = ("migration_id", "state", "has_last_stage", "last_stage", "last_src_blocks")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    HAS_LAST_STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     state: RequestState
-    def __init__(self, migration_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, _Mapping]] = ...) -> None: ...
+    has_last_stage: bool
+    last_stage: int
+    last_src_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, _Mapping]] = ..., has_last_stage: _Optional[bool] = ..., last_stage: _Optional[int] = ..., last_src_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("ok", "reason")

@@ -93,6 +93,9 @@ class InstanceConfig(CommonConfig):
     migration_shared_kv: bool = opt(True, "migration: keep the KV cache (fake, native on CPU) in shared memory; "
                                     "a destination on this host that can map it copies the blocks straight from "
                                     "it, so the source sends block ids instead of bytes (else bytes over gRPC)")
+    migration_fuse_last_stage: bool = opt(True, "migration: when the destination maps this instance's shared KV "
+                                          "cache, send the last stage's block ids with the commit (one round trip "
+                                          "after the suspend instead of three)")
     migration_kv_staging: bool = opt(True, "migration (native on CUDA): copy KV blocks on a side stream through "
                                      "pinned host buffers, beside the engine's steps (else on the engine's stream "
                                      "through pageable memory, queued behind the step in flight)")
@@ -130,7 +133,8 @@ class InstanceConfig(CommonConfig):
             max_migrate_out_per_dest=self.max_migrate_out_per_dest, copy_duty=self.migration_copy_duty,
             precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)), max_handoff_in=self.max_handoff_in,
             handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms,
-            join_notice=self.migration_join_notice, shared_kv=self.migration_shared_kv)
+            join_notice=self.migration_join_notice, shared_kv=self.migration_shared_kv,
+            fuse_last_stage=self.migration_fuse_last_stage)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

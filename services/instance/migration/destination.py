@@ -22,7 +22,7 @@ from libs.common.logging import get_logger
 from libs.common.types import InstanceStatus, RequestState
 from services.instance.engine.shared_kv import KvShareError, PeerKv, runs
 from services.instance.migration.host import MigrationHost
-from services.instance.migration.messages import Admission, KvChunk, PreAllocate
+from services.instance.migration.messages import Admission, KvChunk, LastStage, PreAllocate
 from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.policy import accepts_migration
 from services.instance.migration.states import DestState, Machine
@@ -363,11 +363,43 @@ class Destination:
         for b in range(first, first + n):
             marks[b * layout.num_layers + chunk.layer] = 1
 
-    async def commit(self, migration_id: str, state: RequestState) -> None:
+    async def commit(self, migration_id: str, state: RequestState, last: LastStage | None = None) -> None:
+        """``last``: the last stage carried by the commit (the source's shared
+        cache is mapped): its blocks are copied here first, then the commit
+        goes on as usual. If the copy fails or is cancelled the reservation
+        stays open (the stage's blocks in it) until the source's abort or
+        the deadline frees it."""
         try:
+            if last is not None:
+                await self._last_stage(migration_id, last)
             self._commit(migration_id, state)
         finally:  # a held step boundary (join_hold_s) opens: after the install was queued, or on a refusal
             self.runner.release(migration_id)
+
+    async def _last_stage(self, migration_id: str, last: LastStage) -> None:
+        res = self._get(migration_id)
+        if res.peer_kv is None:
+            raise InvalidArgument("the commit names source blocks, but no shared KV cache is mapped")
+        if last.stage in res.stages:
+            raise InvalidArgument(f"stage {last.stage} already reserved")
+        n = len(last.src_blocks)
+        if self._want(res, n, 0) == 0:  # from the spare blocks (the usual case): no engine step to wait for
+            ok = self._take(res, last.stage, n, 0)
+        else:
+            ok = await self.runner.call(self._take, res, last.stage, n, 0)
+        if res.machine.state is not DestState.RESERVED or res.closed:
+            raise Aborted("migration aborted during the commit")
+        if not ok:
+            raise FailedPrecondition(f"the last stage's {n} blocks do not fit")
+        res.machine.to(DestState.RESERVED, stage=last.stage, blocks=n, spare=len(res.spare),
+                       total_blocks=len(res.blocks))
+        if n:
+            await self._scatter(res, self._copy_from_source, res.peer_kv, res.stages[last.stage],
+                                list(last.src_blocks))
+        if res.machine.state is not DestState.RESERVED or res.closed:
+            raise Aborted("migration aborted during the commit")
+        res.received[last.stage] = n
+        res.bytes += n * self.engine.kv_layout.bytes_per_block
 
     def _commit(self, migration_id: str, state: RequestState) -> None:
         res = self._get(migration_id)

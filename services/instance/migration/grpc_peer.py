@@ -16,6 +16,7 @@ from services.instance.engine.shared_kv import KvShare
 from services.instance.migration.messages import (
     Admission,
     KvChunk,
+    LastStage,
     MigrateOutOrder,
     OrderResult,
     Outcome,
@@ -92,6 +93,10 @@ def _reason(e: grpc.RpcError) -> str:
 
 
 # --- the peer ---------------------------------------------------------------------------
+def last_stage_from_pb(req: pb.CommitRequest) -> LastStage | None:
+    return LastStage(req.last_stage, tuple(req.last_src_blocks)) if req.has_last_stage else None
+
+
 class GrpcPeer:
     """A destination instance behind a gRPC channel (made with the
     project's credentials by libs.common.rpc)."""
@@ -118,11 +123,13 @@ class GrpcPeer:
             raise PeerError(_reason(e)) from None
         return reply.blocks_written
 
-    async def commit(self, migration_id: str, state: RequestState) -> None:
+    async def commit(self, migration_id: str, state: RequestState, last: LastStage | None = None) -> None:
+        req = pb.CommitRequest(migration_id=migration_id, state=convert.state_to_pb(state))
+        if last is not None:
+            req.has_last_stage, req.last_stage = True, last.stage
+            req.last_src_blocks.extend(last.src_blocks)
         try:
-            reply = await self.stub.Commit(pb.CommitRequest(migration_id=migration_id,
-                                                            state=convert.state_to_pb(state)),
-                                           timeout=self.timeout_s)
+            reply = await self.stub.Commit(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise PeerError(_reason(e)) from None
         if not reply.ok:

@@ -58,6 +58,10 @@ class MigrationConfig:
     # the source offers it at the first pre-allocation, the destination maps it
     # if it can, and the stages then send block ids, not bytes.
     shared_kv: bool = True
+    # When the destination mapped the source's shared cache, the last stage
+    # (its block ids) rides on the commit: after the suspend one round trip
+    # instead of three (the last pre-allocation, its transfer, the commit).
+    fuse_last_stage: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,16 @@ class KvChunk:
     total_bytes: int = 0
     layer: int | None = None
     src_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LastStage:
+    """The last stage carried by the commit (MigrationConfig.fuse_last_stage):
+    source blocks of its shared KV cache, in order, for the destination to
+    copy into its reservation before it installs the request."""
+
+    stage: int
+    src_blocks: tuple[int, ...]
 
 
 @dataclass

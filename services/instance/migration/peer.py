@@ -13,7 +13,7 @@ import numpy as np
 
 from libs.common.types import RequestState
 from services.instance.migration.destination import Destination
-from services.instance.migration.messages import Admission, KvChunk, PreAllocate
+from services.instance.migration.messages import Admission, KvChunk, LastStage, PreAllocate
 
 
 class DestinationPeer(Protocol):
@@ -26,8 +26,9 @@ class DestinationPeer(Protocol):
     async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
         """Stream one stage's chunks; returns the blocks the destination wrote."""
 
-    async def commit(self, migration_id: str, state: RequestState) -> None:
-        """Hand the request over; returns once the destination owns it."""
+    async def commit(self, migration_id: str, state: RequestState, last: LastStage | None = None) -> None:
+        """Hand the request over; returns once the destination owns it.
+        ``last``: the last stage's source blocks, copied there first."""
 
     async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
         """Best effort, before the suspend: the commit should come in about
@@ -71,8 +72,8 @@ class InProcessPeer:
         written, _ = await self.dest.transfer(copied())
         return written
 
-    async def commit(self, migration_id: str, state: RequestState) -> None:
-        await self.dest.commit(migration_id, copy_state(state))
+    async def commit(self, migration_id: str, state: RequestState, last: LastStage | None = None) -> None:
+        await self.dest.commit(migration_id, copy_state(state), last)
 
     async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
         return self.dest.expect_commit(migration_id, in_ms)

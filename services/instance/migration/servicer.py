@@ -10,6 +10,7 @@ from libs.common.errors import Unavailable
 from libs.common.logging import get_logger
 from services.instance.migration.grpc_peer import (
     chunks_from_pb,
+    last_stage_from_pb,
     order_from_pb,
     order_result_to_pb,
     pre_allocate_from_pb,
@@ -43,7 +44,7 @@ class MigrationRpcs:
         return pb.TransferKvReply(blocks_written=written, bytes=nbytes)
 
     async def commit(self, req: pb.CommitRequest) -> pb.CommitReply:
-        await self.dest.commit(req.migration_id, convert.state_from_pb(req.state))
+        await self.dest.commit(req.migration_id, convert.state_from_pb(req.state), last_stage_from_pb(req))
         if failpoints.enabled("dest.drop_commit_reply"):
             raise Unavailable("failpoint: commit reply lost")
         return pb.CommitReply(ok=True)

@@ -29,6 +29,7 @@ from libs.common.logging import get_logger
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.messages import (
     KvChunk,
+    LastStage,
     MigrateOutOrder,  # noqa: F401 - re-exported for callers of this module
     MigrationAborted,
     MigrationConfig,
@@ -202,7 +203,7 @@ class SourceMigration:
             if cancelled or not isinstance(e, Exception):
                 raise
         self.out.duration_ms = (time.perf_counter() - t0) * 1000
-        self.out.stages = sum(1 for s in self.m.history if s in (S.COPY, S.COPY_LAST))
+        self.out.stages += sum(1 for s in self.m.history if s in (S.COPY, S.COPY_LAST))
         if self.out.committed:
             # Off the critical path (the client already follows the request):
             # the downtime ends at the request's first step at the destination.
@@ -232,11 +233,13 @@ class SourceMigration:
                 break
             if last:
                 todo = []
-            spare = 0
-            if stage == 0:
-                spare = self.spare_blocks
-                if self.config.max_stages == 0:  # blocking baseline: the last stage is everything
-                    spare += len(await self.runner.call(self.engine.all_blocks, self.request_id))
+            # Every pre-copy stage keeps the spare blocks held (a stage takes
+            # them first, and as many fresh ones come back), so that the last
+            # stage after the suspend is served from them without waiting on
+            # the destination's engine.
+            spare = self.spare_blocks
+            if stage == 0 and self.config.max_stages == 0:  # blocking baseline: the last stage is everything
+                spare += len(await self.runner.call(self.engine.all_blocks, self.request_id))
             self._to(S.PRE_ALLOC, stage=stage, blocks=len(todo))
             await self._pre_allocate(stage, len(todo), spare=spare)
             self._to(S.COPY, stage=stage, blocks=len(todo))
@@ -261,6 +264,9 @@ class SourceMigration:
         suspended, t_suspend, state, rest = await self.runner.call(self._suspend_and_export)
         if not suspended:
             raise MigrationAborted("request finished or was preempted before suspend")
+        if self._fuse_last_stage():
+            await self._commit_with_last_stage(stage, rest, state, t_suspend)
+            return
         self._to(S.PRE_ALLOC_LAST, stage=stage, blocks=len(rest))
         await self._pre_allocate(stage, len(rest), last=True)
         self._to(S.COPY_LAST, stage=stage, blocks=len(rest))
@@ -271,6 +277,27 @@ class SourceMigration:
         next_index = len(state.output_token_ids)
         await self.peer.commit(self.id, state)
         self.fault("source.crash_after_commit")  # tests: killed before the client learns where it went
+        self._hand_over(t_suspend, next_index, S.DONE)
+
+    def _fuse_last_stage(self) -> bool:
+        """The last stage rides on the commit: the destination mapped this
+        engine's shared cache (still the one offered: a grown cache is
+        another), so the stage is block ids, small enough for the commit."""
+        return (self.config.fuse_last_stage and not self.handoff and self.shared is not None
+                and self.engine.kv_share() == self.shared)
+
+    async def _commit_with_last_stage(self, stage: int, rest: list[int], state, t_suspend: float) -> None:
+        """SUSPEND -> COMMIT: one round trip after the suspend; the
+        destination copies ``rest`` from the shared cache, then installs."""
+        bpb = self.engine.kv_layout.bytes_per_block
+        self.out.blocks += len(rest)
+        self.out.bytes += len(rest) * bpb
+        self.out.kv_shared = True
+        self.out.stages += 1  # the last stage, copied by the commit
+        self._to(S.COMMIT, stage=stage, last_blocks=len(rest), blocks=self.out.blocks, bytes=self.out.bytes)
+        next_index = len(state.output_token_ids)
+        await self.peer.commit(self.id, state, LastStage(stage, tuple(rest)))
+        self.fault("source.crash_after_commit")
         self._hand_over(t_suspend, next_index, S.DONE)
 
     def _announce_commit(self) -> None:

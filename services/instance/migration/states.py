@@ -43,7 +43,7 @@ _SOURCE_EDGES = {
     S.PRE_ALLOC: {S.COPY},
     S.COPY: {S.VERIFY},
     S.VERIFY: {S.PRE_ALLOC, S.SUSPEND},
-    S.SUSPEND: {S.PRE_ALLOC_LAST},
+    S.SUSPEND: {S.PRE_ALLOC_LAST, S.COMMIT},  # COMMIT: the last stage rides on it (fuse_last_stage)
     S.PRE_ALLOC_LAST: {S.COPY_LAST},
     S.COPY_LAST: {S.COMMIT},
     S.COMMIT: {S.DONE},

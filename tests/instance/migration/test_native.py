@@ -35,12 +35,6 @@ def engines(request):
     return kernel_native(), kernel_native()
 
 
-@pytest.fixture
-async def two(engines):
-    async with cluster_of(engines) as c:
-        yield c
-
-
 @pytest.mark.parametrize("transport", ["shared", "bytes"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
 async def test_migrated_tokens_equal_the_unmigrated_run(engines, sampling, transport):
@@ -61,21 +55,25 @@ async def test_migrated_tokens_equal_the_unmigrated_run(engines, sampling, trans
             await node.check_clean()
 
 
-async def test_cancel_after_suspend_resumes_with_the_same_tokens(two):
-    ref = Client(two, "ref")
-    want = await asyncio.wait_for(ref.run("a", PROMPT, N), 120)
-    cl = Client(two, "r")
-    task = asyncio.create_task(cl.run("a", PROMPT, N))
-    await cl.wait_tokens(5, timeout_s=60)
-    a = two.nodes["a"]
-    a.faults["source.pre_alloc_last"] = lambda: asyncio.current_task().cancel()
-    mig = asyncio.create_task(a.manager.migrate_one("r", "b", "b"))
-    with pytest.raises(asyncio.CancelledError):
-        await mig
-    assert await asyncio.wait_for(task, 120) == want
-    assert cl.path == ["a"]
-    for node in two.nodes.values():
-        await node.check_clean()
+@pytest.mark.parametrize("fuse", [True, False], ids=["last-stage-in-commit", "last-stage-apart"])
+async def test_cancel_after_suspend_resumes_with_the_same_tokens(engines, fuse):
+    """Cancelled after the suspend: while the commit's copy of the last
+    stage runs at the destination, or at the last pre-allocation."""
+    async with cluster_of(engines, config=dataclasses.replace(CONFIG, fuse_last_stage=fuse)) as two:
+        ref = Client(two, "ref")
+        want = await asyncio.wait_for(ref.run("a", PROMPT, N), 120)
+        cl = Client(two, "r")
+        task = asyncio.create_task(cl.run("a", PROMPT, N))
+        await cl.wait_tokens(5, timeout_s=60)
+        a = two.nodes["a"]
+        a.faults["source.commit" if fuse else "source.pre_alloc_last"] = lambda: asyncio.current_task().cancel()
+        mig = asyncio.create_task(a.manager.migrate_one("r", "b", "b"))
+        with pytest.raises(asyncio.CancelledError):
+            await mig
+        assert await asyncio.wait_for(task, 120) == want
+        assert cl.path == ["a"]
+        for node in two.nodes.values():
+            await node.check_clean()
 
 
 async def test_a_k_transposed_cache_is_refused_by_a_plain_one():

@@ -29,6 +29,8 @@ def fake(num_blocks=256, block_size=16, delay_ms=2.0):
 
 
 BYTES = dataclasses.replace(CONFIG, shared_kv=False)  # KV as bytes, never through a shared cache
+UNFUSED = dataclasses.replace(CONFIG, fuse_last_stage=False)  # shared, the last stage its own pre-allocate + transfer
+MODES = {"fused": CONFIG, "shared": UNFUSED, "bytes": BYTES}
 
 
 def pair(cfg: MigrationConfig = CONFIG) -> Cluster:
@@ -38,13 +40,22 @@ def pair(cfg: MigrationConfig = CONFIG) -> Cluster:
     return c
 
 
-@pytest.fixture(params=["shared", "bytes"])
+@pytest.fixture(params=list(MODES))
 async def two(request):
-    """Two fake instances; the KV goes through the source's shared cache
-    (the default) or as bytes."""
-    c = pair(CONFIG if request.param == "shared" else BYTES)
+    """Two fake instances; the KV goes through the source's shared cache,
+    its last stage carried by the commit (fused, the default) or on its own
+    (shared), or as bytes."""
+    c = pair(MODES[request.param])
+    c.mode = request.param
     yield c
     await c.stop()
+
+
+def no_such_state(c: Cluster, point: str) -> None:
+    """With the last stage carried by the commit, the source goes from
+    SUSPEND to COMMIT: the states of a separate last stage do not occur."""
+    if c.mode == "fused" and point in ("pre_alloc_last", "copy_last"):
+        pytest.skip("no such source state when the last stage rides on the commit")
 
 
 async def start(c: Cluster, rid="r", n=200, at=10, node="a", prompt=PROMPT) -> tuple[Client, asyncio.Task]:
@@ -72,6 +83,71 @@ async def test_commit_moves_the_request_with_exact_tokens(two):
     assert cl.path == ["a", "b"]
     assert two.nodes["a"].manager.counters.committed_out == 1
     assert two.nodes["b"].manager.counters.committed_in == 1
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
+async def test_the_last_stage_rides_on_the_commit_from_the_spare_blocks(fuse):
+    """Through the shared cache the source goes SUSPEND -> COMMIT, the
+    commit carrying the last stage's block ids; either way the spare blocks
+    are still held when the request is suspended (the pre-copy stages gave
+    them back), so the last stage needs no fresh block at the destination."""
+    c = pair(CONFIG if fuse else UNFUSED)
+    try:
+        b = c.nodes["b"]
+        spare_at_last: list[int] = []
+
+        async def look():
+            (res,) = b.manager.reservations.values()
+            spare_at_last.append(len(res.spare))
+
+        c.peer_wrappers["b"] = lambda p: HookedPeer(p, before={"commit" if fuse else "expect_commit": look})
+        cl, task = await start(c, n=300, at=40)  # several blocks past the first stage
+        a = c.nodes["a"]
+        mig = a.manager._start("r", "b", "b", False)
+        out = await a.manager._run(mig)
+        assert out.committed and out.kv_shared, out
+        history = [s.value for s in mig.m.history]
+        if fuse:
+            assert history[-3:] == ["suspend", "commit", "done"]
+        else:
+            assert history[-5:] == ["suspend", "pre_alloc_last", "copy_last", "commit", "done"]
+        assert spare_at_last == [mig.spare_blocks]
+        assert out.stages >= 2 and out.blocks > 6
+        await finish(c, cl, task, 300)
+        assert cl.path == ["a", "b"]
+    finally:
+        await c.stop()
+
+
+async def test_a_failed_copy_in_the_commit_aborts_and_frees_the_blocks():
+    """The destination cannot copy the last stage the commit carries (the
+    source's cache unreadable): the commit fails, the source aborts, the
+    request goes on at the source, and both pools are whole."""
+    c = pair(CONFIG)
+    try:
+        dest = c.nodes["b"].manager.dest
+        real = dest._copy_from_source
+        committing, calls = [], []
+
+        async def commit_starts():
+            committing.append(True)
+
+        def copy(peer, dst, src):
+            calls.append(bool(committing))
+            if committing:
+                raise RuntimeError("source cache unreadable")
+            return real(peer, dst, src)
+
+        dest._copy_from_source = copy
+        c.peer_wrappers["b"] = lambda p: HookedPeer(p, before={"commit": commit_starts})
+        cl, task = await start(c, n=300, at=40)
+        out = await c.nodes["a"].manager.migrate_one("r", "b", "b")
+        assert not out.committed and "unreadable" in out.reason, out
+        assert calls[0] is False and calls[-1] is True  # the pre-copy's copies, then the commit's
+        await finish(c, cl, task, 300)
+        assert cl.path == ["a"]
+    finally:
+        await c.stop()
 
 
 async def test_the_destination_announces_the_incoming_context_once(two):
@@ -109,6 +185,7 @@ async def test_cancel_at_every_source_state(two, point):
     """A cancel at any state (the caller's deadline, the instance stopping):
     the request runs on exactly one instance and its client gets every token
     once."""
+    no_such_state(two, point)
     cl, task = await start(two, n=LONG)
     a = two.nodes["a"]
     hit = []
@@ -138,6 +215,7 @@ async def test_cancel_at_every_source_state(two, point):
 
 @pytest.mark.parametrize("point", SOURCE_POINTS)
 async def test_failure_at_every_source_state_aborts(two, point):
+    no_such_state(two, point)
     cl, task = await start(two, n=LONG)
     a = two.nodes["a"]
 
@@ -277,6 +355,7 @@ async def test_commit_reply_and_abort_lost_the_unattached_copy_is_dropped(two):
 async def test_source_gone_the_reservation_expires(two, point):
     """The source stops talking mid-migration (its abort never arrives): the
     destination frees the reservation at its deadline."""
+    no_such_state(two, point)
     two.peer_wrappers["b"] = lambda p: HookedPeer(p, lose={"abort"})
     cl, task = await start(two)
     a, b = two.nodes["a"], two.nodes["b"]
@@ -473,7 +552,7 @@ async def test_the_destination_keeps_its_step_boundary_open_for_the_commit():
     however long the commit takes within the hold: the request joins the
     very next step. Its other request decodes on afterwards."""
     c = Cluster()
-    config = dataclasses.replace(CONFIG, join_hold_ms=10_000)
+    config = dataclasses.replace(UNFUSED, join_hold_ms=10_000)  # the last pre-allocation's hold
     c.add("a", fake(), config)
     b = c.add("b", fake(), config)
     try:
@@ -507,7 +586,7 @@ async def test_the_destination_keeps_its_step_boundary_open_for_the_commit():
 
 async def test_an_abort_after_the_last_pre_allocation_releases_the_hold():
     c = Cluster()
-    config = dataclasses.replace(CONFIG, join_hold_ms=10_000)
+    config = dataclasses.replace(UNFUSED, join_hold_ms=10_000)  # the last pre-allocation's hold
     c.add("a", fake(), config)
     b = c.add("b", fake(), config)
     try:
@@ -590,7 +669,7 @@ async def test_an_expected_commit_is_refused_unless_a_migration_in_is_reserved(p
 
 
 async def test_a_cancel_after_the_commit_notice_leaves_the_destination_unheld():
-    config = dataclasses.replace(CONFIG, join_hold_ms=10_000)
+    config = dataclasses.replace(UNFUSED, join_hold_ms=10_000)  # the last pre-allocation's hold
     c = Cluster()
     c.add("a", fake(), config)
     b = c.add("b", fake(), config)
