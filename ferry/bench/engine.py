@@ -73,6 +73,15 @@ def decode_step_ms(seconds: float, prefill_s: float | None, output_len: int) -> 
     return 1000 * (seconds - prefill_s) / (output_len - 1)
 
 
+def _vllm_settings() -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+    binding = ", ".join(f"{k}={v}" for k, v in sorted(env.items())) or \
+        "vLLM defaults: its CPU backend binds its own threads"
+    return f"{binding}; LLM.generate, greedy, ignore_eos"
+
+
 def hf_tok_s(model, prompts: list[list[int]], output_len: int, device: str) -> float:
     import torch
 
@@ -139,8 +148,11 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
               help="token budget per step (chunked prefill), the same for both engines: `ferry serve "
                    "instance`'s and vLLM's server's default (vLLM's offline LLM would take 4,096 on CPU)")
 @click.option("--threads", type=int, default=None,
-              help="torch threads for native and transformers (default: cores - 1, at least 1, as vLLM's CPU "
-                   "backend picks for itself; on a shared 2-core box 2 threads stepped 5-15x slower)")
+              help="torch threads for native and transformers (default: every usable core, as `ferry up "
+                   "--instances 1` gives its one instance; vLLM's CPU backend binds one compute thread per core "
+                   "less the one it reserves for its scheduler process, unless VLLM_CPU_OMP_THREADS_BIND and "
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU say otherwise: they reach its process; on a 2-core box that "
+                   "other work keeps busy, 2 threads stepped 5-15x slower)")
 @click.option("--no-reference", is_flag=True, help="skip transformers (throughput and correctness)")
 @click.option("--repeats", default=1, show_default=True,
               help="rounds per batch size, native and vLLM taking turns; medians shown")
@@ -162,7 +174,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     from ferry.bench.vllm_run import VllmUnavailable, find_vllm_python
     from ferry.cluster import usable_cores
 
-    torch.set_num_threads(threads or max(1, usable_cores() - 1))
+    torch.set_num_threads(threads or usable_cores())
     try:
         vllm = None if no_vllm or device != "cpu" else find_vllm_python(vllm_python)
     except VllmUnavailable as e:
@@ -278,7 +290,7 @@ def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeat
     v = result["vllm"] = result["vllm"] or {
         "python": vl.proc.args[0], "version": vl.version, "error": None, "tok_s": {}, "runs": {},
         "cpu_ms_per_token": {}, "native_over_vllm": {}, "native_over_vllm_rounds": {},
-        "settings": "vLLM defaults: its CPU backend binds its own threads; LLM.generate, greedy, ignore_eos"}
+        "settings": _vllm_settings()}
     other = [r["tok_s"] for r in runs["vllm"]]
     v["runs"][key] = [round(x, 2) for x in other]
     v["tok_s"][key] = round(statistics.median(other), 2)
