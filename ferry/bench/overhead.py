@@ -155,16 +155,22 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
               help="offered request rates to step through (stops at the first that fails)")
 @click.option("--step-s", default=4.0, show_default=True, help="seconds per rate step")
 @click.option("--token-delay-ms", default=1.0, show_default=True, help="fake engine step time")
+@click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
+              help="the inner services check a cluster token on every call, as under `ferry up`")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results here")
 @click.option("--ab-frontend-arg", "ab_args", multiple=True,
               help="instead of the rate steps, compare added TTFT against a second cluster whose frontend has this "
                    "extra argument (repeatable), the two sampled in turns, e.g. --ab-frontend-arg=--no-dispatch-stream")
-def overhead(instances, samples, rates, step_s, token_delay_ms, json_path, ab_args) -> None:
+def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, json_path, ab_args) -> None:
     """Frontend + scheduler overhead on a fake-engine cluster."""
+    token = rpc.new_token() if cluster_token else ""
+    if token:  # the direct calls to an instance carry it too
+        rpc.configure(rpc.Credentials(token=token))
+
     def spec(frontend_args=()):
         return ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
                            instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"],
-                           frontend_args=list(frontend_args))
+                           frontend_args=list(frontend_args), cluster_token=token)
     if ab_args:
         _overhead_ab(spec, samples, list(ab_args), json_path)
         return
@@ -174,7 +180,8 @@ def overhead(instances, samples, rates, step_s, token_delay_ms, json_path, ab_ar
         res = asyncio.run(_run(cluster, samples, [float(r) for r in rates.split(",")], step_s))
     finally:
         cluster.stop()
-    res["config"] = {"instances": instances, "token_delay_ms": token_delay_ms, "step_s": step_s}
+    res["config"] = {"instances": instances, "token_delay_ms": token_delay_ms, "step_s": step_s,
+                     "cluster_token": bool(token)}
     click.echo(f"\n{'metric':28s}{'value':>12s}")
     for k in ("direct_ttft_ms_p50", "frontend_ttft_ms_p50", "added_ttft_ms_p50", "direct_ttft_ms_p99",
               "frontend_ttft_ms_p99", "added_ttft_ms_p99", "max_rps"):

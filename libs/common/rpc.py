@@ -116,49 +116,52 @@ def current() -> Credentials:
 
 # --- the token as call metadata ------------------------------------------------------
 
-def _with_token(details, token: str):
-    """The call's details (an aio ClientCallDetails, a namedtuple) plus the token."""
-    return details._replace(metadata=[*(details.metadata or ()), (TOKEN_METADATA, token)])
+class _TokenCall:
+    """A multi-callable of a channel that adds the token to each call's metadata."""
+
+    __slots__ = ("_inner", "_token")
+
+    def __init__(self, inner, token: tuple[str, str]):
+        self._inner, self._token = inner, token
+
+    def __call__(self, *args, metadata=None, **kwargs):
+        # NOTE: no request argument for a streaming call that writes its own (call.write)
+        return self._inner(*args, metadata=(*(metadata or ()), self._token), **kwargs)
 
 
-class _AioTokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
+class TokenChannel:
+    """A grpc.aio channel whose calls carry the cluster token. The stubs take
+    their multi-callables from it (``unary_unary`` and the rest), and those
+    add the token to each call's metadata, with no client interceptor (grpc.aio
+    wraps each intercepted call in an extra layer; ``ferry bench overhead``
+    measured no TTFT difference either way, docs/results/README.md).
+    Everything else is the channel's own."""
 
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_token(details, self.token), request)
+    def __init__(self, channel: grpc.aio.Channel, token: str):
+        self._channel = channel
+        self._token = (TOKEN_METADATA, token)
 
+    def unary_unary(self, *args, **kwargs):
+        return _TokenCall(self._channel.unary_unary(*args, **kwargs), self._token)
 
-class _AioTokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
+    def unary_stream(self, *args, **kwargs):
+        return _TokenCall(self._channel.unary_stream(*args, **kwargs), self._token)
 
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_token(details, self.token), request)
+    def stream_unary(self, *args, **kwargs):
+        return _TokenCall(self._channel.stream_unary(*args, **kwargs), self._token)
 
+    def stream_stream(self, *args, **kwargs):
+        return _TokenCall(self._channel.stream_stream(*args, **kwargs), self._token)
 
-class _AioTokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
+    async def __aenter__(self):
+        await self._channel.__aenter__()
+        return self
 
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(_with_token(details, self.token), request_iterator)
+    async def __aexit__(self, *exc):
+        return await self._channel.__aexit__(*exc)
 
-
-class _AioTokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, token: str):
-        self.token = token
-
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(_with_token(details, self.token), request_iterator)
-
-
-def _aio_token_interceptors(token: str) -> list:
-    """One interceptor per call kind: grpc.aio files each interceptor under
-    the first kind it is an instance of, so one class for all four would
-    only ever see unary calls."""
-    return [cls(token) for cls in (_AioTokenUnaryUnary, _AioTokenUnaryStream, _AioTokenStreamUnary,
-                                   _AioTokenStreamStream)]
+    def __getattr__(self, name):
+        return getattr(self._channel, name)
 
 
 class _SyncDetails:
@@ -197,11 +200,11 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 def channel(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
     """An asyncio channel to a Ferry service (use as ``async with`` or close it)."""
     c = credentials or _current
-    interceptors = _aio_token_interceptors(c.token) if c.token else None
     if c.tls:
-        return grpc.aio.secure_channel(address, c.channel_credentials(), options=c.channel_options(),
-                                       interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, options=c.channel_options(), interceptors=interceptors)
+        ch = grpc.aio.secure_channel(address, c.channel_credentials(), options=c.channel_options())
+    else:
+        ch = grpc.aio.insecure_channel(address, options=c.channel_options())
+    return TokenChannel(ch, c.token) if c.token else ch
 
 
 def sync_channel(address: str, credentials: Credentials | None = None) -> grpc.Channel:
