@@ -13,7 +13,9 @@ prof = SimProfile.load("llama-7b-a10")
 def ideal(p, o):
     ttft, done = 0.0, 0
     while done < p:
-        c = min(2048, p - done); ttft += prof.step_ms(1, c, 0); done += c
+        c = min(2048, p - done)
+        ttft += prof.step_ms(1, c, 0)
+        done += c
     k = np.arange(1, max(1, o))
     dec = float(np.sum(prof.decode_base_ms + prof.decode_ms_per_seq + prof.decode_ms_per_kv_token * (p + k))) if o > 1 else 0.0
     return ttft, ttft + dec
@@ -22,7 +24,8 @@ out = {}
 for seed in range(10):
     w = wl.build("poisson:17", "M-M", 2800, seed, 1.0, hp, prof.max_model_len)
     t = [ideal(r.prompt_len, r.output_len) for r in w.requests]
-    ttft = np.array([x[0] for x in t]); e2e = np.array([x[1] for x in t])
+    ttft = np.array([x[0] for x in t])
+    e2e = np.array([x[1] for x in t])
     hi = np.array([r.priority == "high" for r in w.requests])
     row = {"ttft_p99_floor_ms": float(np.percentile(ttft, 99))}
     if hp:
