@@ -17,6 +17,7 @@ import uuid
 import aiohttp
 import click
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.pb import common_pb2 as cpb
@@ -90,19 +91,38 @@ async def _rate_step(http: aiohttp.ClientSession, rate: float, duration_s: float
             "latency_ms_p50": 1000 * lat[len(lat) // 2], "latency_ms_p99": 1000 * lat[int(len(lat) * 0.99)]}
 
 
+async def _frontend_ttft_total(http: aiohttp.ClientSession) -> tuple[float, float]:
+    """The frontend's own TTFT histogram (from its request's arrival, after
+    parsing and tokenization, to the first token from the instance): (sum, count)."""
+    async with http.get("/metrics") as r:
+        text = await r.text()
+    got = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "ferry_time_to_first_token_seconds":
+            for sample in family.samples:
+                got[sample.name] = sample.value
+    name = "ferry_time_to_first_token_seconds"
+    return got.get(f"{name}_sum", 0.0), got.get(f"{name}_count", 0.0)
+
+
 async def _ttft_samples(targets: dict[str, tuple[aiohttp.ClientSession, str]], samples: int,
-                        rounds: int) -> dict[str, tuple[list[float], list[float]]]:
+                        rounds: int) -> dict[str, tuple[list[float], list[float], list[float]]]:
     """For each target (a frontend session, an instance address): warm up
     both paths, then (direct, frontend) TTFT samples taken in ``rounds``
-    rounds that interleave the paths and the targets, so drift hits all alike."""
+    rounds that interleave the paths and the targets, so drift hits all alike;
+    the third list: [sum, count] of the frontend's own TTFT over its samples."""
     for http, address in targets.values():
         await _frontend_ttft(http, 20)
         await _direct_ttft(address, 20)
-    out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in targets}
+    out = {k: ([], [], [0.0, 0.0]) for k in targets}
     for _ in range(rounds):
         for k, (http, address) in targets.items():
             out[k][0].extend(await _direct_ttft(address, samples // rounds))
+            s0, c0 = await _frontend_ttft_total(http)
             out[k][1].extend(await _frontend_ttft(http, samples // rounds))
+            s1, c1 = await _frontend_ttft_total(http)
+            out[k][2][0] += s1 - s0
+            out[k][2][1] += c1 - c0
     return out
 
 
@@ -117,7 +137,7 @@ async def _ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
         for h in sess.values():
             await h.close()
     out = {}
-    for k, (direct, front) in got.items():
+    for k, (direct, front, _) in got.items():
         f, d = 1000 * float(np.median(front)), 1000 * float(np.median(direct))
         out[k] = {"frontend_ttft_ms_p50": f, "direct_ttft_ms_p50": d, "added_ttft_ms_p50": f - d}
     return out
@@ -127,7 +147,8 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
     inst = cluster.instances()[0]
     async with aiohttp.ClientSession(base_url=cluster.url, connector=aiohttp.TCPConnector(limit=2000),
                                      timeout=aiohttp.ClientTimeout(total=30)) as http:
-        direct, front = (await _ttft_samples({"": (http, inst.address)}, samples, rounds=4))[""]
+        direct, front, (inside_s, inside_n) = (await _ttft_samples({"": (http, inst.address)}, samples,
+                                                                    rounds=4))[""]
         steps = []
         for rate in rates:
             s = await _rate_step(http, rate, step_s, timeout_s=5.0)
@@ -143,6 +164,17 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
         "frontend_ttft_ms_p50": float(np.percentile(f, 50)), "frontend_ttft_ms_p99": float(np.percentile(f, 99)),
         "added_ttft_ms_p50": float(np.percentile(f, 50) - np.percentile(d, 50)),
         "added_ttft_ms_p99": float(np.percentile(f, 99) - np.percentile(d, 99)),
+        # Where the added time goes, in means (the frontend's histogram gives no
+        # per-request values): inside = dispatch + the instance call as the
+        # frontend sees it, against the same call made directly; edge = HTTP,
+        # validation, tokenization, SSE and the client's parsing.
+        "split_ms_mean": {
+            "direct": float(d.mean()), "frontend": float(f.mean()),
+            "frontend_inside": 1000 * inside_s / inside_n if inside_n else float("nan"),
+            "dispatch_and_hop": (1000 * inside_s / inside_n - float(d.mean())) if inside_n else float("nan"),
+            "http_edge": (float(f.mean()) - 1000 * inside_s / inside_n) if inside_n else float("nan"),
+        },
+        "frontend_inside_count": int(inside_n),
         "max_rps": max((s["offered_rps"] for s in ok), default=0.0),
         "rate_steps": steps, "samples": samples,
     }
@@ -186,6 +218,8 @@ def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, j
     for k in ("direct_ttft_ms_p50", "frontend_ttft_ms_p50", "added_ttft_ms_p50", "direct_ttft_ms_p99",
               "frontend_ttft_ms_p99", "added_ttft_ms_p99", "max_rps"):
         click.echo(f"{k:28s}{res[k]:12.2f}")
+    for k, v in res["split_ms_mean"].items():
+        click.echo(f"{'mean ' + k:28s}{v:12.2f}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)
