@@ -196,9 +196,16 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, json_path, ab_args) -> None:
     """Frontend + scheduler overhead on a fake-engine cluster."""
     token = rpc.new_token() if cluster_token else ""
+    before = rpc.current()
     if token:  # the direct calls to an instance carry it too
         rpc.configure(rpc.Credentials(token=token))
+    try:
+        _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args)
+    finally:  # this process's credentials as they were (the command also runs in-process, in tests)
+        rpc.configure(before)
 
+
+def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args) -> None:
     def spec(frontend_args=()):
         return ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
                            instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"],

@@ -6,6 +6,7 @@ import json
 from click.testing import CliRunner
 
 from ferry.bench.cli import bench
+from libs.common import rpc
 
 
 def test_ab_compares_the_dispatch_stream_with_unary_dispatch(tmp_path):
@@ -36,3 +37,4 @@ def test_the_rate_steps_and_the_split_of_the_added_time(tmp_path):
     assert 0 < split["frontend_inside"] < split["frontend"]
     assert abs(split["frontend_inside"] + split["http_edge"] - split["frontend"]) < 1e-6
     assert "mean http_edge" in result.output
+    assert rpc.current().token == ""  # the bench's token does not outlive the command
