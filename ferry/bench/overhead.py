@@ -94,14 +94,11 @@ async def _rate_step(http: aiohttp.ClientSession, rate: float, duration_s: float
 async def _frontend_ttft_total(http: aiohttp.ClientSession) -> tuple[float, float]:
     """The frontend's own TTFT histogram (from its request's arrival, after
     parsing and tokenization, to the first token from the instance): (sum, count)."""
+    name = "ferry_time_to_first_token_seconds"
     async with http.get("/metrics") as r:
         text = await r.text()
-    got = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "ferry_time_to_first_token_seconds":
-            for sample in family.samples:
-                got[sample.name] = sample.value
-    name = "ferry_time_to_first_token_seconds"
+    got = {s.name: s.value for family in text_string_to_metric_families(text) if family.name == name
+           for s in family.samples}
     return got.get(f"{name}_sum", 0.0), got.get(f"{name}_count", 0.0)
 
 
@@ -158,6 +155,7 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
             if s["error_rate"] >= 0.05 or s["achieved_rps"] < 0.9 * rate:
                 break
     d, f = np.array(direct) * 1000, np.array(front) * 1000
+    inside = 1000 * inside_s / inside_n if inside_n else float("nan")
     ok = [s for s in steps if s["error_rate"] < 0.05 and s["achieved_rps"] >= 0.9 * s["offered_rps"]]
     return {
         "direct_ttft_ms_p50": float(np.percentile(d, 50)), "direct_ttft_ms_p99": float(np.percentile(d, 99)),
@@ -169,10 +167,8 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
         # frontend sees it, against the same call made directly; edge = HTTP,
         # validation, tokenization, SSE and the client's parsing.
         "split_ms_mean": {
-            "direct": float(d.mean()), "frontend": float(f.mean()),
-            "frontend_inside": 1000 * inside_s / inside_n if inside_n else float("nan"),
-            "dispatch_and_hop": (1000 * inside_s / inside_n - float(d.mean())) if inside_n else float("nan"),
-            "http_edge": (float(f.mean()) - 1000 * inside_s / inside_n) if inside_n else float("nan"),
+            "direct": float(d.mean()), "frontend": float(f.mean()), "frontend_inside": inside,
+            "dispatch_and_hop": inside - float(d.mean()), "http_edge": float(f.mean()) - inside,
         },
         "frontend_inside_count": int(inside_n),
         "max_rps": max((s["offered_rps"] for s in ok), default=0.0),
