@@ -9,7 +9,6 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libs.common.errors import FerryError, InvalidArgument, openai_error
@@ -19,6 +18,7 @@ from services.frontend.auth import check_bearer
 from services.frontend.body_limit import BodyLimit
 from services.frontend.completions import Prepared, prepare, text_stream, usage
 from services.frontend.config import FrontendConfig
+from services.frontend.event_stream import EventStream
 from services.frontend.router import Router
 from services.frontend.schema import ChatCompletionRequest, CompletionRequest
 from services.frontend.tokenizer import Tokenizer
@@ -130,24 +130,23 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
                         "logprobs": None}
             return choice(text, None, False)
 
-        async def events():
+        async def rest():
             try:
-                yield {"data": chunk([first_choice(first)])}
                 async for text in texts:
-                    yield {"data": chunk([choice(text, None, False)])}
-                yield {"data": chunk([choice("", gen.finish_reason, False)], ferry=extras())}
+                    yield chunk([choice(text, None, False)])
+                yield chunk([choice("", gen.finish_reason, False)], ferry=extras())
                 if include_usage:
-                    yield {"data": chunk([], usage=usage(gen))}
+                    yield chunk([], usage=usage(gen))
                 metrics.REQUESTS.labels(endpoint, "200").inc()
             except FerryError as e:  # after the response started: an error event is all that is left
                 status, body = openai_error(e)
                 metrics.REQUESTS.labels(endpoint, str(status)).inc()
-                yield {"data": json.dumps(body)}
+                yield json.dumps(body)
             finally:
                 await texts.aclose()
-            yield {"data": "[DONE]"}
+            yield "[DONE]"
 
-        return EventSourceResponse(events(), ping=15)
+        return EventStream(chunk([first_choice(first)]), rest(), ping_s=15)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, request: Request):
