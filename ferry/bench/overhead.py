@@ -3,6 +3,13 @@ fake-engine cluster: time to first token through the frontend (HTTP, SSE)
 vs calling an instance's Generate directly (gRPC); and the largest request
 rate the frontend+scheduler sustain with < 5% errors.
 
+The direct path keeps its gRPC channel; the frontend path is measured on a
+kept HTTP connection (a pooled client: the OpenAI SDK, a benchmark client)
+and, printed beside it, on a new connection per request. Until 2026-11-26 the
+bench read each stream only to its first token and dropped the connection, so
+its "added TTFT" included a TCP connect and accept (0.5 ms here) that the
+direct path never paid.
+
 The HTTP side is driven with aiohttp: with httpx the bench's own process was
 the limit (100% of a core at 300 req/s, while the frontend used 18%), and
 httpx added ~2.5 ms per request to the measured TTFT."""
@@ -13,6 +20,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import aiohttp
 import click
@@ -47,14 +55,18 @@ async def _direct_ttft(address: str, n: int) -> list[float]:
 
 
 async def _frontend_ttft(http: aiohttp.ClientSession, n: int) -> list[float]:
+    """TTFT through the frontend, each stream read to its end (as a client
+    does; on a session that keeps its connection, the next request reuses it,
+    as the direct path reuses its channel)."""
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
+        first = None
         async with http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}) as r:
             async for line in r.content:
-                if line.startswith(b"data: ") and b'"text": "' in line:
-                    out.append(time.perf_counter() - t0)
-                    break
+                if first is None and line.startswith(b"data: ") and b'"text": "' in line:
+                    first = time.perf_counter() - t0
+        out.append(first)
         await asyncio.sleep(0.005)
     return out
 
@@ -102,50 +114,73 @@ async def _frontend_ttft_total(http: aiohttp.ClientSession) -> tuple[float, floa
     return got.get(f"{name}_sum", 0.0), got.get(f"{name}_count", 0.0)
 
 
-async def _ttft_samples(targets: dict[str, tuple[aiohttp.ClientSession, str]], samples: int,
-                        rounds: int) -> dict[str, tuple[list[float], list[float], list[float]]]:
-    """For each target (a frontend session, an instance address): warm up
-    both paths, then (direct, frontend) TTFT samples taken in ``rounds``
-    rounds that interleave the paths and the targets, so drift hits all alike;
-    the third list: [sum, count] of the frontend's own TTFT over its samples."""
-    for http, address in targets.values():
-        await _frontend_ttft(http, 20)
-        await _direct_ttft(address, 20)
-    out = {k: ([], [], [0.0, 0.0]) for k in targets}
-    for _ in range(rounds):
-        for k, (http, address) in targets.items():
-            out[k][0].extend(await _direct_ttft(address, samples // rounds))
-            s0, c0 = await _frontend_ttft_total(http)
-            out[k][1].extend(await _frontend_ttft(http, samples // rounds))
-            s1, c1 = await _frontend_ttft_total(http)
-            out[k][2][0] += s1 - s0
-            out[k][2][1] += c1 - c0
-    return out
+@dataclass
+class _Samples:
+    """TTFT samples (seconds) of one cluster: calling an instance directly,
+    through the frontend on a kept connection, through the frontend on a new
+    connection per request; and the frontend's own TTFT histogram (sum,
+    count) over the kept-connection samples, where it was read."""
+    direct: list[float] = field(default_factory=list)
+    frontend: list[float] = field(default_factory=list)
+    frontend_new_conn: list[float] = field(default_factory=list)
+    inside_s: float = 0.0
+    inside_n: float = 0.0
+
+
+async def _ttft_samples(targets: dict[str, tuple[str, str]], samples: int, rounds: int,
+                        read_inside: bool = True) -> dict[str, _Samples]:
+    """For each target (a frontend URL, an instance address): warm up the
+    paths, then samples taken in ``rounds`` rounds that interleave the paths
+    and the targets, so drift hits all alike."""
+    kept = {k: aiohttp.ClientSession(base_url=url) for k, (url, _) in targets.items()}
+    new = {k: aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(force_close=True))
+           for k, (url, _) in targets.items()}
+    try:
+        for k, (_, address) in targets.items():
+            await _frontend_ttft(kept[k], 20)
+            await _frontend_ttft(new[k], 10)
+            await _direct_ttft(address, 20)
+        out = {k: _Samples() for k in targets}
+        n = samples // rounds
+        for _ in range(rounds):
+            for k, (_, address) in targets.items():
+                got = out[k]
+                got.direct.extend(await _direct_ttft(address, n))
+                if read_inside:
+                    s0, c0 = await _frontend_ttft_total(kept[k])
+                got.frontend.extend(await _frontend_ttft(kept[k], n))
+                if read_inside:
+                    s1, c1 = await _frontend_ttft_total(kept[k])
+                    got.inside_s += s1 - s0
+                    got.inside_n += c1 - c0
+                got.frontend_new_conn.extend(await _frontend_ttft(new[k], n))
+        return out
+    finally:
+        for h in (*kept.values(), *new.values()):
+            await h.close()
+
+
+def _p50_ms(xs: list[float]) -> float:
+    return 1000 * float(np.median(xs))
 
 
 async def _ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
     """Added TTFT p50 of each cluster, their samples interleaved in rounds
     (the same machine state for all): {label: {frontend, direct, added}}."""
-    sess = {k: aiohttp.ClientSession(base_url=c.url) for k, c in clusters.items()}
-    try:
-        got = await _ttft_samples({k: (sess[k], c.instances()[0].address) for k, c in clusters.items()},
-                                  samples, rounds=8)
-    finally:
-        for h in sess.values():
-            await h.close()
+    got = await _ttft_samples({k: (c.url, c.instances()[0].address) for k, c in clusters.items()},
+                              samples, rounds=8, read_inside=False)
     out = {}
-    for k, (direct, front, _) in got.items():
-        f, d = 1000 * float(np.median(front)), 1000 * float(np.median(direct))
-        out[k] = {"frontend_ttft_ms_p50": f, "direct_ttft_ms_p50": d, "added_ttft_ms_p50": f - d}
+    for k, g in got.items():
+        f, fn, d = _p50_ms(g.frontend), _p50_ms(g.frontend_new_conn), _p50_ms(g.direct)
+        out[k] = {"frontend_ttft_ms_p50": f, "direct_ttft_ms_p50": d, "added_ttft_ms_p50": f - d,
+                  "frontend_new_conn_ttft_ms_p50": fn, "added_new_conn_ttft_ms_p50": fn - d}
     return out
 
 
 async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: float) -> dict:
-    inst = cluster.instances()[0]
+    got = (await _ttft_samples({"": (cluster.url, cluster.instances()[0].address)}, samples, rounds=4))[""]
     async with aiohttp.ClientSession(base_url=cluster.url, connector=aiohttp.TCPConnector(limit=2000),
                                      timeout=aiohttp.ClientTimeout(total=30)) as http:
-        direct, front, (inside_s, inside_n) = (await _ttft_samples({"": (http, inst.address)}, samples,
-                                                                    rounds=4))[""]
         steps = []
         for rate in rates:
             s = await _rate_step(http, rate, step_s, timeout_s=5.0)
@@ -154,14 +189,17 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
                        f"{100 * s['error_rate']:5.1f}% errors, p50 {s['latency_ms_p50']:.1f} ms", err=True)
             if s["error_rate"] >= 0.05 or s["achieved_rps"] < 0.9 * rate:
                 break
-    d, f = np.array(direct) * 1000, np.array(front) * 1000
-    inside = 1000 * inside_s / inside_n if inside_n else float("nan")
+    d, f, fn = (np.array(x) * 1000 for x in (got.direct, got.frontend, got.frontend_new_conn))
+    inside = 1000 * got.inside_s / got.inside_n if got.inside_n else float("nan")
     ok = [s for s in steps if s["error_rate"] < 0.05 and s["achieved_rps"] >= 0.9 * s["offered_rps"]]
     return {
         "direct_ttft_ms_p50": float(np.percentile(d, 50)), "direct_ttft_ms_p99": float(np.percentile(d, 99)),
         "frontend_ttft_ms_p50": float(np.percentile(f, 50)), "frontend_ttft_ms_p99": float(np.percentile(f, 99)),
         "added_ttft_ms_p50": float(np.percentile(f, 50) - np.percentile(d, 50)),
         "added_ttft_ms_p99": float(np.percentile(f, 99) - np.percentile(d, 99)),
+        # The same, each request on a new HTTP connection (a client without a pool).
+        "frontend_new_conn_ttft_ms_p50": float(np.percentile(fn, 50)),
+        "added_new_conn_ttft_ms_p50": float(np.percentile(fn, 50) - np.percentile(d, 50)),
         # Where the added time goes, in means (the frontend's histogram gives no
         # per-request values): inside = dispatch + the instance call as the
         # frontend sees it, against the same call made directly; edge = HTTP,
@@ -170,7 +208,7 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
             "direct": float(d.mean()), "frontend": float(f.mean()), "frontend_inside": inside,
             "dispatch_and_hop": inside - float(d.mean()), "http_edge": float(f.mean()) - inside,
         },
-        "frontend_inside_count": int(inside_n),
+        "frontend_inside_count": int(got.inside_n),
         "max_rps": max((s["offered_rps"] for s in ok), default=0.0),
         "rate_steps": steps, "samples": samples,
     }
@@ -219,7 +257,7 @@ def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_pat
                      "cluster_token": bool(token)}
     click.echo(f"\n{'metric':28s}{'value':>12s}")
     for k in ("direct_ttft_ms_p50", "frontend_ttft_ms_p50", "added_ttft_ms_p50", "direct_ttft_ms_p99",
-              "frontend_ttft_ms_p99", "added_ttft_ms_p99", "max_rps"):
+              "frontend_ttft_ms_p99", "added_ttft_ms_p99", "added_new_conn_ttft_ms_p50", "max_rps"):
         click.echo(f"{k:28s}{res[k]:12.2f}")
     for k, v in res["split_ms_mean"].items():
         click.echo(f"{'mean ' + k:28s}{v:12.2f}")
@@ -238,10 +276,10 @@ def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) 
     finally:
         for c in clusters.values():
             c.stop()
-    click.echo(f"\n{'frontend':28s}{'added p50 ms':>14s}{'frontend p50':>14s}{'direct p50':>12s}")
+    click.echo(f"\n{'frontend':28s}{'added p50 ms':>14s}{'new conn':>10s}{'frontend p50':>14s}{'direct p50':>12s}")
     for k, r in res.items():
-        click.echo(f"{k:28s}{r['added_ttft_ms_p50']:14.2f}{r['frontend_ttft_ms_p50']:14.2f}"
-                   f"{r['direct_ttft_ms_p50']:12.2f}")
+        click.echo(f"{k:28s}{r['added_ttft_ms_p50']:14.2f}{r['added_new_conn_ttft_ms_p50']:10.2f}"
+                   f"{r['frontend_ttft_ms_p50']:14.2f}{r['direct_ttft_ms_p50']:12.2f}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"ab": res, "samples": samples}, f, indent=2)

@@ -1,11 +1,16 @@
-"""`ferry bench overhead --ab-frontend-arg`: two fake clusters, one with the
-extra frontend argument, sampled in turns; both get their added TTFT."""
+"""`ferry bench overhead`: the rate steps and the split of the added time;
+with --ab-frontend-arg, two fake clusters sampled in turns; the frontend
+path's connections (kept, or new per request)."""
 
+import asyncio
 import json
 
+import aiohttp
+from aiohttp import web
 from click.testing import CliRunner
 
 from ferry.bench.cli import bench
+from ferry.bench.overhead import _frontend_ttft
 from libs.common import rpc
 
 
@@ -19,6 +24,7 @@ def test_ab_compares_the_dispatch_stream_with_unary_dispatch(tmp_path):
     for r in ab.values():
         assert 0 < r["direct_ttft_ms_p50"] < r["frontend_ttft_ms_p50"]
         assert abs(r["added_ttft_ms_p50"] - (r["frontend_ttft_ms_p50"] - r["direct_ttft_ms_p50"])) < 1e-9
+        assert r["frontend_new_conn_ttft_ms_p50"] > r["direct_ttft_ms_p50"]
     assert "--no-dispatch-stream" in result.output
 
 
@@ -37,4 +43,40 @@ def test_the_rate_steps_and_the_split_of_the_added_time(tmp_path):
     assert 0 < split["frontend_inside"] < split["frontend"]
     assert abs(split["frontend_inside"] + split["http_edge"] - split["frontend"]) < 1e-6
     assert "mean http_edge" in result.output
+    assert res["added_new_conn_ttft_ms_p50"] == res["frontend_new_conn_ttft_ms_p50"] - res["direct_ttft_ms_p50"]
     assert rpc.current().token == ""  # the bench's token does not outlive the command
+
+
+async def test_the_frontend_path_reads_whole_streams_and_keeps_its_connection():
+    """Kept: every request on one connection (the direct path keeps its gRPC
+    channel); force_close: a new connection each."""
+    peers = []
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for text in ("a", "b"):
+            await r.write(f'data: {{"choices": [{{"text": "{text}"}}]}}\r\n\r\n'.encode())
+            await asyncio.sleep(0.02)  # a stream still going at its first token
+        await r.write(b"data: [DONE]\r\n\r\n")
+        await r.write_eof()
+        return r
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", sse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession(base_url=url) as kept:
+            ttft = await _frontend_ttft(kept, 4)
+        assert len(ttft) == 4 and all(t > 0 for t in ttft) and len(set(peers)) == 1
+        peers.clear()
+        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(force_close=True)) as new:
+            await _frontend_ttft(new, 4)
+        assert len(set(peers)) == 4
+    finally:
+        await runner.cleanup()
