@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 from typing import AsyncIterator
 
-from sse_starlette.event import ServerSentEvent
+from sse_starlette import ServerSentEvent  # (the package exports it in 2.x and 3.x)
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
