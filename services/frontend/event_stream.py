@@ -53,6 +53,9 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": encode(self.first), "more_body": True})
+        # The stream's task first: it starts the events' generator before the
+        # disconnect listener can end anything, so a cancel always lands inside
+        # the generator and its cleanup runs.
         stream = asyncio.ensure_future(self._stream(send))
         others = [asyncio.ensure_future(self._disconnected(receive))]
         if self.ping_s > 0:
