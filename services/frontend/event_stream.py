@@ -21,7 +21,7 @@ import contextlib
 from typing import AsyncIterator
 
 from sse_starlette import ServerSentEvent  # (the package exports it in 2.x and 3.x)
-from starlette.responses import Response
+from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
@@ -31,24 +31,20 @@ def encode(data: str) -> bytes:
     return ServerSentEvent(data=data).encode()
 
 
-class EventStream(Response):
+class EventStream(StreamingResponse):
     """``first``: the first event's data; ``rest``: the data of the events
     after it. A comment is sent every ``ping_s`` seconds while the stream is
-    open (proxies and clients that time out idle connections)."""
+    open (proxies and clients that time out idle connections). Starlette's
+    streaming response gives the headers (no content-length); its sending
+    is replaced."""
 
     media_type = "text/event-stream"
 
     def __init__(self, first: str, rest: AsyncIterator[str], ping_s: float = 15.0):
-        super().__init__(content=None, headers=HEADERS)
+        super().__init__(rest, headers=HEADERS)
         self.first = first
-        self.rest = rest
         self.ping_s = ping_s
         self._lock = asyncio.Lock()
-
-    def init_headers(self, headers=None) -> None:
-        # No content-length: the body is streamed.
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
-        self.raw_headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -72,7 +68,7 @@ class EventStream(Response):
                 await stream  # its error, if it failed, is the response's
 
     async def _stream(self, send: Send) -> None:
-        async for data in self.rest:
+        async for data in self.body_iterator:
             async with self._lock:
                 await send({"type": "http.response.body", "body": encode(data), "more_body": True})
         async with self._lock:
