@@ -9,9 +9,28 @@ import time
 import click
 
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
-from libs.common import rpc
+from libs.common import cpu_features, rpc
 from libs.common.policies import POLICY_NAMES
 from services.instance.engine import ENGINES
+
+
+def _check_machine(engine: str) -> None:
+    """Say what this machine runs (the CPU line); with the vLLM engine, refuse
+    here, before any process loads a model, where vLLM cannot run. For the
+    native engine this also probes vLLM's kernels once, so the instances read
+    the cached answer."""
+    if engine not in ("native", "vllm"):
+        click.echo(f"ferry up: CPU {cpu_features.summary()}", err=True)
+        return
+    from ferry import machine
+    from services.instance.engine import vllm_kernels
+
+    if engine == "vllm":
+        try:
+            vllm_kernels.require_vllm()
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+    click.echo(f"ferry up: {machine.line()}", err=True)
 
 
 @click.command()
@@ -62,6 +81,7 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     real = engine in ("native", "vllm")
+    _check_machine(engine)
     if real:
         from libs.common.models import KNOWN_MODELS, ensure_model
 

@@ -32,10 +32,14 @@ class ModelNotFound(ValueError):
     """A model name that is neither known nor a local directory."""
 
 
-def cache_dir() -> pathlib.Path:
+def cache_root() -> pathlib.Path:
+    """Ferry's cache: ``$FERRY_CACHE_DIR``, default ``~/.cache/ferry``."""
     root = os.environ.get("FERRY_CACHE_DIR")
-    base = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "ferry"
-    return base / "models"
+    return pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "ferry"
+
+
+def cache_dir() -> pathlib.Path:
+    return cache_root() / "models"
 
 
 def gguf_path() -> pathlib.Path:

@@ -41,10 +41,10 @@ def test_engine_block_size_default_and_vllm_args():
     one never imports vLLM itself)."""
     import torch
 
-    from services.instance.engine.native.cpu_kernels import vllm_ops
+    from services.instance.engine import vllm_kernels
     from services.instance.engine.native.engine import resolve_dtype
 
-    kernel = 32 if vllm_ops() is not None else 16
+    kernel = 32 if vllm_kernels.ops() is not None else 16
     auto = kernel if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else 16
     assert InstanceConfig(engine="native").engine_config().block_size == auto
     assert InstanceConfig(engine="native", dtype="bfloat16").engine_config().block_size == kernel

@@ -46,11 +46,12 @@ context into such blocks.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
 import torch
+
+from services.instance.engine import vllm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -162,17 +163,6 @@ _ISA = "vec"
 BLOCK_ALIGN = 32  # its blocks (a slot, a prefill chunk's context) hold a multiple of this many positions
 
 
-@functools.cache
-def vllm_ops():
-    """``torch.ops._C`` with vLLM's CPU ops registered, or None where vLLM is not installed (checked once)."""
-    try:
-        import vllm._C  # noqa: F401  (registers torch.ops._C)
-    except ImportError as e:
-        log.info("vLLM's CPU ops not available: %s", e)
-        return None
-    return torch.ops._C
-
-
 def _self_check(k: CpuKernels, heads: int, kv_heads: int, head_dim: int) -> float:
     """Largest error of the kernels on a small bf16 case against fp32 torch."""
     g = torch.Generator().manual_seed(0)
@@ -205,9 +195,16 @@ def _self_check(k: CpuKernels, heads: int, kv_heads: int, head_dim: int) -> floa
     return max(err, (k.normalize(x, 1e-5) - want).abs().max().item())
 
 
+def self_check_ops() -> float:
+    """The self-check on SmolLM2's head shape, with the ops already registered
+    (vllm_kernels.py's probe runs it in a child process)."""
+    return _self_check(CpuKernels(_ISA), 9, 3, 64)
+
+
 def load(heads: int, kv_heads: int, head_dim: int) -> CpuKernels | None:
-    """vLLM's CPU kernels if installed and correct here, else None."""
-    ops = vllm_ops()
+    """vLLM's CPU kernels if installed, safe on this CPU (vllm_kernels.py) and
+    correct here, else None."""
+    ops = vllm_kernels.ops()
     if ops is None:
         return None
     try:
@@ -222,5 +219,5 @@ def load(heads: int, kv_heads: int, head_dim: int) -> CpuKernels | None:
     if not err < 0.05:
         log.warning("vLLM CPU kernels not used: off by %.3g on the self-check", err)
         return None
-    log.info("vLLM's CPU kernels in use for attention and RMSNorm (isa %s)", k.isa)
+    log.info("vLLM's CPU kernels in use for attention and RMSNorm (%s, isa %s)", vllm_kernels.loaded_build(), k.isa)
     return k

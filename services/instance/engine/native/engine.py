@@ -19,7 +19,7 @@ import torch
 from libs.common.logging import get_logger
 from services.instance.engine.base import EngineConfig, EngineError
 from services.instance.engine.core.engine import CoreEngine
-from services.instance.engine.native import cpu_kernels
+from services.instance.engine import vllm_kernels
 from services.instance.engine.native.config import SHAPES, ModelConfig
 from services.instance.engine.native.loader import DTYPES, load_model, random_model
 from services.instance.engine.native.runner import ModelRunner
@@ -77,7 +77,7 @@ def default_block_size(device: str, dtype: str) -> int:
         kernel = dev.type == "cpu" and resolve_dtype(dtype, dev) == torch.bfloat16
     except EngineError:
         return 16  # the engine says why when it starts
-    return 32 if kernel and cpu_kernels.vllm_ops() is not None else 16
+    return 32 if kernel and vllm_kernels.ops() is not None else 16
 
 
 def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool, vllm_kernels: bool = True):

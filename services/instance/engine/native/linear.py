@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.instance.engine.native.cpu_kernels import vllm_ops
+from services.instance.engine import vllm_kernels
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +80,22 @@ class VllmPacked:
             pass
 
 
+def vllm_matmul_exact() -> bool:
+    """Whether vLLM's onednn_mm (already registered) gives F.linear's bits on a small case."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    return torch.equal(VllmPacked(w)(x), F.linear(x, w))
+
+
 def _vllm_ok() -> bool:
     global _VLLM_OK
     if _VLLM_OK is None:
-        if vllm_ops() is None:
+        if vllm_kernels.ops() is None:
             _VLLM_OK = False
             return False
         try:
-            g = torch.Generator().manual_seed(0)
-            w = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
-            x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
-            _VLLM_OK = torch.equal(VllmPacked(w)(x), F.linear(x, w))
+            _VLLM_OK = vllm_matmul_exact()
             if not _VLLM_OK:
                 log.warning("vLLM's onednn_mm differs from F.linear here: torch's packing is used")
         except Exception as e:  # noqa: BLE001  (another version of vLLM: the op is missing or fails)

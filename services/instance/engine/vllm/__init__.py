@@ -12,9 +12,12 @@ vLLM itself imports from its kv_connector_module_path.
 
 
 def available() -> str | None:
-    """None if vLLM can be imported here, else why not."""
-    import importlib.util
+    """None if vLLM is installed and runs on this machine (its platform's
+    kernels load here: ``vllm_kernels.require_vllm``), else why not."""
+    from services.instance.engine import vllm_kernels
 
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (pip install -e '.[vllm]')"
+    try:
+        vllm_kernels.require_vllm()
+    except RuntimeError as e:
+        return str(e)
     return None

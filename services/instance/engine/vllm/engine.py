@@ -24,6 +24,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from libs.common import cpu_features
 from libs.common.logging import get_logger
 from libs.common.types import FinishReason, Priority, RequestLoad, RequestState, SamplingParams, TokenOutput
 from services.instance.engine.base import (
@@ -35,6 +36,7 @@ from services.instance.engine.base import (
     IntegrityError,
     KvLayout,
 )
+from services.instance.engine import vllm_kernels
 from services.instance.engine.core.engine import check_request, check_token_ids
 from services.instance.engine.vllm import args as vargs
 
@@ -70,6 +72,11 @@ class VllmEngine(Engine):
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
         self.config = config
+        try:  # before anything loads vLLM's kernels: a CPU it has no build for would die of SIGILL
+            platform = vllm_kernels.require_vllm()
+        except RuntimeError as e:
+            raise EngineError(str(e)) from None
+        log.info("vLLM runs here", **platform, cpu=cpu_features.summary())
         vargs.in_process()
         model = vargs.resolve_model(config.model)
         vargs.offline_if_local(model)  # before vLLM (and the hub client) is imported
