@@ -8,7 +8,6 @@ integrated over the run) and TTFT percentiles of both."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import tempfile
 import time
@@ -20,6 +19,7 @@ import httpx
 from ferry.bench.chaos import _scheduler_view, expected_fake_text
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.machine import write_json
 
 
 def parse_steps(spec: str) -> list[tuple[float, float]]:
@@ -149,5 +149,4 @@ def autoscale(steps, peak_instances, max_tokens, num_blocks, token_delay_ms, sca
           f"(target: >= 25% saved at <= 1.2x)")
     print("autoscale instances over time (s, n):", a["instances_over_time"])
     if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(res, fh, indent=2)
+        write_json(json_path, res, indent=2)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import random
 import re
 import tempfile
@@ -33,6 +32,7 @@ from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common import rpc
 from services.instance.engine.fake import fake_generate
+from ferry.machine import write_json
 
 FAULT_KINDS = ("instance", "scheduler", "meta_store", "migration_dest", "migration_source")
 
@@ -394,7 +394,6 @@ def chaos(duration, seed, instances, concurrency, fault_every, log_dir, json_pat
     res = asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))
     print_report(res)
     if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(res, fh, indent=2)
+        write_json(json_path, res, indent=2)
     if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]:
         raise SystemExit(1)

@@ -15,7 +15,8 @@ import sys
 import click
 
 from ferry.bench import workload as wl
-from ferry.bench.serving import POLICIES, options_from, run_serving, serving_options, write_json
+from ferry.bench.serving import POLICIES, options_from, run_serving, serving_options
+from ferry.machine import write_json
 
 BASELINE = "llumnix"
 ROWS = (("TTFT mean", "ttft_ms", "mean"), ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),

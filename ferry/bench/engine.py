@@ -21,11 +21,11 @@ transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import click
+from ferry.machine import write_json
 
 REFERENCE_TEXTS = [
     "Paris is",
@@ -238,8 +238,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         result[f"speedup_native_bs{max(bss)}_vs_transformers_bs1"] = round(top / base, 2)
     _print_table(result, bss, hf_bss)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(json_path, result, indent=2)
 
 
 def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log_path: str | None,

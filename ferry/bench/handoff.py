@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import statistics
 import time
@@ -22,6 +21,7 @@ import httpx
 
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.machine import write_json
 
 HEADER = ("prompt", "ttft_colo", "ttft_pd", "2nd_colo", "2nd_pd", "added", "tbt_colo", "tbt_pd", "same")
 
@@ -109,5 +109,4 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
                "tbt = median gap after the second token; same = identical text and every split request prefilled "
                "on instance-0, decoded on instance-1)")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(summary, f, indent=2)
+        write_json(json_path, summary, indent=2)

@@ -23,13 +23,12 @@ serialized: the threshold for libs.common.policies.phases.handoff_mode.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import pathlib
 import statistics
 import time
 
 import click
+from ferry.machine import write_json
 
 MODES = ("colocated", "serialized", "per_layer")
 
@@ -290,7 +289,5 @@ def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: st
            "command": f"ferry bench handoff-modes --lengths {lengths} --repeats {repeats} --dtype {dtype} "
                       f"--budget {budget}" + (f" --threads {threads}" if threads else "")}
     if json_path:
-        path = pathlib.Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        click.echo(f"wrote {path}")
+        write_json(json_path, doc)
+        click.echo(f"wrote {json_path}")

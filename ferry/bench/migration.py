@@ -7,7 +7,6 @@ blocking copy (suspend, then copy everything) and recompute (re-prefill prompt
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -24,6 +23,7 @@ from ferry.pb import common_pb2 as cpb
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
+from ferry.machine import write_json
 
 _KV_TOKENS = 17_600  # the KV cache of every run on record (1,100 blocks of 16)
 
@@ -392,8 +392,7 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
         click.echo(_row(length, results[length]))
         config["loadavg_at_end"] = os.getloadavg()  # other work on the machine skews every number
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump(_summary(results, config), f, indent=2)
+            write_json(json_path, _summary(results, config), indent=2)
 
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=600)

@@ -27,7 +27,6 @@ launch-bound on a GPU slow each other down more than two processes would.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -36,6 +35,7 @@ import time
 import click
 
 from ferry.bench.migration import _switch, client_stall
+from ferry.machine import write_json
 
 
 class _Background:
@@ -277,8 +277,7 @@ def migration_local(json_path, lengths, **opts) -> None:
             click.echo(_row(length, mode, r["reference_step_ms"], m, r["control_match"]))
         results["config"]["elapsed_s"] = time.perf_counter() - started
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump(results, f, indent=2)
+            write_json(json_path, results, indent=2)
 
     asyncio.run(_run(opts, on_length))
     click.echo("(ms; downtime = suspend -> first step on the destination; ack = suspend -> commit acknowledged; "

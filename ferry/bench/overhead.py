@@ -17,7 +17,6 @@ httpx added ~2.5 ms per request to the measured TTFT."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from ferry.pb import common_pb2 as cpb
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
+from ferry.machine import write_json
 
 PROMPT = "measure the overhead of the serving path"
 
@@ -262,8 +262,7 @@ def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_pat
     for k, v in res["split_ms_mean"].items():
         click.echo(f"{'mean ' + k:28s}{v:12.2f}")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(json_path, res, indent=2)
 
 
 def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) -> None:
@@ -281,5 +280,4 @@ def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) 
         click.echo(f"{k:28s}{r['added_ttft_ms_p50']:14.2f}{r['added_new_conn_ttft_ms_p50']:10.2f}"
                    f"{r['frontend_ttft_ms_p50']:14.2f}{r['direct_ttft_ms_p50']:12.2f}")
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"ab": res, "samples": samples}, f, indent=2)
+        write_json(json_path, {"ab": res, "samples": samples}, indent=2)

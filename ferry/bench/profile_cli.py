@@ -128,7 +128,7 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
     import torch
 
     from ferry.bench.engine import int_list
-    from ferry.bench.serving import write_json
+    from ferry.machine import write_json
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineError
 

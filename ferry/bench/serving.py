@@ -34,6 +34,7 @@ from ferry.bench import client, metrics
 from ferry.bench import workload as wl
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
+from ferry.machine import write_json
 
 POLICIES = POLICY_NAMES  # libs/common/policies: the one registry
 LAG_WARN_MS = 100.0  # send lag (wall) above this: the client could not keep up
@@ -262,12 +263,6 @@ def summary_table(run: dict) -> str:
     if s["failed"] or s["short_outputs"]:
         lines.append(f"failed {s['failed']}, short outputs {s['short_outputs']}: {s['errors']}")
     return "\n".join(lines)
-
-
-def write_json(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1, default=str)
 
 
 # --- the command ---------------------------------------------------------------------

@@ -13,7 +13,6 @@ engine core in its own process, its default scheduling)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import httpx
 from ferry.bench import client, metrics
 from ferry.bench import workload as wl
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.machine import write_json
 
 
 def vllm_server(argv: list[str], served_name: str, log_path: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
@@ -132,6 +132,5 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
         out = {"command": " ".join(sys.argv), "workload": work.describe(), "vllm_argv": argv,
                "ferry_engine": ferry_engine, "ferry_instances": instances, "loadavg": list(os.getloadavg()),
                "runs": {k: {"summary": v["summary"]} for k, v in runs.items()}}
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        write_json(json_path, out)
         click.echo(f"wrote {json_path}")

@@ -21,7 +21,7 @@ import sys
 
 import click
 
-from ferry.bench.serving import write_json
+from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import options_from as sim_options_from
 from ferry.sim.cli import parse_seeds, sim_options

@@ -36,6 +36,7 @@ from ferry.pb import instance_pb2_grpc as ipb_grpc
 from ferry.pb import scheduler_pb2 as spb
 from ferry.pb import scheduler_pb2_grpc as spb_grpc
 from services.instance.engine.sim import SimProfile
+from ferry.machine import write_json
 
 
 class Probes:
@@ -142,5 +143,4 @@ def calibrate(arrivals, lengths, num_requests, seed, instances, profile, policy,
     res["derived"] = derived
     click.echo(json.dumps(res, indent=1))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(json_path, res)

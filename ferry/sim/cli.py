@@ -25,9 +25,9 @@ from ferry.bench.serving import (
     SERVICE_ARG_OPTIONS,
     WORKLOAD_OPTIONS,
     apply_options,
-    write_json,
 )
 from ferry.cli import LazyGroup
+from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.params import Delays
 from ferry.sim.run import SimOptions, simulate

@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from ferry.bench.serving import write_json
+from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import parse_seeds
 from ferry.sim.params import Delays

@@ -15,7 +15,8 @@ import time
 
 import click
 
-from ferry.bench.serving import POLICIES, write_json
+from ferry.bench.serving import POLICIES
+from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import JOBS_OPTION, parse_seeds, run_compare, sim_options
 

@@ -13,7 +13,8 @@ import time
 
 import click
 
-from ferry.bench.serving import POLICIES, write_json
+from ferry.bench.serving import POLICIES
+from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import JOBS_OPTION, options_from, parse_seeds, run_parallel, sim_options
 from ferry.sim.queueing import CAUSES, QueueProbe, breakdown

@@ -15,7 +15,7 @@ import click
 import numpy as np
 
 from ferry.bench import workload as wl
-from ferry.bench.serving import write_json
+from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import parse_seeds
 from ferry.sim.provision import (
