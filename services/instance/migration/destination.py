@@ -88,6 +88,8 @@ class Destination:
         self.reservations: dict[str, Reservation] = {}
         self.settled: OrderedDict[str, float] = OrderedDict()  # migration id -> commit ack -> first step (ms)
         self._committed: dict[str, Reservation] = {}  # migration id -> committed, until settled
+        self.expiry_interval_s = 0.05  # how often expire() runs (MigrationManager's expiry loop)
+        self._last_expiry: float | None = None
 
     @property
     def active(self) -> int:
@@ -493,6 +495,21 @@ class Destination:
                 return dropped
         return False
 
+    def _excuse_own_stall(self, now: float) -> None:
+        """NOTE: a deadline measures the source's silence while this process
+        listened. When this process itself stalled (no CPU for it on a loaded
+        machine, a long pause), the source's renewals of that time may still
+        be queued unread; expire() would run first and free a reservation
+        whose source is alive (CI saw it: 'no reservation ... (expired or
+        aborted)' at the next pre-allocation). So the time expire() ran late
+        is added to every open deadline before any is judged."""
+        last, self._last_expiry = self._last_expiry, now
+        stall = 0.0 if last is None else now - last - self.expiry_interval_s
+        if stall > 0:
+            for res in self.reservations.values():
+                if res.open:
+                    res.deadline += stall
+
     def _drop_committed(self, res: Reservation, request_id: str) -> None:
         if not res.closed:  # not installed yet: its blocks are still ours
             self._give_back(res)
@@ -503,6 +520,7 @@ class Destination:
         """Free reservations whose deadline passed (the source died), and drop
         committed requests nobody attached to in time."""
         now = time.monotonic()
+        self._excuse_own_stall(now)
         for mid, res in list(self.reservations.items()):
             st = res.machine.state
             if st in (DestState.NONE, DestState.RESERVED) and now > res.deadline:

@@ -89,6 +89,7 @@ class MigrationManager:
         return peer
 
     async def _expire_forever(self, interval_s: float) -> None:
+        self.dest.expiry_interval_s = interval_s
         while True:
             await asyncio.sleep(interval_s)
             try:

@@ -351,6 +351,27 @@ async def test_commit_reply_and_abort_lost_the_unattached_copy_is_dropped(two):
     assert cl.path == ["a"]
 
 
+async def test_a_stall_of_the_whole_process_expires_no_reservation(two):
+    """The process stops for longer than the deadline (300 ms here) in the
+    middle of a migration, source and destination alike (no CPU for it on a
+    loaded machine): the destination's expiry runs late, and must not free
+    the reservation of a source that could not call either."""
+    stalls = []
+
+    async def stall():
+        if not stalls:
+            stalls.append(1)
+            time.sleep(0.5)  # blocks the event loop: nothing runs, the expiry task included
+            await asyncio.sleep(0)
+
+    two.peer_wrappers["b"] = lambda p: HookedPeer(p, after={"pre_allocate": stall})
+    cl, task = await start(two, n=1500)  # the engine's thread decodes on through the stall: 2 ms a token
+    out = await two.nodes["a"].manager.migrate_one("r", "b", "b")
+    assert stalls and out.committed, out
+    await finish(two, cl, task, 1500)
+    assert cl.path == ["a", "b"]
+
+
 @pytest.mark.parametrize("point", ["verify", "suspend", "copy_last"])
 async def test_source_gone_the_reservation_expires(two, point):
     """The source stops talking mid-migration (its abort never arrives): the
