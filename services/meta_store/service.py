@@ -30,6 +30,12 @@ _TYPES = {
 class MetaStoreConfig(CommonConfig):
     port: int = opt(7000, "port to listen on", min=0, max=65535)
     ttl_s: float = opt(3.0, "an instance not reporting for this long disappears", min=0.05)
+    # The replicated store (services/meta_store/etcd_registry.py).
+    etcd: str = opt("", "etcd endpoints host:port[,host:port...]: keep the registry and the instances' leases in "
+                        "etcd, so that several meta-store replicas serve one cluster (empty = in memory)")
+    etcd_prefix: str = opt("/ferry", "etcd: key prefix of this cluster")
+    etcd_share_interval_s: float = opt(0.2, "etcd: share an instance's status with the other replicas at most "
+                                            "this often", min=0.01)
 
 
 class MetaStoreServicer(pb_grpc.MetaStoreServicer):
@@ -111,18 +117,28 @@ class MetaStoreService(Service):
 
     def __init__(self, config: MetaStoreConfig):
         self.config = config
-        self.registry = Registry(config.ttl_s)
+        if config.etcd:
+            from services.meta_store.etcd_registry import EtcdRegistry
+
+            self.registry = EtcdRegistry(config.ttl_s, config.etcd, config.etcd_prefix,
+                                         share_interval_s=config.etcd_share_interval_s)
+        else:
+            self.registry = Registry(config.ttl_s)
         self._reaper: asyncio.Task | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_MetaStoreServicer_to_server(MetaStoreServicer(self.registry), server)
 
     async def start(self, bound_address: str) -> None:
+        if self.config.etcd:
+            self.registry.start(bound_address)
         self._reaper = asyncio.create_task(self._reap())
 
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
+        if self.config.etcd:
+            await self.registry.stop()
 
     async def _reap(self) -> None:
         interval = max(0.02, self.config.ttl_s / 4)
