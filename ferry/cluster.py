@@ -80,8 +80,45 @@ _BOOTSTRAP = (
 )
 
 
-def ferry_command(args: list[str]) -> list[str]:
-    """argv that runs ``ferry <args>`` as a child that dies with this process."""
+# A replicated control plane (--etcd): instances a scheduler launches outlive
+# it (the next leader adopts them), so they cannot die with their parent. They
+# die with the process that owns the cluster instead, named here (`ferry up`
+# sets it for its children), watched through a pidfd.
+OWNER_PID_ENV = "FERRY_CLUSTER_OWNER_PID"
+
+_BOOTSTRAP_OWNED = (
+    "import sys, runpy\n"
+    "from ferry.cluster import _exit_with\n"
+    "_exit_with(int(sys.argv[1]))\n"
+    "sys.argv = ['ferry', *sys.argv[2:]]\n"
+    "runpy.run_module('ferry', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _exit_with(pid: int) -> None:  # runs in the child, first thing
+    """SIGTERM this process when ``pid`` exits (0: never)."""
+    import select
+    import threading
+
+    if not pid:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        sys.exit(1)
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="exit-with-owner", daemon=True).start()
+
+
+def ferry_command(args: list[str], owner_pid: int | None = None) -> list[str]:
+    """argv that runs ``ferry <args>`` as a child that dies with this process
+    (or, given ``owner_pid``, outlives it and dies with that one; 0: with none)."""
+    if owner_pid is not None:
+        return [sys.executable, "-c", _BOOTSTRAP_OWNED, str(owner_pid), *args]
     return [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *args]
 
 
