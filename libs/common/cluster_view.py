@@ -25,10 +25,15 @@ CARRY_OVER_S = 3.0
 
 class ClusterView:
     def __init__(self, meta_store_address: str, carry_over_s: float = CARRY_OVER_S,
-                 min_update_interval_s: float = 0.0):
+                 min_update_interval_s: float = 0.0, outage_ttl_s: float = 3.0):
         """``min_update_interval_s`` above 0: the meta store sends each
-        instance's status at most this often (for a view that may lag)."""
+        instance's status at most this often (for a view that may lag).
+        ``outage_ttl_s``: while the meta store is unreachable, an instance
+        that does not answer its own status calls for this long leaves the
+        view (libs/common/direct_status.py)."""
         self.meta_store_address = meta_store_address
+        self.outage_ttl_s = outage_ttl_s
+        self._outage: asyncio.Task | None = None
         self.min_update_interval_s = min_update_interval_s
         self.carry_over_s = carry_over_s
         self._carried: dict[str, float] = {}  # instance -> drop after (monotonic)
@@ -43,6 +48,7 @@ class ClusterView:
         self._task = asyncio.create_task(self._watch_forever())
 
     async def stop(self) -> None:
+        self._end_outage()
         if self._task:
             self._task.cancel()
             try:
@@ -66,6 +72,7 @@ class ClusterView:
                             self._carried = {i: until for i in self.records if i not in fresh}
                             self.records = {**{i: self.records[i] for i in self._carried}, **fresh}
                             self.connected = True
+                            self._end_outage()
                             self.synced.set()
                             self.changed.set()
                             log.info("cluster view synced", instances=len(fresh))
@@ -87,8 +94,24 @@ class ClusterView:
                 if self.connected:
                     log.warning("meta store watch lost; keeping last view", error=e.code().name)
                 self.connected = False
+                if self._outage is None and self.synced.is_set():
+                    from libs.common.direct_status import poll_instances
+
+                    self._outage = asyncio.create_task(poll_instances(self, ttl_s=self.outage_ttl_s))
             await asyncio.sleep(backoff)
             backoff = min(1.0, backoff * 2)
+
+    def _end_outage(self) -> None:
+        if self._outage is not None:
+            self._outage.cancel()
+            self._outage = None
+
+    def drop(self, instance_id: str) -> None:
+        """Forget an instance (it is gone); its pending dispatches too."""
+        self.records.pop(instance_id, None)
+        self._carried.pop(instance_id, None)
+        self._pending.drop(instance_id)
+        self.changed.set()
 
     def _drop_carried(self) -> None:
         now = time.monotonic()
