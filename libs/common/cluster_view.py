@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -70,7 +71,8 @@ class ClusterView:
                             # fresh snapshot lacks stay for a grace period.
                             until = time.monotonic() + self.carry_over_s
                             self._carried = {i: until for i in self.records if i not in fresh}
-                            self.records = {**{i: self.records[i] for i in self._carried}, **fresh}
+                            self.records = {**{i: self.records[i] for i in self._carried},
+                                            **{i: self._keep_status(r) for i, r in fresh.items()}}
                             self.connected = True
                             self._end_outage()
                             self.synced.set()
@@ -100,6 +102,16 @@ class ClusterView:
                     self._outage = asyncio.create_task(poll_instances(self, ttl_s=self.outage_ttl_s))
             await asyncio.sleep(backoff)
             backoff = min(1.0, backoff * 2)
+
+    def _keep_status(self, rec: InstanceRecord) -> InstanceRecord:
+        """A store that has not heard this instance's status yet (a replica
+        just started, or one that learned it from etcd) must not blank the
+        status this view has: the instance would vanish from dispatch and
+        from the autoscaler's count until its next report."""
+        old = self.records.get(rec.info.instance_id)
+        if rec.status is None and old is not None and old.status is not None and old.info == rec.info:
+            return replace(rec, status=old.status)
+        return rec
 
     def _end_outage(self) -> None:
         if self._outage is not None:

@@ -20,6 +20,7 @@ Key layout under a prefix (``--etcd-prefix``, one per cluster):
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,9 @@ def _errors() -> tuple[type[BaseException], ...]:
 def target(endpoints: str) -> tuple[str, int]:
     """``host:port[,host:port...]`` (an optional ``http://`` is dropped) as
     the (host, port) aetcd builds its gRPC target from. Several endpoints
-    become one ``ipv4:`` target (gRPC's pick_first: the first that answers)."""
+    (IPv4 addresses) become one ``ipv4:`` target (gRPC's pick_first: the
+    first that answers); one DNS name resolves to every address it has (a
+    headless Service of the etcd members does that)."""
     eps = [e.strip().removeprefix("http://") for e in endpoints.split(",") if e.strip()]
     if not eps:
         raise ValueError("no etcd endpoint given")
@@ -50,6 +53,12 @@ def target(endpoints: str) -> tuple[str, int]:
     host, _, port = eps[-1].rpartition(":")
     if len(eps) == 1:
         return host, int(port)
+    for e in eps:
+        try:
+            ipaddress.IPv4Address(e.rpartition(":")[0])
+        except ValueError:
+            raise ValueError(f"several etcd endpoints must be IPv4 addresses ({e!r} is not); give one DNS name "
+                             f"that resolves to every member instead") from None
     return "ipv4:" + ",".join([*eps[:-1], host]), int(port)
 
 

@@ -273,6 +273,7 @@ class EtcdRegistry(Registry):
             self._stored[iid], self._leases[iid] = info, lease.id
             self._renewed[lease.id] = self.clock()
             status = self._records[iid].status if iid in self._records else None
+            self._shared_seq.pop(iid, None)  # its status key was on the old lease: put it again
             if status is not None and self.peers:
                 self._to_share[iid] = status
 
