@@ -4,8 +4,10 @@ stream (and rebuilt again whenever the stream breaks). Holds no durable state.""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from dataclasses import replace
+from typing import Callable
 
 import grpc
 
@@ -44,6 +46,11 @@ class ClusterView:
         self.connected = False
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
+        # Called with an instance's id whenever what views() shows of it may
+        # have changed (record, pending dispatches, removal): the scheduler's
+        # dispatch index recomputes only those rows.
+        self.listeners: list[Callable[[str], None]] = []
+        self._expiries: list[tuple[float, str]] = []  # (when a pending dispatch times out, instance)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch_forever())
@@ -71,8 +78,11 @@ class ClusterView:
                             # fresh snapshot lacks stay for a grace period.
                             until = time.monotonic() + self.carry_over_s
                             self._carried = {i: until for i in self.records if i not in fresh}
+                            before = list(self.records)
                             self.records = {**{i: self.records[i] for i in self._carried},
                                             **{i: self._keep_status(r) for i, r in fresh.items()}}
+                            for iid in {*before, *self.records}:
+                                self.touch(iid)
                             self.connected = True
                             self._end_outage()
                             self.synced.set()
@@ -88,6 +98,8 @@ class ClusterView:
                             target[rec.info.instance_id] = rec
                             self._carried.pop(rec.info.instance_id, None)
                             self._settle(rec)
+                        if self.connected:
+                            self.touch(rec.info.instance_id)
                         self._drop_carried()
                         self.changed.set()
             except asyncio.CancelledError:
@@ -123,13 +135,36 @@ class ClusterView:
         self.records.pop(instance_id, None)
         self._carried.pop(instance_id, None)
         self._pending.drop(instance_id)
+        self.touch(instance_id)
         self.changed.set()
+
+    def touch(self, instance_id: str) -> None:
+        for listener in self.listeners:
+            listener(instance_id)
+
+    def refresh(self) -> None:
+        """Bring what views() would show up to now for the listeners: drop
+        carried-over instances past their grace, and touch instances whose
+        pending dispatches timed out."""
+        self._drop_carried()
+        now = time.monotonic()
+        while self._expiries and self._expiries[0][0] <= now:
+            self.touch(heapq.heappop(self._expiries)[1])
+
+    def view_of(self, instance_id: str) -> InstanceView | None:
+        """What views() shows of one instance now (None: nothing)."""
+        rec = self.records.get(instance_id)
+        if rec is None or rec.status is None:
+            return None
+        return InstanceView(instance_id, rec.status, *self._pending.totals(instance_id, time.monotonic()),
+                            migratable=not rec.info.no_migration)
 
     def _drop_carried(self) -> None:
         now = time.monotonic()
         for iid in [i for i, t in self._carried.items() if now > t]:
             del self._carried[iid]
             self.records.pop(iid, None)
+            self.touch(iid)
 
     def _settle(self, rec: InstanceRecord) -> None:
         if rec.status is not None:
@@ -137,7 +172,11 @@ class ClusterView:
                                  time.monotonic())
 
     def add_pending(self, instance_id: str, request_id: str, blocks: int) -> None:
-        self._pending.add(instance_id, request_id, blocks, time.monotonic())
+        now = time.monotonic()
+        self._pending.add(instance_id, request_id, blocks, now)
+        if self.listeners:
+            self.touch(instance_id)
+            heapq.heappush(self._expiries, (now + self._pending.ttl_s + 1e-3, instance_id))
 
     def views(self) -> list[InstanceView]:
         self._drop_carried()

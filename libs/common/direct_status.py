@@ -42,6 +42,7 @@ async def poll_instances(view, interval_s: float = 0.5, ttl_s: float = 3.0, time
         if rec is not None and rec.info.address == address:
             answered[iid] = time.monotonic()
             view.records[iid] = replace(rec, status=convert.status_from_pb(st), last_seen=time.time())
+            view.touch(iid)
             view.changed.set()
 
     try:

@@ -24,7 +24,8 @@ from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
-from libs.common.policies.phases import place
+from libs.common.policies.index import DispatchIndex
+from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
 
@@ -132,7 +133,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids))
-        placed = place(self.svc.dispatcher, view.views(), req)
+        placed = self.svc.place(req)
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
         rec = view.records[placed.prefill]
@@ -212,6 +213,26 @@ class SchedulerService(Service):
         # (services/scheduler/leader.py), with a previous leader's state.
         self.leadership = None
         self.state = None
+
+        # Policies scored by per-instance terms dispatch through an index that
+        # recomputes only the instances that changed (policies/index.py).
+        self.index = DispatchIndex(config.policy) if config.policy.dispatch_terms else None
+        self._stale: set[str] = set()
+        if self.index is not None:
+            self.view.listeners.append(self._stale.add)
+
+    def place(self, req: DispatchRequest) -> Placement | None:
+        """Dispatch's decision: the index where it serves (every instance
+        mixed), else the policy over the whole view (Splitwise's two steps)."""
+        if self.index is not None:
+            self.view.refresh()
+            for iid in self._stale:
+                self.index.update(iid, self.view.view_of(iid))
+            self._stale.clear()
+            if self.index.split == 0:
+                iid = self.index.choose(req)
+                return None if iid is None else Placement(iid)
+        return place(self.dispatcher, self.view.views(), req)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
