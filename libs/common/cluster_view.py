@@ -51,6 +51,8 @@ class ClusterView:
         # dispatch index recomputes only those rows.
         self.listeners: list[Callable[[str], None]] = []
         self._expiries: list[tuple[float, str]] = []  # (when a pending dispatch times out, instance)
+        self._batched = True  # WatchBatched until a store says it has none
+        self._infos: dict[str, tuple] = {}  # instance -> (its info as received, as converted)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch_forever())
@@ -64,6 +66,23 @@ class ClusterView:
             except (asyncio.CancelledError, Exception):
                 pass
 
+    async def _events(self, stub: mpb_grpc.MetaStoreStub):
+        """The watch's events: several per message (WatchBatched), or one per
+        message from a meta store without it."""
+        req = mpb.WatchRequest(min_update_interval_s=self.min_update_interval_s)
+        if self._batched:
+            try:
+                async for msg in stub.WatchBatched(req):
+                    for ev in msg.events:
+                        yield ev
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._batched = False
+        async for ev in stub.Watch(req):
+            yield ev
+
     async def _watch_forever(self) -> None:
         backoff = 0.05
         while True:
@@ -71,7 +90,7 @@ class ClusterView:
                 async with rpc.channel(self.meta_store_address) as ch:
                     stub = mpb_grpc.MetaStoreStub(ch)
                     fresh: dict[str, InstanceRecord] = {}
-                    async for ev in stub.Watch(mpb.WatchRequest(min_update_interval_s=self.min_update_interval_s)):
+                    async for ev in self._events(stub):
                         backoff = 0.05
                         if ev.type == mpb.WatchEvent.SYNCED:
                             # NOTE: keep the last view (DESIGN §7): instances the
@@ -89,11 +108,12 @@ class ClusterView:
                             self.changed.set()
                             log.info("cluster view synced", instances=len(fresh))
                             continue
-                        rec = convert.record_from_pb(ev.record)
+                        rec = self._record(ev.record)
                         target = self.records if self.connected else fresh
                         if ev.type == mpb.WatchEvent.REMOVED:
                             target.pop(rec.info.instance_id, None)
                             self._pending.drop(rec.info.instance_id)
+                            self._infos.pop(rec.info.instance_id, None)
                         else:
                             target[rec.info.instance_id] = rec
                             self._carried.pop(rec.info.instance_id, None)
@@ -108,12 +128,27 @@ class ClusterView:
                 if self.connected:
                     log.warning("meta store watch lost; keeping last view", error=e.code().name)
                 self.connected = False
-                if self._outage is None and self.synced.is_set():
+                # Only when the store cannot be reached: a watcher it dropped
+                # for falling behind (RESOURCE_EXHAUSTED) just watches again.
+                if self._outage is None and self.synced.is_set() and e.code() == grpc.StatusCode.UNAVAILABLE:
                     from libs.common.direct_status import poll_instances
 
                     self._outage = asyncio.create_task(poll_instances(self, ttl_s=self.outage_ttl_s))
             await asyncio.sleep(backoff)
             backoff = min(1.0, backoff * 2)
+
+    def _record(self, m) -> InstanceRecord:
+        """The record of an event; its InstanceInfo reused while unchanged
+        (comparing the messages is cheaper than converting one per report)."""
+        iid = m.info.instance_id
+        cached = self._infos.get(iid)
+        if cached is not None and cached[0] == m.info:
+            info = cached[1]
+        else:
+            info = convert.info_from_pb(m.info)
+            self._infos[iid] = (m.info, info)
+        status = convert.status_from_pb(m.status) if m.HasField("status") else None
+        return InstanceRecord(info=info, status=status, last_seen=m.last_seen)
 
     def _keep_status(self, rec: InstanceRecord) -> InstanceRecord:
         """A store that has not heard this instance's status yet (a replica

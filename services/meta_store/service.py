@@ -39,6 +39,9 @@ class MetaStoreConfig(CommonConfig):
                                             "this often", min=0.01)
 
 
+MAX_BATCH = 512  # events in one WatchBatched message at most
+
+
 class MetaStoreServicer(pb_grpc.MetaStoreServicer):
     def __init__(self, registry: Registry):
         self.registry = registry
@@ -69,6 +72,17 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
         return pb.ListReply(instances=[convert.record_to_pb(r) for r in self.registry.list()])
 
     async def Watch(self, request, context):
+        async for batch in self._watch(request, context):
+            for ev in batch:
+                yield ev
+
+    async def WatchBatched(self, request, context):
+        async for batch in self._watch(request, context):
+            yield pb.WatchEvents(events=batch)
+
+    async def _watch(self, request, context):
+        """The watch's events in lists: what is ready to go at once (at most
+        MAX_BATCH) goes in one list."""
         q = self.registry.subscribe()
         interval = max(0.0, request.min_update_interval_s)
         held: dict[str, Change] = {}  # instance -> latest status update not sent yet
@@ -79,6 +93,7 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
         due: list[tuple[float, str]] = []
         try:
             while True:
+                out: list[pb.WatchEvent] = []
                 if due:
                     now = time.monotonic()
                     while due and due[0][0] <= now:
@@ -89,32 +104,51 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
                             heapq.heappush(due, (last_sent[iid] + interval, iid))
                             continue
                         last_sent[iid] = now
-                        yield _wire(held.pop(iid))
-                    if q.empty() and due:
+                        out.append(_wire(held.pop(iid)))
+                    if out:
+                        yield out
+                        continue
+                    if not due:
+                        change = await q.get()
+                    elif q.empty():
                         try:
                             change = await asyncio.wait_for(q.get(), max(0.0, due[0][0] - now))
                         except TimeoutError:
                             continue
                     else:
-                        change = await q.get()
+                        change = q.get_nowait()
                 else:
                     change = await q.get()
-                if change is None:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watcher fell behind; watch again")
-                if interval > 0 and change.record is not None:
-                    iid = change.record.info.instance_id
-                    if change.type == ChangeType.UPDATED:
-                        now = time.monotonic()
-                        if now - last_sent.get(iid, -interval) < interval:
-                            if iid not in held:
-                                heapq.heappush(due, (last_sent[iid] + interval, iid))
-                            held[iid] = change  # replaces an older one
-                            continue
-                        last_sent[iid] = now
-                    held.pop(iid, None)  # this change is newer than what is held
-                yield _wire(change)
+                while True:
+                    if change is None:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "watcher fell behind; watch again")
+                    ev = self._thin(change, interval, held, last_sent, due)
+                    if ev is not None:
+                        out.append(ev)
+                    if len(out) >= MAX_BATCH or q.empty():
+                        break
+                    change = q.get_nowait()
+                if out:
+                    yield out
         finally:
             self.registry.unsubscribe(q)
+
+    @staticmethod
+    def _thin(change: Change, interval: float, held: dict, last_sent: dict, due: list) -> pb.WatchEvent | None:
+        """The event to send for a change now, or None where a thinned watch
+        holds it back (the latest status per instance, once per interval)."""
+        if interval > 0 and change.record is not None:
+            iid = change.record.info.instance_id
+            if change.type == ChangeType.UPDATED:
+                now = time.monotonic()
+                if now - last_sent.get(iid, -interval) < interval:
+                    if iid not in held:
+                        heapq.heappush(due, (last_sent[iid] + interval, iid))
+                    held[iid] = change  # replaces an older one
+                    return None
+                last_sent[iid] = now
+            held.pop(iid, None)  # this change is newer than what is held
+        return _wire(change)
 
 
 def _wire(change: Change) -> pb.WatchEvent:
