@@ -50,16 +50,30 @@ def main() -> None:
             if recording[0] and rec.status is not None and rec.status.timestamp:
                 lags.append((time.time() - rec.status.timestamp) * 1000)
         svc.view._settle = timed_settle
+        # The placement itself (index refresh and choice, or the policy over
+        # the view): what the scheduler adds to a dispatch besides gRPC.
+        places: list[float] = []
+        place = svc.place
+
+        def timed_place(req):
+            t0 = time.perf_counter()
+            try:
+                return place(req)
+            finally:
+                if recording[0]:
+                    places.append((time.perf_counter() - t0) * 1000)
+        svc.place = timed_place
 
         def start_window():
             lags.clear()
+            places.clear()
             recording[0] = True
 
         def write_stats():
             recording[0] = False
             tmp = stats_file + ".tmp"
             with open(tmp, "w") as f:
-                json.dump(_stats(lags), f)
+                json.dump({**_stats(lags), "place_ms": _stats(places)}, f)
             os.replace(tmp, stats_file)
 
         async def ready(address):
