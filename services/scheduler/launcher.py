@@ -146,6 +146,7 @@ class LocalProcessLauncher(Launcher):
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._procs: dict[str, _Proc] = {}
+        self._writes: set[asyncio.Task] = set()
         self._seq = 0
         self.launched = 0
         self.stopped = 0
@@ -220,7 +221,9 @@ class LocalProcessLauncher(Launcher):
         dead = [i for i, p in self._procs.items() if p.proc.poll() is not None]
         for i in dead:
             self._procs.pop(i)
-            asyncio.get_running_loop().create_task(self.state.delete("launched", i))
+            t = asyncio.get_running_loop().create_task(self.state.delete("launched", i))
+            self._writes.add(t)  # held until done (a task nobody holds may be collected)
+            t.add_done_callback(self._writes.discard)
         return dead
 
     async def adopt(self) -> None:
