@@ -80,8 +80,45 @@ _BOOTSTRAP = (
 )
 
 
-def ferry_command(args: list[str]) -> list[str]:
-    """argv that runs ``ferry <args>`` as a child that dies with this process."""
+# A replicated control plane (--etcd): instances a scheduler launches outlive
+# it (the next leader adopts them), so they cannot die with their parent. They
+# die with the process that owns the cluster instead, named here (`ferry up`
+# sets it for its children), watched through a pidfd.
+OWNER_PID_ENV = "FERRY_CLUSTER_OWNER_PID"
+
+_BOOTSTRAP_OWNED = (
+    "import sys, runpy\n"
+    "from ferry.cluster import _exit_with\n"
+    "_exit_with(int(sys.argv[1]))\n"
+    "sys.argv = ['ferry', *sys.argv[2:]]\n"
+    "runpy.run_module('ferry', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _exit_with(pid: int) -> None:  # runs in the child, first thing
+    """SIGTERM this process when ``pid`` exits (0: never)."""
+    import select
+    import threading
+
+    if not pid:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        sys.exit(1)
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="exit-with-owner", daemon=True).start()
+
+
+def ferry_command(args: list[str], owner_pid: int | None = None) -> list[str]:
+    """argv that runs ``ferry <args>`` as a child that dies with this process
+    (or, given ``owner_pid``, outlives it and dies with that one; 0: with none)."""
+    if owner_pid is not None:
+        return [sys.executable, "-c", _BOOTSTRAP_OWNED, str(owner_pid), *args]
     return [sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), *args]
 
 
@@ -137,6 +174,16 @@ class ClusterSpec:
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # A replicated control plane: a local etcd (``etcd``) or one at these
+    # endpoints (``etcd_endpoints``), and ``control_replicas`` meta stores and
+    # schedulers on it; the other services get every replica's address.
+    etcd: bool = False
+    etcd_endpoints: str = ""
+    control_replicas: int = 2
+
+    @property
+    def replicated(self) -> bool:
+        return self.etcd or bool(self.etcd_endpoints)
 
     @property
     def credentials(self) -> rpc.Credentials:
@@ -202,8 +249,11 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
         self.children: list[Child] = []
-        self.meta_store_port = free_port()
-        self.scheduler_port = free_port()
+        n = spec.control_replicas if spec.replicated else 1
+        self.meta_store_ports = [free_port() for _ in range(n)]
+        self.scheduler_ports = [free_port() for _ in range(n)]
+        self.meta_store_port, self.scheduler_port = self.meta_store_ports[0], self.scheduler_ports[0]
+        self.etcd = None  # ferry/etcd_local.LocalEtcd when spec.etcd
         self._instance_seq = 0
 
     # --- addresses -------------------------------------------------------------
@@ -213,11 +263,15 @@ class LocalCluster:
 
     @property
     def meta_store(self) -> str:
-        return f"127.0.0.1:{self.meta_store_port}"
+        return _target(self.meta_store_ports)
 
     @property
     def scheduler(self) -> str:
-        return f"127.0.0.1:{self.scheduler_port}"
+        return _target(self.scheduler_ports)
+
+    @property
+    def etcd_endpoints(self) -> str:
+        return self.etcd.endpoint if self.etcd is not None else self.spec.etcd_endpoints
 
     @property
     def credentials(self) -> rpc.Credentials:
@@ -242,15 +296,19 @@ class LocalCluster:
             child.log_path = os.path.join(self.spec.log_dir, f"{child.name}.log")
             out = open(child.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.credentials.env()}
+        if self.spec.replicated:
+            env[OWNER_PID_ENV] = str(os.getpid())  # what schedulers launch dies with this process
         child.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                       stdin=subprocess.DEVNULL, env=env)
         if out:
             out.close()
         return child
 
-    def meta_store_child(self) -> Child:
-        return Child("meta-store", "meta-store",
-                     ["--port", str(self.meta_store_port), *self.spec.meta_store_args], self.meta_store_port)
+    def meta_store_child(self, index: int = 0) -> Child:
+        port = self.meta_store_ports[index]
+        etcd = ["--etcd", self.etcd_endpoints] if self.spec.replicated else []
+        return Child(_replica_name("meta-store", index), "meta-store",
+                     ["--port", str(port), *etcd, *self.spec.meta_store_args], port)
 
     def instance_launch_args(self) -> str:
         """The arguments every instance of this cluster gets (less port, id
@@ -258,15 +316,21 @@ class LocalCluster:
         return shlex.join(["--engine", self.spec.engine, "--model", self.spec.model,
                            *self.spec.instance_args, *self._common()])
 
-    def scheduler_child(self) -> Child:
+    def scheduler_child(self, index: int = 0) -> Child:
         launch = []
         if self.spec.launcher:
             launch = ["--launch-args", self.instance_launch_args()]
             if self.spec.log_dir:
                 launch += ["--launch-log-dir", self.spec.log_dir]
-        return Child("scheduler", "scheduler",
-                     ["--port", str(self.scheduler_port), "--meta-store", self.meta_store,
-                      "--dispatch", self.spec.dispatch, *launch, *self.spec.scheduler_args], self.scheduler_port)
+        name, port = _replica_name("scheduler", index), self.scheduler_ports[index]
+        etcd = ["--etcd", self.etcd_endpoints, "--scheduler-id", name] if self.spec.replicated else []
+        return Child(name, "scheduler",
+                     ["--port", str(port), "--meta-store", self.meta_store,
+                      "--dispatch", self.spec.dispatch, *launch, *etcd, *self.spec.scheduler_args], port)
+
+    def control_plane(self) -> list[Child]:
+        return ([self.meta_store_child(i) for i in range(len(self.meta_store_ports))]
+                + [self.scheduler_child(i) for i in range(len(self.scheduler_ports))])
 
     def instance_child(self, extra: list[str] | None = None) -> Child:
         i = self._instance_seq
@@ -292,7 +356,14 @@ class LocalCluster:
         stop everything and raise StartupError naming the culprit."""
         self.spec.check_roles()
         try:
-            self.children = [self.meta_store_child(), self.scheduler_child()]
+            if self.spec.etcd:
+                from ferry.etcd_local import LocalEtcd
+
+                log = os.path.join(self.spec.log_dir, "etcd.log") if self.spec.log_dir else None
+                if log:
+                    os.makedirs(self.spec.log_dir, exist_ok=True)
+                self.etcd = LocalEtcd(log_path=log).start()
+            self.children = self.control_plane()
             self.children += [self.instance_child() for _ in range(self.spec.instances)]
             self.children.append(self.frontend_child())
             for c in self.children:
@@ -359,8 +430,35 @@ class LocalCluster:
             c.proc.send_signal(sig)
             c.proc.wait(10)
 
+    def launched_pids(self) -> list[int]:
+        """Instances the schedulers of this (replicated) cluster launched:
+        they outlive the scheduler that started them, so this process finds
+        them by their command line (the owner bootstrap, this cluster's meta
+        store)."""
+        if not self.spec.replicated:
+            return []
+        pids = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if (len(argv) > 3 and argv[2] == _BOOTSTRAP_OWNED and argv[3] == str(os.getpid())
+                    and self.meta_store in argv):
+                pids.append(int(d))
+        return pids
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM everyone (frontend first, meta store last), then SIGKILL stragglers."""
+        launched = self.launched_pids()
+        for pid in launched:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         for c in reversed(self.children):
             if c.alive():
                 c.proc.send_signal(signal.SIGTERM)
@@ -373,6 +471,14 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(5)
+        for pid in launched:
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if self.etcd is not None:
+            self.etcd.close()
+            self.etcd = None
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -380,6 +486,26 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _target(ports: list[int]) -> str:
+    """One replica's address, or every replica's as one gRPC target (pick
+    first: a client goes to the next when the one it uses dies)."""
+    if len(ports) == 1:
+        return f"127.0.0.1:{ports[0]}"
+    return "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _replica_name(kind: str, index: int) -> str:
+    return kind if index == 0 else f"{kind}-{index}"
 
 
 def grpc_healthy(address: str, timeout: float = 0.5, credentials: rpc.Credentials | None = None) -> bool:

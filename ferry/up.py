@@ -61,11 +61,14 @@ def _check_machine(engine: str) -> None:
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
               help="pin each instance to its own share of the cores (ferry serve instance --cpus), so that one "
                    "instance's work besides its steps (a migration's copies) does not run on another's core")
+@click.option("--etcd/--no-etcd", default=False, show_default=True,
+              help="a replicated control plane: start a local etcd (the etcd binary; Debian: etcd-server) and two "
+                   "meta stores and two schedulers on it (one leads); the frontend and instances use either")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
-       scheduler_args, cluster_token, pin_cores, log_format, log_level) -> None:
+       scheduler_args, cluster_token, pin_cores, etcd, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
@@ -75,11 +78,16 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
                        frontend_args=["--api-key", api_key] if api_key else [],
                        log_format=log_format, log_level=log_level,
                        cluster_token=rpc.new_token() if cluster_token else "", prefill=prefill, decode=decode,
-                       pin_cores=pin_cores)
+                       pin_cores=pin_cores, etcd=etcd)
     try:
         spec.check_roles()
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if etcd:
+        from ferry.etcd_local import binary
+
+        if binary() is None:
+            raise click.UsageError("--etcd needs the etcd binary on PATH (Debian: apt-get install etcd-server)")
     real = engine in ("native", "vllm")
     _check_machine(engine)
     if real:
@@ -115,6 +123,9 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     split = f": {prefill} prefill, {decode} decode, {instances - prefill - decode} mixed" if prefill or decode else ""
     click.echo(f"ferry up: ready at {cluster.url}/v1 (model {model if real else 'fake'}, {instances} {engine} instances"
                f"{split}, dispatch {dispatch}); Ctrl-C to stop", err=True)
+    if etcd:
+        click.echo(f"ferry up: control plane on etcd {cluster.etcd_endpoints}: meta stores {cluster.meta_store}, "
+                   f"schedulers {cluster.scheduler}", err=True)
     print(f"{cluster.url}/v1", flush=True)
     reported: set[str] = set()
     while not stopping:

@@ -54,6 +54,12 @@ class WatchRequest(_message.Message):
     min_update_interval_s: float
     def __init__(self, min_update_interval_s: _Optional[float] = ...) -> None: ...
 
+class WatchEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[WatchEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[WatchEvent, _Mapping]]] = ...) -> None: ...
+
 class WatchEvent(_message.Message):
     __slots__ = ("type", "record")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

@@ -68,6 +68,11 @@ class MetaStoreStub:
                 request_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.WatchBatched = channel.unary_stream(
+                '/ferry.v1.MetaStore/WatchBatched',
+                request_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
+                _registered_method=True)
 
 
 class MetaStoreServicer:
@@ -117,6 +122,16 @@ class MetaStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchBatched(self, request, context):
+        """The same events, several per message: whatever is queued for the
+        watcher goes together (one at a time when it keeps up). At thousands of
+        reports a second, a message per event cost the watcher's gRPC more than
+        the event itself (ferry bench control-plane).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetaStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +164,11 @@ def add_MetaStoreServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvent.SerializeToString,
+            ),
+            'WatchBatched': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBatched,
+                    request_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +336,33 @@ class MetaStore:
             '/ferry.v1.MetaStore/Watch',
             ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
             ferry_dot_pb_dot_meta__store__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBatched(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferry.v1.MetaStore/WatchBatched',
+            ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
+            ferry_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,7 @@ from libs.common import rpc
 from libs.common.load import is_finite
 from libs.common.logging import get_logger
 from libs.common.types import Priority
+from services.scheduler.state import LeaderState, MemoryState
 
 log = get_logger(__name__)
 
@@ -206,8 +207,11 @@ class Autoscaler:
     """The scheduler's scaling loop: sample the view, decide, act."""
 
     def __init__(self, svc, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
-                 drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0):
+                 drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0, state: LeaderState | None = None):
         self.svc = svc
+        # Drains under way and the last action's time outlive this leader
+        # (services/scheduler/state.py): the next one finishes the drains.
+        self.state = state or MemoryState()
         # Instances register in the first seconds after a (re)start of the
         # scheduler: an empty early view must not look like "below min".
         self.startup_grace_s = startup_grace_s
@@ -226,6 +230,21 @@ class Autoscaler:
     def start(self) -> None:
         self._started_at = time.monotonic()
         self._task = asyncio.create_task(self._loop())
+
+    async def adopt(self) -> None:
+        """Take over a previous leader's drains and cooldown."""
+        wall, mono = time.time(), time.monotonic()
+        for iid, rec in (await self.state.load("draining")).items():
+            self.draining.setdefault(iid, _Drain(iid, mono - max(0.0, wall - rec.get("since", wall)), marked=True))
+        last = (await self.state.load("autoscaler")).get("last_action")
+        if last and "t" in last:
+            self.last_action_at = mono - max(0.0, wall - last["t"])
+        if self.draining:
+            log.info("autoscaler: drains taken over", instances=sorted(self.draining))
+
+    async def _acted(self) -> None:
+        self.last_action_at = time.monotonic()
+        await self.state.put("autoscaler", "last_action", {"t": time.time()})
 
     async def stop(self) -> None:
         tasks = [t for t in [self._task, *self.launching] if t]
@@ -253,16 +272,20 @@ class Autoscaler:
 
     async def tick(self) -> Decision:
         now = time.monotonic()
+        sync = getattr(self.launcher, "sync", None)
+        if sync:
+            await sync()
         reap = getattr(self.launcher, "reap", None)
         if reap:
             for iid in reap():
                 log.warning("launched instance died", instance_id=iid)
-                self.draining.pop(iid, None)
+                if self.draining.pop(iid, None):
+                    await self.state.delete("draining", iid)
         await self._check_drains(now)
         add_sample(self.window, self.sample(now), self.policy)
         d = decide(list(self.window), self.policy, now=now, last_action_at=self.last_action_at,
                    launching=len(self.launching), draining=len(self.draining),
-                   stoppable=frozenset(self.launcher.instances()))
+                   stoppable=frozenset(self.launcher.stoppable()))
         if d.action == SCALE_OUT:
             self._scale_out(now, d)
         elif d.action == SCALE_IN and d.instance_id:
@@ -287,7 +310,7 @@ class Autoscaler:
                 log.error("launch failed", error=repr(e))
             finally:
                 # The cooldown counts from when the newcomer is up.
-                self.last_action_at = time.monotonic()
+                await self._acted()
 
         t = asyncio.create_task(run())
         self.launching.add(t)
@@ -299,6 +322,7 @@ class Autoscaler:
         log.info("scale in: draining", instance_id=d.instance_id, reason=d.reason)
         dr = _Drain(d.instance_id, now)
         self.draining[d.instance_id] = dr
+        await self.state.put("draining", d.instance_id, {"since": time.time()})
         dr.marked = await self._set_terminating(d.instance_id, True)
 
     async def _set_terminating(self, instance_id: str, value: bool) -> bool:
@@ -320,6 +344,7 @@ class Autoscaler:
             v = views.get(iid)
             if iid not in self.launcher.instances():
                 self.draining.pop(iid, None)  # died or stopped meanwhile
+                await self.state.delete("draining", iid)
                 continue
             if v is None:
                 if now - dr.since > self.drain_timeout_s:
@@ -339,6 +364,7 @@ class Autoscaler:
                 log.warning("drain timed out; keeping the instance", instance_id=iid)
                 await self._set_terminating(iid, False)
                 self.draining.pop(iid, None)
+                await self.state.delete("draining", iid)
 
     async def _empty_now(self, instance_id: str) -> bool:
         """Ask the instance itself (the view may lag a report)."""
@@ -355,9 +381,10 @@ class Autoscaler:
     async def _finish_drain(self, instance_id: str) -> None:
         self.draining.pop(instance_id, None)
         await self.launcher.stop(instance_id)
+        await self.state.delete("draining", instance_id)
         for ev in reversed(self.events):
             if ev.action == SCALE_IN and ev.instance_id == instance_id and ev.done_at is None:
                 ev.done_at = time.monotonic()
                 break
-        self.last_action_at = time.monotonic()
+        await self._acted()
         log.info("scale in: stopped", instance_id=instance_id)

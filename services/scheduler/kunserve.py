@@ -42,12 +42,14 @@ from libs.common.logging import get_logger
 from libs.common.policies.kunserve import (
     BuddyGroup,
     Candidate,
+    Member,
     MemorySample,
     add_sample,
     fits_own_memory,
     plan_buddy_groups,
     predict_throttle,
 )
+from services.scheduler.state import LeaderState, MemoryState
 
 log = get_logger(__name__)
 
@@ -83,6 +85,21 @@ class LiveGroup:
     def ids(self) -> list[str]:
         return [m.instance_id for m in self.plan.members]
 
+    @property
+    def key(self) -> str:
+        return "+".join(self.ids)
+
+    def to_json(self) -> dict:
+        """What the next leader needs to restore the group (leader state)."""
+        return {"members": [[m.instance_id, m.start, m.end, m.freed_blocks] for m in self.plan.members],
+                "addresses": self.addresses, "formed_at": self.formed_at, "own_blocks": self.own_blocks}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LiveGroup":
+        members = tuple(Member(str(i), int(s), int(e), int(f)) for i, s, e, f in d["members"])
+        return cls(BuddyGroup(members), dict(d["addresses"]), float(d["formed_at"]),
+                   {k: int(v) for k, v in d["own_blocks"].items()})
+
 
 async def _all(calls) -> None:
     """Run the calls at once; after all of them ended, raise the first error."""
@@ -112,10 +129,13 @@ def holders(plan: BuddyGroup, layers: range) -> list[tuple[range, str]]:
 
 
 class KunServeLoop:
-    def __init__(self, view, config: KunServeConfig, stub_for=None, clock=time.time):
+    def __init__(self, view, config: KunServeConfig, stub_for=None, clock=time.time,
+                 state: LeaderState | None = None):
         """``view``: the scheduler's ClusterView (``views()``, ``address()``);
-        ``stub_for(address)``: an Instance stub (tests pass fakes)."""
+        ``stub_for(address)``: an Instance stub (tests pass fakes);
+        ``state``: where the groups outlive this leader (wall-clock times)."""
         self.view = view
+        self.state = state or MemoryState()
         self.cfg = config
         self.clock = clock
         self._stub_for = stub_for
@@ -134,6 +154,20 @@ class KunServeLoop:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
+
+    async def adopt(self) -> None:
+        """The groups a previous leader formed and did not restore: this one
+        restores them when their pressure ends."""
+        for key, d in (await self.state.load("kunserve")).items():
+            try:
+                g = LiveGroup.from_json(d)
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("kunserve: unreadable group in the leader state; ignored", key=key, error=repr(e))
+                continue
+            for i in g.ids:
+                self.groups[i] = g
+            log.info("kunserve: group taken over", members=g.ids)
+        GROUPS.set(len(self._live_groups()))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -224,6 +258,7 @@ class KunServeLoop:
             return None
         for i in g.ids:
             self.groups[i] = g
+        await self.state.put("kunserve", g.key, g.to_json())
         DROPS.inc()
         GROUPS.set(len(self._live_groups()))
         FREED.inc(plan.freed_blocks)
@@ -263,6 +298,7 @@ class KunServeLoop:
             return False
         for i in g.ids:
             self.groups.pop(i, None)
+        await self.state.delete("kunserve", g.key)
         RESTORES.inc()
         GROUPS.set(len(self._live_groups()))
         FREED.dec(g.plan.freed_blocks)

@@ -3,7 +3,12 @@
 ``Launcher`` is the interface the autoscaler uses; ``LocalProcessLauncher``
 runs ``python -m ferry serve instance <launch_args> --port P --instance-id I
 --meta-store M`` as child processes of the scheduler on this host. Children
-die with the scheduler (PR_SET_PDEATHSIG, the helper of ferry/cluster.py).
+die with the scheduler (PR_SET_PDEATHSIG, the helper of ferry/cluster.py),
+except with a replicated control plane (``survive_scheduler``): there they
+outlive it, the launcher records each in the leader's state (address, pid),
+and the next leader adopts them; they die with the cluster's owner process
+instead where one is named (``FERRY_CLUSTER_OWNER_PID``: ``ferry up --etcd``).
+``services/scheduler/k8s_launcher.py`` scales a StatefulSet instead.
 
 A launched instance is ready when its gRPC health check answers SERVING; it
 then registers with the meta store by itself and the scheduler sees it in its
@@ -24,9 +29,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferry.cluster import ferry_command, free_port
+from ferry.cluster import OWNER_PID_ENV, ferry_command, free_port
 from libs.common import rpc
 from libs.common.logging import get_logger
+from services.scheduler.state import LeaderState, MemoryState
 
 log = get_logger(__name__)
 
@@ -50,6 +56,18 @@ class Launcher(abc.ABC):
     def instances(self) -> list[str]:
         """Ids of the live instances this launcher started (and did not stop)."""
 
+    def stoppable(self) -> list[str]:
+        """The instances a scale-in may pick (all it started, unless the
+        launcher can only stop some, as a StatefulSet its highest ordinal)."""
+        return self.instances()
+
+    async def adopt(self) -> None:
+        """Take over what a previous leader's launcher started (its state)."""
+
+    def release(self) -> None:
+        """Stop managing the instances without stopping them (leadership
+        lost: the next leader adopts them)."""
+
     async def close(self) -> None:
         """Stop every instance this launcher started."""
         await asyncio.gather(*(self.stop(i) for i in self.instances()), return_exceptions=True)
@@ -59,13 +77,65 @@ class Launcher(abc.ABC):
 class _Proc:
     instance_id: str
     address: str
-    proc: subprocess.Popen
+    proc: "subprocess.Popen | AdoptedProcess"
     started_at: float
+
+
+class AdoptedProcess:
+    """An instance process another scheduler started, by pid (the few
+    methods of Popen the launcher uses). Its exit code is not ours to read."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _pid_alive(self.pid):
+            self.returncode = -1
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (a zombie still answers kill(pid, 0))."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _runs_instance(pid: int, instance_id: str) -> bool:
+    """The pid is still that instance (pids are reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return instance_id.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 class LocalProcessLauncher(Launcher):
     def __init__(self, meta_store: str, launch_args: str, *, log_dir: str = "", id_prefix: str = "auto",
-                 host: str = "127.0.0.1", ready_timeout_s: float = 60.0, stop_timeout_s: float = 10.0):
+                 host: str = "127.0.0.1", ready_timeout_s: float = 60.0, stop_timeout_s: float = 10.0,
+                 state: LeaderState | None = None, survive_scheduler: bool = False):
+        self.state = state or MemoryState()
+        self.survive_scheduler = survive_scheduler
         self.meta_store = meta_store
         self.args = shlex.split(launch_args)
         self.log_dir = log_dir
@@ -76,6 +146,7 @@ class LocalProcessLauncher(Launcher):
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self._procs: dict[str, _Proc] = {}
+        self._writes: set[asyncio.Task] = set()
         self._seq = 0
         self.launched = 0
         self.stopped = 0
@@ -87,6 +158,9 @@ class LocalProcessLauncher(Launcher):
         # Ours come last: click keeps the last value of a repeated option.
         args = ["serve", "instance", *self.args, "--host", self.host, "--port", str(port),
                 "--instance-id", instance_id, "--meta-store", self.meta_store]
+        if self.survive_scheduler:
+            owner = os.environ.get(OWNER_PID_ENV, "")
+            return ferry_command(args, owner_pid=int(owner) if owner.isdigit() else 0)
         return ferry_command(args)
 
     def instances(self) -> list[str]:
@@ -115,6 +189,7 @@ class LocalProcessLauncher(Launcher):
         p = _Proc(iid, f"{self.host}:{port}", proc, time.monotonic())
         self._procs[iid] = p
         self.launched += 1
+        await self.state.put("launched", iid, {"address": p.address, "pid": proc.pid})
         log.info("launching instance", instance_id=iid, address=p.address, pid=proc.pid)
         deadline = time.monotonic() + self.ready_timeout_s
         while not await _healthy(p.address):
@@ -130,6 +205,7 @@ class LocalProcessLauncher(Launcher):
         if p is None:
             return
         self.stopped += 1
+        await self.state.delete("launched", instance_id)
         if p.proc.poll() is None:
             p.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + self.stop_timeout_s
@@ -145,7 +221,31 @@ class LocalProcessLauncher(Launcher):
         dead = [i for i, p in self._procs.items() if p.proc.poll() is not None]
         for i in dead:
             self._procs.pop(i)
+            t = asyncio.get_running_loop().create_task(self.state.delete("launched", i))
+            self._writes.add(t)  # held until done (a task nobody holds may be collected)
+            t.add_done_callback(self._writes.discard)
         return dead
+
+    async def adopt(self) -> None:
+        """The instances the previous leader recorded that still run here."""
+        for iid, rec in (await self.state.load("launched")).items():
+            pid = int(rec.get("pid", 0))
+            if iid in self._procs:
+                continue
+            if not (pid and _pid_alive(pid) and _runs_instance(pid, iid)):
+                await self.state.delete("launched", iid)
+                continue
+            self._procs[iid] = _Proc(iid, rec["address"], AdoptedProcess(pid), time.monotonic())
+            log.info("instance adopted", instance_id=iid, address=rec["address"], pid=pid)
+
+    def release(self) -> None:
+        self._procs.clear()
+
+    async def close(self) -> None:
+        if self.survive_scheduler:
+            self.release()  # the next leader adopts them
+        else:
+            await super().close()
 
 
 async def _healthy(address: str) -> bool:

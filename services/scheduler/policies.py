@@ -47,18 +47,18 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
     def f(v: InstanceView) -> float:
         return float("-inf") if v.status.terminating else freeness_of(v)
 
-    live = [v for v in views if v.instance_id not in busy and v.migratable]
-    sources = sorted((v for v in live if f(v) < out_threshold and
-                      (v.status.num_running > 0 or v.status.terminating)), key=f)
+    live = [(f(v), v) for v in views if v.instance_id not in busy and v.migratable]  # each F once
+    sources = sorted(((fv, v) for fv, v in live if fv < out_threshold and
+                      (v.status.num_running > 0 or v.status.terminating)), key=lambda p: p[0])
     # NOTE: an instance with a queue is never a destination: migrating in
     # would take the blocks its own head of line waits for. Nor is one that
     # does not decode (Splitwise prefill): a running request decodes.
-    dests = sorted((v for v in live if not v.status.terminating and f(v) > in_threshold
+    dests = sorted(((fv, v) for fv, v in live if not v.status.terminating and fv > in_threshold
                     and v.status.num_waiting == 0 and v.pending_requests == 0 and v.status.role.decodes),
-                   key=f, reverse=True)
+                   key=lambda p: p[0], reverse=True)
     pairs = []
-    for src, dst in zip(sources, dests):
+    for (fs, src), (fd, dst) in zip(sources, dests):
         if src.instance_id == dst.instance_id:
             break
-        pairs.append(MigrationPair(src.instance_id, dst.instance_id, f(src), f(dst)))
+        pairs.append(MigrationPair(src.instance_id, dst.instance_id, fs, fd))
     return pairs

@@ -24,7 +24,8 @@ from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
-from libs.common.policies.phases import place
+from libs.common.policies.index import DispatchIndex
+from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
 
@@ -60,6 +61,18 @@ class SchedulerConfig(CommonConfig):
     scale_out_max_launch: int = opt(1, "auto-scaling: most instances one scale-out launches, sized by the "
                                        "freeness shortfall (1: one per action, as Llumnix)", min=1)
     autoscale_interval_s: float = opt(0.5, "auto-scaling: sampling interval (s)", min=0.01)
+    launcher: str = opt("", "how instances are launched: local (processes on this host, from --launch-args) or "
+                            "kubernetes (scales --k8s-statefulset); empty = local when --launch-args is given",
+                        choices=("", "local", "kubernetes"))
+    k8s_statefulset: str = opt("ferry-instance", "kubernetes launcher: the instances' StatefulSet")
+    k8s_namespace: str = opt("", "kubernetes launcher: its namespace (default: this pod's)")
+    # A replicated control plane (services/scheduler/leader.py, state.py).
+    etcd: str = opt("", "etcd endpoints host:port[,host:port...]: schedulers elect a leader, which alone runs "
+                        "migration, auto-scaling and KunServe, and hands its state over (empty = sole scheduler)")
+    etcd_prefix: str = opt("/ferry", "etcd: key prefix of this cluster")
+    leader_ttl_s: float = opt(1.0, "etcd: leadership lease (s, whole seconds); a standby takes over within about "
+                                   "this long after the leader dies", min=1.0)
+    scheduler_id: str = opt("", "this scheduler's name in the leader election (default: random)")
     # KunServe (services/scheduler/kunserve.py, docs/kunserve.md).
     kunserve: bool = opt(False, "KunServe: under KV memory throttling, drop layers into buddy groups that serve as "
                                 "pipelines; restore when pressure ends (native instances)")
@@ -120,7 +133,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids))
-        placed = place(self.svc.dispatcher, view.views(), req)
+        placed = self.svc.place(req)
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
         rec = view.records[placed.prefill]
@@ -196,50 +209,120 @@ class SchedulerService(Service):
         self.launcher = None
         self.autoscaler = None
         self.kunserve = None
+        # Every scheduler dispatches; the leader alone runs the loops below
+        # (services/scheduler/leader.py), with a previous leader's state.
+        self.leadership = None
+        self.state = None
+
+        # Policies scored by per-instance terms dispatch through an index that
+        # recomputes only the instances that changed (policies/index.py).
+        self.index = DispatchIndex(config.policy) if config.policy.dispatch_terms else None
+        self._stale: set[str] = set()
+        if self.index is not None:
+            self.view.listeners.append(self._stale.add)
+
+    def place(self, req: DispatchRequest) -> Placement | None:
+        """Dispatch's decision: the index where it serves (every instance
+        mixed), else the policy over the whole view (Splitwise's two steps)."""
+        if self.index is not None:
+            self.view.refresh()
+            for iid in self._stale:
+                self.index.update(iid, self.view.view_of(iid))
+            self._stale.clear()
+            if self.index.split == 0:
+                iid = self.index.choose(req)
+                return None if iid is None else Placement(iid)
+        return place(self.dispatcher, self.view.views(), req)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
 
     async def start(self, bound_address: str) -> None:
+        c = self.config
+        if c.autoscale and not self._launcher_kind():
+            raise ValueError("--autoscale needs a launcher (--launch-args, or --launcher kubernetes)")
+        if c.kunserve and not (c.kunserve_layers and c.kunserve_layer_blocks):
+            raise ValueError("--kunserve needs --kunserve-layers and --kunserve-layer-blocks")
+        from services.scheduler.leader import EtcdLeadership, SoleLeader
+        from services.scheduler.state import EtcdState, MemoryState
+
         self.view.start()
-        if self.config.migration and self.dispatcher.migrates:
+        if c.etcd:
+            self.leadership = EtcdLeadership(c.etcd, c.etcd_prefix, ttl_s=c.leader_ttl_s,
+                                             scheduler_id=c.scheduler_id, address=bound_address)
+            self.state = EtcdState(self.leadership)
+        else:
+            self.leadership, self.state = SoleLeader(), MemoryState()
+        await self.leadership.start(self._lead, self._follow)
+
+    def _launcher_kind(self) -> str:
+        return self.config.launcher or ("local" if self.config.launch_args else "")
+
+    async def _lead(self) -> None:
+        """Elected: start the singleton loops, taking over what the previous
+        leader left (instances it launched, drains, KunServe groups)."""
+        c = self.config
+        if c.migration and self.dispatcher.migrates:
             from services.scheduler.rescheduler import Rescheduler
 
             self.rescheduler = Rescheduler(self)
             self.rescheduler.start()
-        if self.config.launch_args:
+        kind = self._launcher_kind()
+        if kind == "local":
             from services.scheduler.launcher import LocalProcessLauncher
 
-            self.launcher = LocalProcessLauncher(self.config.meta_store, self.config.launch_args,
-                                                 log_dir=self.config.launch_log_dir)
-        if self.config.autoscale:
-            if self.launcher is None:
-                raise ValueError("--autoscale needs --launch-args (the instance command to launch)")
+            self.launcher = LocalProcessLauncher(c.meta_store, c.launch_args, log_dir=c.launch_log_dir,
+                                                 state=self.state, survive_scheduler=bool(c.etcd))
+        elif kind == "kubernetes":
+            from services.scheduler.k8s_launcher import KubernetesLauncher
+
+            self.launcher = KubernetesLauncher(c.k8s_statefulset, c.k8s_namespace, serving=self._serving)
+        if self.launcher is not None:
+            await self.launcher.adopt()
+        if c.autoscale:
             from services.scheduler.autoscaler import AutoscalePolicy, Autoscaler
 
-            c = self.config
             self.autoscaler = Autoscaler(self, self.launcher, AutoscalePolicy(
                 c.scale_out_below, c.scale_in_above, c.scale_window_s, c.min_instances, c.max_instances,
-                c.scale_cooldown_s, max_launch=c.scale_out_max_launch), interval_s=c.autoscale_interval_s)
+                c.scale_cooldown_s, max_launch=c.scale_out_max_launch), interval_s=c.autoscale_interval_s,
+                state=self.state)
+            await self.autoscaler.adopt()
             self.autoscaler.start()
-        if self.config.kunserve:
+        if c.kunserve:
             from services.scheduler.kunserve import KunServeConfig, KunServeLoop
 
-            c = self.config
-            if not (c.kunserve_layers and c.kunserve_layer_blocks):
-                raise ValueError("--kunserve needs --kunserve-layers and --kunserve-layer-blocks")
             self.kunserve = KunServeLoop(self.view, KunServeConfig(
                 c.kunserve_layers, c.kunserve_layer_blocks, min_group_s=c.kunserve_min_group_s,
-                restore_margin=c.kunserve_restore_margin, pause_exchange=c.kunserve_pause_exchange))
+                restore_margin=c.kunserve_restore_margin, pause_exchange=c.kunserve_pause_exchange),
+                state=self.state)
+            await self.kunserve.adopt()
             self.kunserve.start()
 
-    async def stop(self) -> None:
+    async def _follow(self) -> None:
+        """Deposed (or resigning): stop the loops; the instances launched stay
+        up for the next leader."""
+        await self._stop_loops(close_launcher=False)
+
+    def _serving(self, instance_id: str) -> bool:
+        rec = self.view.records.get(instance_id)
+        return rec is not None and rec.status is not None
+
+    async def _stop_loops(self, close_launcher: bool) -> None:
         if self.kunserve is not None:
             await self.kunserve.stop()
         if self.autoscaler is not None:
             await self.autoscaler.stop()
         if self.launcher is not None:
-            await self.launcher.close()
+            if close_launcher:
+                await self.launcher.close()
+            else:
+                self.launcher.release()
         if self.rescheduler is not None:
             await self.rescheduler.stop()
+        self.kunserve = self.autoscaler = self.launcher = self.rescheduler = None
+
+    async def stop(self) -> None:
+        if self.leadership is not None:
+            await self.leadership.stop()  # etcd: resigns; the deposed hook stopped the loops
+        await self._stop_loops(close_launcher=True)
         await self.view.stop()

@@ -50,3 +50,38 @@ async def test_instances_survive_a_meta_store_restart_until_they_reregister():
     await view.stop()
     stop2.set()
     await task2
+
+
+async def test_a_store_that_has_not_heard_a_status_yet_does_not_blank_it():
+    """A re-watch to a store (a replica just started) that knows the instance
+    but not yet its status: the view keeps the status it had, so the instance
+    stays a dispatch target (and counts for the autoscaler)."""
+    import grpc
+
+    address, stop, task = await start_store()
+    port = int(address.rsplit(":", 1)[1])
+    info = cpb.InstanceInfo(instance_id="i0", address="127.0.0.1:1", block_size=16, total_blocks=64)
+    async with grpc.aio.insecure_channel(address) as ch:
+        await pb_grpc.MetaStoreStub(ch).Register(pb.RegisterRequest(info=info))
+        await pb_grpc.MetaStoreStub(ch).ReportStatus(cpb.InstanceStatus(instance_id="i0", seq=1, freeness=3.0))
+    view = ClusterView(address)
+    view.start()
+    for _ in range(200):
+        if view.views():
+            break
+        await asyncio.sleep(0.01)
+    assert [v.status.freeness for v in view.views()] == [3.0]
+    stop.set()
+    await task
+    address2, stop2, task2 = await start_store(port)
+    async with grpc.aio.insecure_channel(address2) as ch:  # registered, no report yet
+        await pb_grpc.MetaStoreStub(ch).Register(pb.RegisterRequest(info=info))
+    for _ in range(200):
+        if view.connected:
+            break
+        await asyncio.sleep(0.01)
+    assert view.connected
+    assert [v.status.freeness for v in view.views()] == [3.0]
+    await view.stop()
+    stop2.set()
+    await task2

@@ -51,6 +51,25 @@ def fit_key(total_blocks: float, usage: float, batch: int) -> tuple[int, float]:
     return 0, room
 
 
+@dataclass(frozen=True)
+class FitTerms:
+    """A fit_key score's parts that do not depend on the new request: the
+    key is fit_key(total, usage + demand, batch), or (-1, 0.0) where the
+    instance is terminating. The scheduler's dispatch index keeps these per
+    instance and scores every instance at once (policies/index.py)."""
+
+    terminating: bool
+    total: float
+    usage: float
+    batch: int
+
+
+def fit_terms_key(t: FitTerms, demand_blocks: int) -> tuple:
+    if t.terminating:
+        return (-1, 0.0)
+    return fit_key(t.total, t.usage + demand_blocks, t.batch)
+
+
 # A dispatch score: (instance, the new request's prompt blocks there) -> a
 # sortable key, larger is better.
 Score = Callable[[InstanceView, int], tuple]
@@ -69,6 +88,9 @@ class Policy:
     migrates: bool = False
     uses_priorities: bool = False  # dispatch by priority and run requests at their own priority
     migration_freeness: Freeness | None = None  # the rescheduling loop's (when it migrates)
+    # Set where ``score`` is fit_terms_key over these terms: the scheduler
+    # may then dispatch through its index (policies/index.py), same choice.
+    dispatch_terms: Callable[[InstanceView], FitTerms] | None = None
     migrate_out_threshold: float = 10.0  # freeness below: a migration source
     migrate_in_threshold: float = 20.0  # freeness above: a destination
 
@@ -108,15 +130,18 @@ class Dispatcher:
         return next(self._rr) % n
 
     def choose(self, views: list[InstanceView], req: DispatchRequest) -> str | None:
-        cands = sorted(candidates(views, req), key=lambda v: v.instance_id)
+        cands = candidates(views, req)
         if not cands:
             return None
         score = self.policy.score
         if score is None:
+            cands.sort(key=lambda v: v.instance_id)
             return cands[self.next_round_robin(len(cands))].instance_id
+        # Highest key; of equals, the lowest id (no sort per dispatch: that
+        # was O(N log N) of every placement, ferry bench control-plane).
         best, best_key = None, None
-        for v in cands:  # sorted by id: the first of equals wins
+        for v in cands:
             key = score(v, blocks_for(req.num_prompt_tokens, v.status.block_size))
-            if best_key is None or key > best_key:
+            if best_key is None or key > best_key or (key == best_key and v.instance_id < best.instance_id):
                 best, best_key = v, key
         return best.instance_id

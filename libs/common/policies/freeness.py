@@ -5,7 +5,7 @@ them, and so does the reported virtual usage (services/instance/status.py)."""
 
 from __future__ import annotations
 
-from libs.common.policies.base import InstanceView, fit_key
+from libs.common.policies.base import FitTerms, InstanceView, fit_terms_key
 
 
 def llumnix_freeness(v: InstanceView) -> float:
@@ -27,27 +27,34 @@ def base_freeness(v: InstanceView) -> float:
     return (s.total_blocks - usage) / max(1, s.num_running + v.pending_requests)
 
 
-def llumnix_dispatch_key(v: InstanceView, demand_blocks: int) -> tuple:
-    """Where to place a new request of ``demand_blocks`` (fit_key): every
-    queued request counts (its demand in the usage, itself in the batch), not
-    only the head of line, and so does the new request. Migration needs only
-    the head of line (what blocks admission now); dispatch must also see how
-    long a queue the new request would join."""
+def llumnix_dispatch_terms(v: InstanceView) -> FitTerms:
+    """What llumnix_dispatch_key needs of an instance, whatever the new
+    request: every queued request counts (its demand in the usage, itself
+    in the batch), not only the head of line. Migration needs only the head
+    of line (what blocks admission now); dispatch must also see how long a
+    queue the new request would join."""
     s = v.status
-    if s.terminating:
-        return (-1, 0.0)
     usage = (s.total_blocks - s.freeness * max(1, s.num_running) - s.head_of_line_demand_blocks
-             + s.waiting_demand_blocks + v.pending_blocks + demand_blocks)
-    return fit_key(s.total_blocks, usage, s.num_running + s.num_waiting + v.pending_requests + 1)
+             + s.waiting_demand_blocks + v.pending_blocks)
+    return FitTerms(s.terminating, s.total_blocks, usage, s.num_running + s.num_waiting + v.pending_requests + 1)
+
+
+def llumnix_dispatch_key(v: InstanceView, demand_blocks: int) -> tuple:
+    """Where to place a new request of ``demand_blocks`` (fit_key over
+    llumnix_dispatch_terms, the new request in the usage and the batch)."""
+    return fit_terms_key(llumnix_dispatch_terms(v), demand_blocks)
+
+
+def base_dispatch_terms(v: InstanceView) -> FitTerms:
+    """llumnix_dispatch_terms without priority headroom (llumnix_base)."""
+    s = v.status
+    usage = s.total_blocks - s.free_blocks + s.waiting_demand_blocks + v.pending_blocks
+    return FitTerms(s.terminating, s.total_blocks, usage, s.num_running + s.num_waiting + v.pending_requests + 1)
 
 
 def base_dispatch_key(v: InstanceView, demand_blocks: int) -> tuple:
     """llumnix_dispatch_key without priority headroom (llumnix_base)."""
-    s = v.status
-    if s.terminating:
-        return (-1, 0.0)
-    usage = s.total_blocks - s.free_blocks + s.waiting_demand_blocks + v.pending_blocks + demand_blocks
-    return fit_key(s.total_blocks, usage, s.num_running + s.num_waiting + v.pending_requests + 1)
+    return fit_terms_key(base_dispatch_terms(v), demand_blocks)
 
 
 def memory_load(v: InstanceView) -> float:
