@@ -164,11 +164,17 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--no-shared-kv", is_flag=True,
               help="the native engine's KV cache in ordinary memory, not the memfd a same-host migration maps")
 @click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
+@click.option("--cap-isa", type=click.Choice(["avx2"]), default=None,
+              help="run as on a CPU without AVX-512: torch, oneDNN, MKL, vLLM (both engines) and Ferry's own "
+                   "choices capped at AVX2 (ferry/bench/isa.py; the instruction set, not the machine)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
-           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, vllm_log,
+           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, cap_isa, vllm_log,
            json_path):
     """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
+    from ferry.bench.isa import reexec_capped
+
+    isa_caps = reexec_capped(cap_isa)
     import torch
 
     from ferry.bench.vllm_run import VllmUnavailable, find_vllm_python
@@ -205,9 +211,10 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
               "max_num_batched_tokens": max_num_batched_tokens, "kv_shared_memory": eng.kv_share() is not None,
               "repeats": repeats, "native_vllm_kernels": getattr(eng.executor, "kernels", None) is not None,
               "block_size": block_size, "kv_in_kernel_layout": eng.kv_layout.k_transposed,
-              "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked"}.get(
+              "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked",
+                                     "RowSplit": "F.linear at 1 row, else vLLM onednn_mm"}.get(
                   type(getattr(eng.executor.model, "lm_head_packed", None)).__name__, "F.linear"),
-              "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
+              "isa_caps": isa_caps, "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
               "vllm": None, "matches_reference": None}
     vl = _start_vllm(vllm, model, dt, prompt_len + output_len + 16, vllm_log, max_num_batched_tokens) \
         if vllm else None

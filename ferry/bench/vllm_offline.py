@@ -32,6 +32,21 @@ import sys
 import time
 
 
+def _cap_isa() -> None:
+    """``FERRY_BENCH_ISA=avx2`` (``ferry bench engine --cap-isa avx2``): vLLM's
+    platform chooses as on a CPU without AVX-512 (its _C_AVX2 build, its
+    portable attention path). Module level: vLLM's spawned processes re-import
+    this module."""
+    if os.environ.get("FERRY_BENCH_ISA") == "avx2":
+        import torch
+
+        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+            setattr(torch.cpu, name, lambda: False)
+
+
+_cap_isa()
+
+
 def _reply(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()

@@ -35,7 +35,7 @@ def test_unknown_instance_arguments_are_vllm_engine_arguments():
 
 def test_engine_block_size_default_and_vllm_args():
     """The native engine takes 32 where vLLM's CPU kernel attends over its
-    paged cache (bf16 on CPU with the vllm extra), else 16; the fake engine
+    paged cache (bf16 or fp32 on CPU with the vllm extra), else 16; the fake engine
     16 (vLLM's default depends on its platform: 32 on CPU, checked by
     tests/instance/engine/test_vllm.py, in a process of its own so that this
     one never imports vLLM itself)."""
@@ -45,10 +45,11 @@ def test_engine_block_size_default_and_vllm_args():
     from services.instance.engine.native.engine import resolve_dtype
 
     kernel = 32 if vllm_kernels.ops() is not None else 16
-    auto = kernel if resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16 else 16
-    assert InstanceConfig(engine="native").engine_config().block_size == auto
+    assert resolve_dtype("auto", torch.device("cpu")) in (torch.bfloat16, torch.float32)
+    assert InstanceConfig(engine="native").engine_config().block_size == kernel
     assert InstanceConfig(engine="native", dtype="bfloat16").engine_config().block_size == kernel
-    assert InstanceConfig(engine="native", dtype="float32").engine_config().block_size == 16
+    assert InstanceConfig(engine="native", dtype="float32").engine_config().block_size == kernel
+    assert InstanceConfig(engine="native", dtype="float16").engine_config().block_size == 16
     assert InstanceConfig(engine="fake").engine_config().block_size == 16
     assert InstanceConfig(engine="native", block_size=8).engine_config().block_size == 8
     cfg = InstanceConfig(engine="vllm", block_size=32, vllm_args="--enforce-eager").engine_config()

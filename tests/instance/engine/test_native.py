@@ -53,15 +53,14 @@ def hf_greedy(model_dir, prompts):
     return out
 
 
-@pytest.fixture(scope="module")
-def batch_out(prompts):
+def batch_run(prompts, **extra):
     """All prompts in one batch on a fresh engine (checked here; the module
     scope outlives make_engine)."""
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
 
     e = create_engine(EngineConfig(engine="native", num_blocks=128,
-                                   extra={"share_weights": True, "warmup": False}))
+                                   extra={"share_weights": True, "warmup": False, **extra}))
     for i, p in enumerate(prompts):
         e.add_request(req(str(i), p, **GREEDY))
     outs = run(e)
@@ -70,8 +69,21 @@ def batch_out(prompts):
     return [outs[str(i)] for i in range(len(prompts))]
 
 
+@pytest.fixture(scope="module")
+def batch_out(prompts):
+    return batch_run(prompts)
+
+
 def test_greedy_matches_transformers(batch_out, hf_greedy):
+    """fp32 as it runs by default: with vLLM's kernels where they run here
+    (attention, RMSNorm, oneDNN projections for steps of several rows)."""
     for got, ref in zip(batch_out, hf_greedy):
+        assert got == ref
+
+
+def test_the_torch_path_matches_transformers(prompts, hf_greedy):
+    """fp32 without vLLM's kernels (F.linear, torch attention): the path every CPU has."""
+    for got, ref in zip(batch_run(prompts, vllm_kernels=False), hf_greedy):
         assert got == ref
 
 

@@ -92,3 +92,21 @@ def test_greedy_max_picks_the_first_of_ties():
             self.output_token_ids = []
 
     assert sample(logits, [R(), R(), R()], frozenset()) == [3, 40, 0]
+
+
+def test_fp32_projections_split_by_rows():
+    """fp32 with vLLM's matmul handler (linear.RowSplit): one row through
+    F.linear (its bits), several through oneDNN (within fp32 rounding)."""
+    from services.instance.engine import vllm_kernels
+    from services.instance.engine.native import linear
+
+    if vllm_kernels.ops() is None or not linear._vllm_ok(torch.float32):
+        pytest.skip("vLLM's matmul handler does not run here")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(300, 96, generator=g) * 0.1
+    packed = linear.pack_weight(w)
+    assert isinstance(packed, linear.RowSplit)
+    one, many = torch.randn(1, 96, generator=g), torch.randn(7, 96, generator=g)
+    assert torch.equal(packed(one), torch.nn.functional.linear(one, w))
+    assert torch.allclose(packed(many), torch.nn.functional.linear(many, w), rtol=1e-5, atol=1e-6)
+    assert linear.pack_weight(w, vllm=False) is None  # the torch path: plain F.linear

@@ -23,11 +23,16 @@ The fp32 part alone gave the same bits as the torch ops at 1-32 rows here
 (5 of 1.2M elements differ at 2,048 rows: the variance's summation order),
 in 9 us against 17 at one row.
 
-Only for bfloat16 on CPU: the fp32 path stays the one checked token for token
-against transformers. The kernel accumulates differently from the torch ops
-(in bf16, outputs within a few units of the last place), so bf16 tokens may
-part from the torch path's on near-ties; tests/instance/engine/test_cpu_kernels.py
-checks the outputs against it within a bound. The ops are private to vLLM: ``load()``
+In bf16 and fp32 on CPU (fp32 is ``dtype=auto`` on CPUs without bf16
+arithmetic, e.g. AVX2 only; issue 38). The kernel accumulates differently
+from the torch ops (in bf16, outputs within a few units of the last place;
+in fp32 within 3e-7 on the self-check), so tokens may part from the torch
+path's on near-ties; tests/instance/engine/test_cpu_kernels.py checks the
+outputs against it within a bound, and test_native.py checks that the fp32
+engine with them still gives transformers' greedy tokens (the torch path,
+``vllm_kernels=False``, too). Which vLLM build loads, and whether it may,
+is vllm_kernels.py's: never imported where a child process did not show it
+runs on this CPU. The ops are private to vLLM: ``load()``
 checks them on a small case against plain torch and returns None (the torch
 path) if anything is missing or wrong, e.g. after a vLLM upgrade.
 
@@ -160,13 +165,14 @@ def paged_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch
 # different capacities and from the paged cache, so it relies on the layout
 # the self-check verifies. Slot capacities are multiples of 64 (decode_cache.py).
 _ISA = "vec"
+DTYPES = (torch.bfloat16, torch.float32)  # what the engine runs them in (the kernel takes fp16 too: unused)
 BLOCK_ALIGN = 32  # its blocks (a slot, a prefill chunk's context) hold a multiple of this many positions
 
 
-def _self_check(k: CpuKernels, heads: int, kv_heads: int, head_dim: int) -> float:
-    """Largest error of the kernels on a small bf16 case against fp32 torch."""
+def _self_check(k: CpuKernels, heads: int, kv_heads: int, head_dim: int, dt: torch.dtype = torch.bfloat16) -> float:
+    """Largest error of the kernels on a small case in ``dt`` against fp32 torch."""
     g = torch.Generator().manual_seed(0)
-    b, cap, dt = 2, 64, torch.bfloat16
+    b, cap = 2, 64
     starts = [37, 5]
     keys = torch.randn(b, cap, kv_heads, head_dim, generator=g).to(dt)
     vals = torch.randn(b, cap, kv_heads, head_dim, generator=g).to(dt)
@@ -201,9 +207,9 @@ def self_check_ops() -> float:
     return _self_check(CpuKernels(_ISA), 9, 3, 64)
 
 
-def load(heads: int, kv_heads: int, head_dim: int) -> CpuKernels | None:
+def load(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CpuKernels | None:
     """vLLM's CPU kernels if installed, safe on this CPU (vllm_kernels.py) and
-    correct here, else None."""
+    correct here in ``dtype``, else None."""
     ops = vllm_kernels.ops()
     if ops is None:
         return None
@@ -212,7 +218,7 @@ def load(heads: int, kv_heads: int, head_dim: int) -> CpuKernels | None:
                      "get_scheduler_metadata"):
             getattr(ops, name)
         k = CpuKernels(_ISA)
-        err = _self_check(k, heads, kv_heads, head_dim)
+        err = _self_check(k, heads, kv_heads, head_dim, dtype)
     except Exception as e:  # noqa: BLE001  (not installed, another version, another CPU: the torch path runs)
         log.info("vLLM CPU kernels not used: %s", e)
         return None

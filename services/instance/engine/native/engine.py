@@ -16,9 +16,11 @@ import time
 
 import torch
 
+from libs.common import cpu_features
 from libs.common.logging import get_logger
 from services.instance.engine.base import EngineConfig, EngineError
 from services.instance.engine.core.engine import CoreEngine
+from services.instance.engine.native import cpu_kernels
 from services.instance.engine import vllm_kernels
 from services.instance.engine.native.config import SHAPES, ModelConfig
 from services.instance.engine.native.loader import DTYPES, load_model, random_model
@@ -33,23 +35,19 @@ HOLD_S = 30.0
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA and on CPUs with bf16 arithmetic (AVX-512 BF16 or
+    AMX) where torch dispatches AVX-512 kernels; else fp32 (on AVX2, oneDNN
+    has no bf16 matmul and torch's bf16 projections were 2.5x slower than
+    fp32's: linear.py)."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
         caps = torch.backends.cpu.get_cpu_capability()
-        return torch.bfloat16 if caps in ("AVX512", "AMX") and _cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if caps in ("AVX512", "AMX") and cpu_features.has_bf16() else torch.float32
     try:
         return DTYPES[name]
     except KeyError:
         raise EngineError(f"unknown dtype {name!r}; supported: auto, {', '.join(DTYPES)}") from None
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_model(name: str) -> tuple[ModelConfig, pathlib.Path | None]:
@@ -69,12 +67,13 @@ _SHARED: dict[tuple, object] = {}
 
 
 def default_block_size(device: str, dtype: str) -> int:
-    """32 where vLLM's CPU attention kernel will run (bf16 on CPU, the
-    ``vllm`` extra installed): it attends over the paged cache in place only
-    with blocks of a multiple of 32 positions (cpu_kernels.py); else 16."""
+    """32 where vLLM's CPU attention kernel will run (bf16 or fp32 on CPU,
+    the ``vllm`` extra installed and runnable here): it attends over the
+    paged cache in place only with blocks of a multiple of 32 positions
+    (cpu_kernels.py); else 16."""
     dev = torch.device(device)
     try:
-        kernel = dev.type == "cpu" and resolve_dtype(dtype, dev) == torch.bfloat16
+        kernel = dev.type == "cpu" and resolve_dtype(dtype, dev) in cpu_kernels.DTYPES
     except EngineError:
         return 16  # the engine says why when it starts
     return 32 if kernel and vllm_kernels.ops() is not None else 16
@@ -129,6 +128,17 @@ class NativeEngine(CoreEngine):
         if config.extra.get("warmup", True):
             self.warmup()
         self.ready_s = time.perf_counter() - t0
+        log.info("native engine ready", path=self.compute_path(), block_size=config.block_size,
+                 blocks=num_blocks, seconds=round(self.ready_s, 1))
+
+    def compute_path(self) -> str:
+        """What runs a step here, in words: the dtype, vLLM's kernel build or the torch path, the projections."""
+        r = self.executor
+        if r.kernels is None:
+            return f"{str(self.dtype).removeprefix('torch.')} on {r.device.type}, torch path"
+        proj = type(r.model.lm_head_packed).__name__ if r.model.lm_head_packed is not None else "F.linear"
+        return (f"{str(self.dtype).removeprefix('torch.')} on cpu, vLLM kernels {vllm_kernels.loaded_build()} "
+                f"(attention{' in place' if r.paged_kernels else ''}, RMSNorm), projections {proj}")
 
     # --- KunServe: layers dropped into KV memory, pipelined with peers (pipeline.py) -----
     def _blocks_lent_after(self, dropped: dict[int, int]) -> int:

@@ -1,21 +1,29 @@
-"""Linear layers whose bf16 weights are prepacked for oneDNN on CPU.
+"""Linear layers whose weights are prepacked for oneDNN on CPU.
 
 ``F.linear`` on a bf16 CPU tensor goes to oneDNN, which reorders the plain
 ``[out, in]`` weight into its blocked (AMX/AVX512-BF16) layout on every call;
 for decode-sized inputs that reorder is most of the call. Packing once
 (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing pass
 does) measured 1.5-2.5x faster per projection on this project's CPU at 1-32
-rows, and gave bit-identical outputs there. Elsewhere (fp32, CUDA, a CPU or
-build without oneDNN bf16) the plain ``F.linear`` runs: the fp32 path is the
-one checked token for token against transformers, and oneDNN's fp32 kernel
-neither was faster nor rounded like MKL's.
+rows, and gave bit-identical outputs there.
 
-With the ``vllm`` extra installed, the packed weight is vLLM's oneDNN matmul
-handler instead (``torch.ops._C.onednn_mm``): the same oneDNN kernel behind
-less per-call dispatch, 13-15 us less per projection at 1-8 rows here (0.033
--> 0.018 ms for SmolLM2's q|k|v at one row; ~1.6 ms of a 30 ms batch-1 step,
-121 projections), and the same at prefill sizes. It is used only where its
-output equals ``F.linear``'s bit for bit on a check at first use.
+With the ``vllm`` extra installed (and its kernels running on this CPU:
+vllm_kernels.py), the packed weight is vLLM's oneDNN matmul handler instead
+(``torch.ops._C.onednn_mm``): the same oneDNN kernel behind less per-call
+dispatch, 13-15 us less per projection at 1-8 rows here (0.033 -> 0.018 ms
+for SmolLM2's q|k|v at one row; ~1.6 ms of a 30 ms batch-1 step, 121
+projections), and the same at prefill sizes. In bf16 it is used only where
+its output equals ``F.linear``'s bit for bit on a check at first use.
+
+fp32 (the default on CPUs without bf16 arithmetic, e.g. AVX2 only): steps of
+more than one row go through vLLM's handler too, one row through F.linear
+(``RowSplit``, with its measurements); oneDNN and MKL sum in other orders, so
+the fp32 path's logits move in the last bits (its greedy tokens still equal
+transformers': tests/instance/engine/test_native.py). Without vLLM, or with
+``vllm_kernels=False`` (``--no-vllm-kernels``), fp32 runs plain ``F.linear``.
+oneDNN has no bf16 matmul on AVX2 (it refuses to build the primitive), so
+there bf16 runs torch's slow path (a step of 8 rows: 163 ms of projections
+against 64 ms in fp32): ``dtype=auto`` picks fp32 on such CPUs.
 
 The packed copy is kept beside the plain weight (which loading, weight
 sharing and the tests use): +1 copy of the projections in memory.
@@ -36,11 +44,15 @@ log = logging.getLogger(__name__)
 # The batch-size hint picks oneDNN's blocking; 1 measured best for decode
 # steps of 1-32 rows and no worse than plain F.linear for prefill chunks.
 _PACK_HINT = 1
-_VLLM_OK: bool | None = None  # vLLM's onednn_mm present and exact here (checked once)
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    """bf16 on a CPU with oneDNN's bf16 kernels; fp32 on CPU where vLLM's matmul handler runs."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return _vllm_ok(torch.float32)
+    if dtype != torch.bfloat16:
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -80,32 +92,63 @@ class VllmPacked:
             pass
 
 
-def vllm_matmul_exact() -> bool:
-    """Whether vLLM's onednn_mm (already registered) gives F.linear's bits on a small case."""
+class RowSplit:
+    """fp32: one row (a batch-1 decode, a matrix-vector product) through
+    F.linear, more through vLLM's oneDNN handler. Measured per SmolLM2 step
+    (30 layers' projections and the LM head, one thread, best of 40; this
+    project's AVX-512 CPU, then capped at AVX2 by ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS and vLLM's _C_AVX2 build):
+    1 row 21.9 vs 23.1 ms (AVX2: 21.5 vs 26.1), 4 rows 33.4 vs 19.9 (47.2 vs
+    35.0), 8 rows 52.8 vs 30.8 (63.8 vs 46.2), 32 rows 86.9 vs 67.6 (144.9 vs
+    119.8): F.linear (MKL) vs onednn_mm. torch's own oneDNN packing was no
+    faster than F.linear in fp32 (87.1 at 32 rows)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.many = VllmPacked(weight)
+        self.nbytes = self.many.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:
+            return F.linear(x, self.weight)
+        return self.many(x)
+
+
+def vllm_matmul_exact(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether vLLM's onednn_mm (already registered) gives F.linear's bits on a
+    small case in bf16 (the same oneDNN kernel), or its values within fp32
+    rounding in fp32 (oneDNN and MKL sum in different orders)."""
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(96, 64, generator=g) * 0.1).to(torch.bfloat16)
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
-    return torch.equal(VllmPacked(w)(x), F.linear(x, w))
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    got, want = VllmPacked(w)(x), F.linear(x, w)
+    if dtype == torch.bfloat16:
+        return torch.equal(got, want)
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _vllm_ok() -> bool:
-    global _VLLM_OK
-    if _VLLM_OK is None:
-        if vllm_kernels.ops() is None:
-            _VLLM_OK = False
-            return False
-        try:
-            _VLLM_OK = vllm_matmul_exact()
-            if not _VLLM_OK:
-                log.warning("vLLM's onednn_mm differs from F.linear here: torch's packing is used")
-        except Exception as e:  # noqa: BLE001  (another version of vLLM: the op is missing or fails)
-            log.info("vLLM's onednn_mm not used: %s", e)
-            _VLLM_OK = False
-    return _VLLM_OK
+_VLLM_OK: dict[torch.dtype, bool] = {}  # vLLM's onednn_mm present and right here, by dtype (checked once)
 
 
-def pack_weight(weight: torch.Tensor, vllm: bool = True) -> TorchPacked | VllmPacked:
-    """``vllm``: vLLM's handler where it is installed and exact; else (or False) torch's reorder."""
+def _vllm_ok(dtype: torch.dtype = torch.bfloat16) -> bool:
+    if dtype not in _VLLM_OK:
+        ok = False
+        if vllm_kernels.ops() is not None:
+            try:
+                ok = vllm_matmul_exact(dtype)
+                if not ok:
+                    log.warning("vLLM's onednn_mm differs from F.linear here (%s): not used", dtype)
+            except Exception as e:  # noqa: BLE001  (another version of vLLM, or no oneDNN kernel for this ISA)
+                log.info("vLLM's onednn_mm not used (%s): %s", dtype, e)
+        _VLLM_OK[dtype] = ok
+    return _VLLM_OK[dtype]
+
+
+def pack_weight(weight: torch.Tensor, vllm: bool = True) -> TorchPacked | VllmPacked | RowSplit | None:
+    """bf16: vLLM's handler where installed and exact (``vllm``), else torch's
+    reorder. fp32: RowSplit with ``vllm`` and vLLM's handler, else None (F.linear)."""
+    if weight.dtype == torch.float32:
+        return RowSplit(weight) if vllm and _vllm_ok(torch.float32) else None
     return VllmPacked(weight) if vllm and _vllm_ok() else TorchPacked(weight)
 
 
@@ -114,7 +157,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
-        self.packed: TorchPacked | VllmPacked | None = None
+        self.packed: TorchPacked | VllmPacked | RowSplit | None = None
 
     def pack(self, vllm: bool = True) -> None:
         self.packed = pack_weight(self.weight, vllm)

@@ -19,6 +19,7 @@ from services.instance.engine.native.config import ModelConfig
 from services.instance.engine.native.cpu_kernels import CpuKernels
 from services.instance.engine.native.linear import (
     Linear,
+    RowSplit,
     TorchPacked,
     VllmPacked,
     pack_weight,
@@ -45,7 +46,7 @@ class RMSNorm(nn.Module):
         # normalized x rounded to the model's dtype before the weight).
         # ``kernels``: vLLM's CPU RMSNorm does the fp32 part in one op
         # (cpu_kernels.py: the same bits up to the variance's summation order).
-        if kernels is not None and x.dtype != torch.float32:
+        if kernels is not None:
             return self.weight * kernels.normalize(x.float(), self.eps).to(x.dtype)
         dtype = x.dtype
         x = x.float()
@@ -162,7 +163,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: TorchPacked | VllmPacked | None = None
+        self.lm_head_packed: TorchPacked | VllmPacked | RowSplit | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -258,7 +259,7 @@ class LlamaModel(nn.Module):
             if self.lm_head_packed is not None:  # this model runs prepacked projections: pack them alike
                 for m in layer.modules():
                     if isinstance(m, Linear):
-                        m.pack(isinstance(self.lm_head_packed, VllmPacked))
+                        m.pack(isinstance(self.lm_head_packed, (VllmPacked, RowSplit)))
             built[i] = layer
         return built
 

@@ -48,9 +48,9 @@ class ModelRunner(Executor):
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = cfg.vocab_size
-        # bf16 on CPU: vLLM's attention kernel and RMSNorm's fp32 part when installed (cpu_kernels.py).
-        self.kernels = (cpu_kernels.load(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-                        if vllm_kernels and device.type == "cpu" and dtype == torch.bfloat16 else None)
+        # On CPU (bf16 or fp32): vLLM's attention kernel and RMSNorm's fp32 part where they run (cpu_kernels.py).
+        self.kernels = (cpu_kernels.load(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
+                        if vllm_kernels and device.type == "cpu" and dtype in cpu_kernels.DTYPES else None)
         # With blocks the kernel can read, it attends over the paged cache in place (K transposed
         # within each block): no dense decode copy, no gathered context (attention.py).
         self.paged_kernels = self.kernels is not None and block_size % cpu_kernels.BLOCK_ALIGN == 0
