@@ -74,7 +74,7 @@ def cluster(tmp_path):
                        log_dir=str(tmp_path / "logs"),
                        scheduler_args=["--autoscale", "--min-instances", "3", "--max-instances", "3",
                                        "--autoscale-interval-s", "0.2"],
-                       meta_store_args=["--ttl-s", "2"])
+                       meta_store_args=["--ttl-s", "4"])  # 2 s expired under CI load 13
     c = LocalCluster(spec)
     c.start(timeout_s=60)
     yield c
@@ -109,7 +109,7 @@ def test_a_meta_store_replica_dies_and_the_cluster_goes_on(cluster):
     cluster.kill("meta-store")  # the replica everyone uses first
     for i in range(10):
         complete(cluster, f"after the kill {i}")
-    time.sleep(2.5)  # longer than the TTL: instances kept their leases through the other replica
+    time.sleep(4.5)  # longer than the TTL: instances kept their leases through the other replica
     assert len(instance_ids(cluster, 1)) == 3
     cluster.restart("meta-store")
     wait_for(lambda: len(instance_ids(cluster, 0)) == 3, 10, "the restarted replica learns every instance")
