@@ -1,0 +1,57 @@
+"""uvicorn's HTTP protocol with a deadline on a request's headers: uvicorn
+times out idle keep-alive connections between requests, but a connection
+that was just opened, or that sends its headers a byte at a time (a
+slowloris), stays open for as long as the client likes; a few hundred of
+them held every file descriptor the frontend had. Here a connection whose
+request headers are not complete ``header_timeout_s`` after it opened (or
+after the previous response) is closed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.frontend import metrics
+
+
+class _HeaderDeadline(HttpToolsProtocol):
+    header_timeout_s: float = 30.0
+    _deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            metrics.DISCONNECTS.labels("slow_headers").inc()
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:  # the next request of a kept connection
+            self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def header_deadline_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...)."""
+    return type("HttpWithHeaderDeadline", (_HeaderDeadline,), {"header_timeout_s": header_timeout_s})
