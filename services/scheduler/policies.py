@@ -47,7 +47,8 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
     def f(v: InstanceView) -> float:
         return float("-inf") if v.status.terminating else freeness_of(v)
 
-    live = [v for v in views if v.instance_id not in busy and v.migratable]
+    # NOTE: a hung engine (unschedulable) can neither send nor take a request
+    live = [v for v in views if v.instance_id not in busy and v.migratable and not v.status.unschedulable]
     sources = sorted((v for v in live if f(v) < out_threshold and
                       (v.status.num_running > 0 or v.status.terminating)), key=f)
     # NOTE: an instance with a queue is never a destination: migrating in
