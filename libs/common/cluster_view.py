@@ -87,6 +87,9 @@ class ClusterView:
                 if self.connected:
                     log.warning("meta store watch lost; keeping last view", error=e.code().name)
                 self.connected = False
+            except Exception as e:  # noqa: BLE001 - NOTE: a view that stopped watching would serve stale data forever
+                log.error("meta store watch failed; watching again", error=repr(e))
+                self.connected = False
             await asyncio.sleep(backoff)
             backoff = min(1.0, backoff * 2)
 
