@@ -9,6 +9,7 @@ import time
 import click
 
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
+from ferry.supervise import Supervisor
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
 from services.instance.engine import ENGINES
@@ -42,11 +43,14 @@ from services.instance.engine import ENGINES
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
               help="pin each instance to its own share of the cores (ferry serve instance --cpus), so that one "
                    "instance's work besides its steps (a migration's copies) does not run on another's core")
+@click.option("--restart/--no-restart", default=True, show_default=True,
+              help="start a process that dies again (an instance whose engine died or hung exits 3 or 4): at once, "
+                   "then with a doubling back-off up to 30 s")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
-       scheduler_args, cluster_token, pin_cores, log_format, log_level) -> None:
+       scheduler_args, cluster_token, pin_cores, restart, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
@@ -97,11 +101,15 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
                f"{split}, dispatch {dispatch}); Ctrl-C to stop", err=True)
     print(f"{cluster.url}/v1", flush=True)
     reported: set[str] = set()
+    supervisor = Supervisor(cluster, say=lambda m: click.echo(f"ferry up: {m}", err=True))
     while not stopping:
-        for c in cluster.children:
-            if not c.alive() and c.name not in reported:
-                reported.add(c.name)
-                click.echo(f"ferry up: {c.name} exited with code {c.proc.returncode}", err=True)
+        if restart:
+            supervisor.tick()
+        else:
+            for c in cluster.children:
+                if not c.alive() and c.name not in reported:
+                    reported.add(c.name)
+                    click.echo(f"ferry up: {c.name} exited with code {c.proc.returncode}", err=True)
         time.sleep(0.2)
     click.echo("ferry up: stopping …", err=True)
     cluster.stop()
