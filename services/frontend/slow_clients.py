@@ -1,4 +1,6 @@
-"""uvicorn's HTTP protocol with a deadline on a request's headers: uvicorn
+"""uvicorn's HTTP protocol with a deadline on a request's headers, and its
+own 400 (a request the HTTP parser refuses: a control character in a header,
+a malformed request line) in OpenAI error JSON like every other error. uvicorn
 times out idle keep-alive connections between requests, but a connection
 that was just opened, or that sends its headers a byte at a time (a
 slowloris), stays open for as long as the client likes; a few hundred of
@@ -9,10 +11,14 @@ after the previous response) is closed."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from libs.common.errors import InvalidArgument, openai_error
 from services.frontend import metrics
+
+_STATUS_400 = b"HTTP/1.1 400 Bad Request\r\n"
 
 
 class _HeaderDeadline(HttpToolsProtocol):
@@ -50,6 +56,17 @@ class _HeaderDeadline(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        status, body = openai_error(InvalidArgument(f"{msg.rstrip('.')}: the HTTP request is malformed"))
+        payload = json.dumps(body).encode()
+        head = [_STATUS_400]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(payload),
+                 b"connection: close\r\n\r\n", payload]
+        self.transport.write(b"".join(head))
+        self.transport.close()
 
 
 def header_deadline_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
