@@ -103,7 +103,7 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
         def extras() -> dict:
             return {"instances": gen.instances, "migrations": gen.num_migrations,
                     "preemptions": gen.num_preemptions, "preemption_loss_ms": gen.preemption_loss_ms,
-                    "resumes": gen.num_resumes,
+                    "resumes": gen.num_resumes, "recomputed_tokens": gen.recomputed_tokens,
                     "ttft_ms": (gen.first_token_at - gen.arrival) * 1000 if gen.first_token_at else None}
 
         base = {"id": gen.request_id, "created": prep.created, "model": model_name}

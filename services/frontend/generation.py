@@ -45,6 +45,7 @@ class Generation:
     preemption_loss_ms: float = 0.0
     num_migrations: int = 0
     num_resumes: int = 0
+    recomputed_tokens: int = 0  # tokens instances computed again after a resume (prompt + delivered)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     # Above 0: the instance may hold tokens after the first and send them
@@ -73,6 +74,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
                 raise final from error
             raise Unavailable(f"{why}; the request was resumed {max_resumes} times already") from error
         gen.num_resumes += 1
+        gen.recomputed_tokens += len(gen.prompt_ids) + len(gen.delivered)
         metrics.RESUMES.inc()
         log.warning("instance failed the request; resuming elsewhere", request_id=gen.request_id,
                     instance_id=instance_id, delivered=len(gen.delivered), reason=why)
