@@ -39,18 +39,25 @@ async def drain_targets(meta_store: str, instance_id: str, timeout_s: float = 2.
 
 
 async def drain_for_shutdown(manager, meta_store: str, instance_id: str, max_s: float,
-                             held: callable, poll_s: float = 0.2) -> int:
+                             held: callable, poll_s: float = 0.2, no_target_s: float = 5.0) -> int:
     """Migrate every request out (see the module doc). ``held()``: how many
-    requests are still here. Returns how many were left."""
+    requests are still here. Gives up after ``no_target_s`` without any
+    instance to take them (the whole cluster stops, or the meta store is
+    gone). Returns how many were left."""
     deadline = time.monotonic() + max_s
     rounds = 0
+    last_target = time.monotonic()
     while held() and time.monotonic() < deadline:
         try:
             targets = await drain_targets(meta_store, instance_id)
         except grpc.RpcError as e:
             log.warning("shutdown drain: meta store unreachable", error=e.code().name)
             targets = []
+        if not targets and time.monotonic() - last_target > no_target_s:
+            log.warning("shutdown drain: no instance takes requests; stopping with them", left=held())
+            break
         if targets:
+            last_target = time.monotonic()
             rounds += 1
             left_s = max(0.1, deadline - time.monotonic())
             await drain(manager, targets, max_s=min(left_s, 30.0))
