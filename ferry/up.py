@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import time
@@ -13,6 +14,13 @@ from ferry.supervise import Supervisor
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
 from services.instance.engine import ENGINES
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @click.command()
@@ -33,7 +41,8 @@ from services.instance.engine import ENGINES
               type=click.Choice(POLICY_NAMES))
 @click.option("--grpc-port", type=click.IntRange(-1, 65535), default=-1, show_default=True,
               help="frontend gRPC Generate API port (-1 = off)")
-@click.option("--api-key", default="", help="require this Bearer token")
+@click.option("--api-key", default="", help="require this Bearer token (generated and printed when --host is not a "
+                                           "loopback address and none is given)")
 @click.option("--instance-arg", "instance_args", multiple=True,
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
 @click.option("--scheduler-arg", "scheduler_args", multiple=True,
@@ -54,6 +63,11 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
+    if not api_key and not _loopback(host):
+        # NOTE: an endpoint others can reach is never open by mistake.
+        api_key = f"sk-ferry-{rpc.new_token()}"
+        click.echo(f"ferry up: --host {host} is reachable from other machines: clients need the API key "
+                   f"{api_key} (Authorization: Bearer …; --api-key to choose one)", err=True)
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
                        scheduler_args=list(scheduler_args),
