@@ -27,7 +27,10 @@ from sse_starlette import ServerSentEvent  # (the package exports it in 2.x and 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from libs.common.logging import get_logger
 from services.frontend import metrics
+
+log = get_logger(__name__)
 
 HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
@@ -70,7 +73,10 @@ class EventStream(StreamingResponse):
             others.append(asyncio.ensure_future(self._ping(send)))
         waits = [stream, others[0]] + others[1:]  # a ping that cannot be written ends it too
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done:  # cut by the client: gone, or not reading
+                why = "disconnected" if others[0] in done else "not reading (ping)"
+                log.info("stream ended by its client", why=why)
         finally:
             for t in (stream, *others):
                 t.cancel()
@@ -86,6 +92,7 @@ class EventStream(StreamingResponse):
                 await self._send(send, encode(data))
         except TimeoutError:
             metrics.DISCONNECTS.labels("slow_reader").inc()
+            log.info("stream ended by its client", why=f"not reading ({self.write_timeout_s:g}s)")
             raise
         finally:
             await self.body_iterator.aclose()  # cancels the request's instance call if it did not end
