@@ -21,7 +21,7 @@ class FrontendConfig(CommonConfig):
     priority_api_key: str = opt("", "API keys (comma-separated) whose requests may ask for high priority (the "
                                 "priority field, X-Priority, gRPC priority); they are accepted API keys too. Other "
                                 "clients asking for it get 403")
-    max_in_flight: int = opt(2048, "most requests generating at once on this frontend (HTTP and gRPC); more get "
+    max_in_flight: int = opt(512, "most requests generating at once on this frontend (HTTP and gRPC); more get "
                              "429 with Retry-After (0 = no bound)", min=0)
     client_timeout_s: float = opt(30.0, "a client has this long to send a request's headers, and again its body "
                                   "(then the connection is closed, or 408); and an SSE stream's client this long to "
