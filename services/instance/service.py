@@ -119,7 +119,7 @@ class InstanceConfig(CommonConfig):
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
     max_queued_tokens: int | None = opt(None, "refuse new requests (RESOURCE_EXHAUSTED: the frontend tries another "
                                         "instance, else 429) while this many prompt tokens wait for their first "
-                                        "step (default: 4 x --max-num-batched-tokens; 0 = no bound)", min=0)
+                                        "step (default: 4 x --max-num-batched-tokens, at least 8192; 0 = no bound)", min=0)
     drain_timeout_s: float = opt(60.0, "on SIGTERM: migrate the requests here to other instances for up to this "
                                  "long before stopping (what is left resumes elsewhere by recompute)", min=0.0)
     hang_factor: float = opt(2.0, "an engine step running past this many times the expected step time (the longest "
@@ -153,7 +153,9 @@ class InstanceConfig(CommonConfig):
             fuse_last_stage=self.migration_fuse_last_stage)
 
     def queued_tokens_bound(self) -> int:
-        return 4 * self.max_num_batched_tokens if self.max_queued_tokens is None else self.max_queued_tokens
+        if self.max_queued_tokens is not None:
+            return self.max_queued_tokens
+        return max(4 * self.max_num_batched_tokens, 8192)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
