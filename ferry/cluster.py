@@ -424,6 +424,13 @@ class LocalCluster:
             time.sleep(0.05)
         return c
 
+    def respawn(self, name: str) -> Child:
+        """Start a dead child again, same arguments and port, without waiting."""
+        c = self.child(name)
+        if c.alive():
+            raise RuntimeError(f"{name} is alive")
+        return self._spawn(c)
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         c = self.child(name)
         if c.alive():

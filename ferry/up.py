@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import sys
 import time
@@ -9,6 +10,7 @@ import time
 import click
 
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
+from ferry.supervise import Supervisor
 from libs.common import cpu_features, rpc
 from libs.common.policies import POLICY_NAMES
 from services.instance.engine import ENGINES
@@ -31,6 +33,11 @@ def _check_machine(engine: str) -> None:
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
     click.echo(f"ferry up: {machine.line()}", err=True)
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 @click.command()
@@ -51,7 +58,8 @@ def _check_machine(engine: str) -> None:
               type=click.Choice(POLICY_NAMES))
 @click.option("--grpc-port", type=click.IntRange(-1, 65535), default=-1, show_default=True,
               help="frontend gRPC Generate API port (-1 = off)")
-@click.option("--api-key", default="", help="require this Bearer token")
+@click.option("--api-key", default="", help="require this Bearer token (generated and printed when --host is not a "
+                                           "loopback address and none is given)")
 @click.option("--instance-arg", "instance_args", multiple=True,
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
 @click.option("--scheduler-arg", "scheduler_args", multiple=True,
@@ -64,14 +72,22 @@ def _check_machine(engine: str) -> None:
 @click.option("--etcd/--no-etcd", default=False, show_default=True,
               help="a replicated control plane: start a local etcd (the etcd binary; Debian: etcd-server) and two "
                    "meta stores and two schedulers on it (one leads); the frontend and instances use either")
+@click.option("--restart/--no-restart", default=True, show_default=True,
+              help="start a process that dies again (an instance whose engine died or hung exits 3 or 4): at once, "
+                   "then with a doubling back-off up to 30 s")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
-       scheduler_args, cluster_token, pin_cores, etcd, log_format, log_level) -> None:
+       scheduler_args, cluster_token, pin_cores, etcd, restart, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
+    if not api_key and not _loopback(host):
+        # NOTE: an endpoint others can reach is never open by mistake.
+        api_key = f"sk-ferry-{rpc.new_token()}"
+        click.echo(f"ferry up: --host {host} is reachable from other machines: clients need the API key "
+                   f"{api_key} (Authorization: Bearer …; --api-key to choose one)", err=True)
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
                        scheduler_args=list(scheduler_args),
@@ -128,11 +144,15 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
                    f"schedulers {cluster.scheduler}", err=True)
     print(f"{cluster.url}/v1", flush=True)
     reported: set[str] = set()
+    supervisor = Supervisor(cluster, say=lambda m: click.echo(f"ferry up: {m}", err=True))
     while not stopping:
-        for c in cluster.children:
-            if not c.alive() and c.name not in reported:
-                reported.add(c.name)
-                click.echo(f"ferry up: {c.name} exited with code {c.proc.returncode}", err=True)
+        if restart:
+            supervisor.tick()
+        else:
+            for c in cluster.children:
+                if not c.alive() and c.name not in reported:
+                    reported.add(c.name)
+                    click.echo(f"ferry up: {c.name} exited with code {c.proc.returncode}", err=True)
         time.sleep(0.2)
     click.echo("ferry up: stopping …", err=True)
     cluster.stop()

@@ -22,8 +22,9 @@ from ferry.cli import LazyGroup
         "migration": "ferry.bench.migration:migration",
         "migration-local": "ferry.bench.migration_local:migration_local",
         "overhead": "ferry.bench.overhead:overhead",
-        "rolling-update": "ferry.bench.rolling:rolling_update",
+        "rolling-restart": "ferry.bench.rolling:rolling_restart",
         "serving": "ferry.bench.serving:serving",
+        "storm": "ferry.bench.storm:storm",
         "vllm": "ferry.bench.vllm_serve:vllm_bench",
     },
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -22,6 +23,11 @@ from ferry.bench.metrics import RequestRecord
 from ferry.bench.workload import Request, Workload, prompt_ids
 
 _TOKEN_CHUNK = '"finish_reason": null'
+
+# The key the benchmarks' clients present; clusters they start take it as a
+# priority key (only those may ask for high priority). FERRY_BENCH_API_KEY:
+# the key of a cluster started elsewhere (--url).
+BENCH_API_KEY = os.environ.get("FERRY_BENCH_API_KEY", "ferry-bench-priority")
 
 
 def raise_fd_limit() -> int:
@@ -169,7 +175,8 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
             on_done(rec)
 
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=timeout))
+        headers = {"Authorization": f"Bearer {BENCH_API_KEY}"}  # may ask for high priority (Ferry; others ignore it)
+        clients = [await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers))
                    for _ in range(max(1, shards))]
         start = time.perf_counter()
         tasks = []

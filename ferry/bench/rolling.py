@@ -1,112 +1,173 @@
-"""``ferry bench rolling-update``: what a Kubernetes rolling update does to
-the instances (deploy/k8s: one pod at a time, SIGTERM, the pod replaced
-once it is gone), with ``ferry`` processes under streaming load: each
-instance in turn gets SIGTERM, exits, and is started again before the next.
+"""``ferry bench rolling-restart``: a cluster on this machine under steady
+streaming load while every process is restarted one by one, as a rolling
+update does: each instance (SIGTERM: it drains by live migration, exits,
+starts again on its port), then the scheduler, the meta store and the
+frontend (SIGTERM: it refuses new requests and finishes its streams).
 
-Counts streams cut (a request that failed or came back wrong), requests
-resumed by recompute (the frontend's ``resumes``: tokens computed again) and
-migrations. The target of issue 43: 0 cut, 0 recomputed, which needs an
-instance that drains its requests by live migration on SIGTERM (issue 39);
-until then SIGTERM ends its streams and the frontend resumes them elsewhere."""
+Clients behave as OpenAI's do (ferry/bench/retrying.py): they retry a 503
+or a refused connection, never a stream that started. Reports lost
+requests, cut streams, recomputed tokens (the frontend's count of tokens
+instances computed again after a resume: 0 when every instance drained by
+migration), text mismatches (fake engine: every token is known), and TTFT
+and time between tokens of the requests that overlapped a restart against
+those of a baseline period before the first one."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
+import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 
 import click
 import httpx
 
-from ferry.bench.chaos import Stats, _account, _leaks, _stream
-from ferry.bench.sse import StreamError
+from ferry.bench.chaos import _leaks, expected_fake_text
+from ferry.bench.retrying import Attempted, Outcome, pct, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 
 
-def _write_json(path: str, obj: dict) -> None:
+@dataclass
+class Restart:
+    name: str
+    began: float  # perf_counter
+    stopped_s: float = 0.0  # SIGTERM -> exit (the drain)
+    back_s: float = 0.0  # exit -> healthy again
+    exit_code: int | None = None
+    ended: float = 0.0
+
+
+async def _restart(cluster: LocalCluster, name: str, stop_timeout_s: float) -> Restart:
+    c = cluster.child(name)
+    r = Restart(name, time.perf_counter())
+    c.proc.send_signal(signal.SIGTERM)
     try:
-        from ferry.machine import write_json
-    except ImportError:  # a tree without ferry/machine.py
-        from ferry.bench.serving import write_json
-    write_json(path, obj)
+        r.exit_code = await asyncio.to_thread(c.proc.wait, stop_timeout_s)
+    except subprocess.TimeoutExpired:
+        c.proc.kill()
+        r.exit_code = await asyncio.to_thread(c.proc.wait, 10)
+    t = time.perf_counter()
+    r.stopped_s = t - r.began
+    await asyncio.to_thread(cluster.restart, name, 300.0)
+    r.ended = time.perf_counter()
+    r.back_s = r.ended - t
+    return r
 
 
-async def run_rolling(instances: int = 3, concurrency: int = 6, rounds: int = 1, settle_s: float = 3.0,
-                      stop_timeout_s: float = 60.0, seed: int = 0, log_dir: str | None = None) -> dict:
+def _summary(rows: list[Attempted]) -> dict:
+    ttft = [a.ttft_s * 1000 for a in rows if a.ttft_s is not None]
+    gaps = [g * 1000 for a in rows for g in a.gaps_s]
+    return {"requests": len(rows), "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
+            "tbt_ms_p50": pct(gaps, 50), "tbt_ms_p99": pct(gaps, 99), "tbt_ms_max": max(gaps, default=None)}
+
+
+async def run_rolling(engine: str, instances: int, concurrency: int, baseline_s: float, settle_s: float,
+                      seed: int, log_dir: str | None) -> dict:
     log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-rolling-")
-    spec = ClusterSpec(instances=instances, engine="fake", port=free_port(), log_dir=log_dir,
-                       instance_args=["--token-delay-ms", "20", "--num-blocks", "512"],
-                       frontend_args=["--max-resumes", "6"])
-    cluster = LocalCluster(spec)
-    await asyncio.to_thread(cluster.start, 120)
-    stats = Stats()
+    fake = engine == "fake"
+    args = ["--token-delay-ms", "10", "--num-blocks", "4096"] if fake else ["--num-blocks", "1024"]
+    cluster = LocalCluster(ClusterSpec(instances=instances, engine=engine, port=free_port(), instance_args=args,
+                                       log_dir=log_dir, frontend_args=["--shutdown-grace-s", "120"]))
+    await asyncio.to_thread(cluster.start, 600 if not fake else 60)
+    rows: list[tuple[float, float, Attempted, str, int]] = []  # (sent, done, result, prompt, n)
     stop = asyncio.Event()
-    steps: list[dict] = []
+    restarts: list[Restart] = []
     try:
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
+        limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as http:
             async def client(k: int) -> None:
-                i = 0
-                rng = random.Random(seed * 1000 + k)
+                rng, i = random.Random(seed * 1000 + k), 0
                 while not stop.is_set():
-                    prompt, n = f"rolling {k} {i} " * rng.randint(1, 3), rng.randint(100, 300)
+                    n = rng.randint(60, 200) if fake else rng.randint(16, 64)
+                    prompt = f"rolling {k} {i} " * rng.randint(1, 3)
                     i += 1
-                    stats.requests += 1
-                    try:
-                        text, final = await _stream(http, prompt, n)
-                    except Exception as e:  # noqa: BLE001 - every failure is counted by kind
-                        stats.lost += 1
-                        stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
-                        continue
-                    _account(stats, prompt, n, text, final)
-
-            tasks = [asyncio.create_task(client(k)) for k in range(concurrency)]
-            t0 = time.monotonic()
-            await asyncio.sleep(settle_s)
-            for _ in range(rounds):
-                for inst in list(cluster.instances()):
-                    before = (stats.lost, stats.resumes, stats.migrations)
-                    t = time.monotonic()
-                    inst.proc.send_signal(signal.SIGTERM)
-                    try:
-                        code = await asyncio.to_thread(inst.proc.wait, stop_timeout_s)
-                    except Exception:  # noqa: BLE001 - past the grace period: killed, as Kubernetes does
-                        inst.proc.kill()
-                        code = await asyncio.to_thread(inst.proc.wait, 10)
-                    exited = time.monotonic() - t
-                    await asyncio.to_thread(cluster.restart, inst.name)
-                    await asyncio.sleep(settle_s)  # requests of this step end before counting
-                    steps.append({"instance": inst.name, "at_s": round(t - t0, 2), "exit_code": code,
-                                  "stop_s": round(exited, 2), "lost": stats.lost - before[0],
-                                  "resumes": stats.resumes - before[1], "migrations": stats.migrations - before[2]})
-                    print(f"  {inst.name}: SIGTERM -> exit {code} after {exited:.2f}s; lost "
-                          f"{steps[-1]['lost']}, resumed {steps[-1]['resumes']}, migrated {steps[-1]['migrations']}",
-                          flush=True)
+                    a = await stream_with_retries(http, {"prompt": prompt, "max_tokens": n,
+                                                         **({} if fake else {"ignore_eos": True})}, deadline_s=180)
+                    rows.append((a.sent_at, time.perf_counter(), a, prompt, n))
+            clients = [asyncio.create_task(client(k)) for k in range(concurrency)]
+            t0 = time.perf_counter()
+            await asyncio.sleep(baseline_s)
+            order = [c.name for c in cluster.instances()] + ["scheduler", "meta-store", "frontend"]
+            for name in order:
+                r = await _restart(cluster, name, stop_timeout_s=180)
+                restarts.append(r)
+                print(f"  restarted {name:<12} drain/stop {r.stopped_s:6.2f}s  back in {r.back_s:6.2f}s  "
+                      f"exit {r.exit_code}", flush=True)
+                await asyncio.sleep(settle_s)
             stop.set()
-            await asyncio.gather(*tasks)
-            leaked, integrity_errors, _ = await _leaks(cluster)
+            await asyncio.gather(*clients)
+            duration = time.perf_counter() - t0
+            leaked, integrity_errors, live = await _leaks(cluster)
     finally:
         await asyncio.to_thread(cluster.stop)
-    return {"instances": instances, "concurrency": concurrency, "rounds": rounds, "requests": stats.requests,
-            "completed": stats.completed, "lost": stats.lost, "duplicated_tokens": stats.duplicated_tokens,
-            "resumed_by_recompute": stats.resumes, "migrations": stats.migrations, "leaked_blocks": leaked,
-            "integrity_errors": integrity_errors, "errors_by_kind": dict(stats.errors_by_kind), "steps": steps,
-            "log_dir": log_dir}
+    first, last = restarts[0].began, restarts[-1].ended
+    windows = [(r.began, r.ended) for r in restarts]
+    during = [a for s, e, a, _, _ in rows if any(s < we and e > ws for ws, we in windows)]
+    baseline = [a for s, e, a, _, _ in rows if e < first]
+    by = {o: sum(1 for _, _, a, _, _ in rows if a.outcome is o) for o in Outcome}
+    mismatched = sum(1 for _, _, a, p, n in rows if fake and a.outcome is Outcome.ANSWERED
+                     and a.text != expected_fake_text(p, n))
+    finals = [a.final for _, _, a, _, _ in rows if a.final]
+    return {
+        "engine": engine, "instances": instances, "concurrency": concurrency, "seed": seed,
+        "duration_s": round(duration, 1), "restart_span_s": round(last - first, 1),
+        "requests": len(rows), "answered": by[Outcome.ANSWERED], "lost": by[Outcome.LOST], "cut": by[Outcome.CUT],
+        "refused_to_the_end": by[Outcome.REFUSED], "text_mismatches": mismatched,
+        "retried_requests": sum(1 for _, _, a, _, _ in rows if a.retries),
+        "recomputed_tokens": sum(f.get("recomputed_tokens", 0) for f in finals),
+        "resumes": sum(f.get("resumes", 0) for f in finals), "migrations": sum(f.get("migrations", 0) for f in finals),
+        "leaked_blocks": leaked, "integrity_errors": integrity_errors, "live_instances_at_end": live,
+        "restarts": [{"process": r.name, "drain_or_stop_s": round(r.stopped_s, 2), "back_s": round(r.back_s, 2),
+                      "exit_code": r.exit_code} for r in restarts],
+        "baseline": _summary(baseline), "during_restarts": _summary(during),
+        "errors": sorted({a.error for _, _, a, _, _ in rows if a.outcome in (Outcome.LOST, Outcome.CUT)})[:10],
+        "log_dir": log_dir,
+    }
 
 
-@click.command("rolling-update")
-@click.option("--instances", type=int, default=3, show_default=True)
-@click.option("--concurrency", type=int, default=6, show_default=True, help="concurrent client streams")
-@click.option("--rounds", type=int, default=1, show_default=True, help="times every instance is replaced")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="docs/results/rolling_update.json",
-              show_default=True)
-def rolling_update(instances, concurrency, rounds, json_path) -> None:
-    """SIGTERM to each instance in turn under streaming load (a rolling update): streams cut, tokens recomputed."""
-    res = asyncio.run(run_rolling(instances, concurrency, rounds))
-    print(f"\nrolling update: {res['requests']} requests, {res['completed']} completed, {res['lost']} cut, "
-          f"{res['duplicated_tokens']} duplicated tokens, {res['resumed_by_recompute']} resumed by recompute, "
-          f"{res['migrations']} migrations, {res['leaked_blocks']} leaked blocks")
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def print_report(res: dict) -> None:
+    print(f"\nrolling restart: {res['engine']}, {res['instances']} instances, {res['concurrency']} streams, "
+          f"{res['duration_s']}s ({res['restart_span_s']}s of restarts)")
+    print(f"{'process':<14}{'drain/stop (s)':>16}{'back (s)':>10}{'exit':>6}")
+    for r in res["restarts"]:
+        print(f"{r['process']:<14}{r['drain_or_stop_s']:>16.2f}{r['back_s']:>10.2f}{r['exit_code']!s:>6}")
+    print(f"\nrequests {res['requests']}  answered {res['answered']}  lost {res['lost']}  cut {res['cut']}  "
+          f"refused to the end {res['refused_to_the_end']}  text mismatches {res['text_mismatches']}")
+    print(f"recomputed tokens {res['recomputed_tokens']}  resumes {res['resumes']}  migrations {res['migrations']}  "
+          f"retried {res['retried_requests']}  leaked blocks {res['leaked_blocks']}")
+    print(f"\n{'':<18}{'requests':>9}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}{'max':>8}  (ms)")
+    for k in ("baseline", "during_restarts"):
+        s = res[k]
+        print(f"{k:<18}{s['requests']:>9}{_f(s['ttft_ms_p50']):>10}{_f(s['ttft_ms_p99']):>8}"
+              f"{_f(s['tbt_ms_p50']):>9}{_f(s['tbt_ms_p99']):>8}{_f(s['tbt_ms_max']):>8}")
+    if res["errors"]:
+        print(f"errors: {res['errors']}")
+
+
+@click.command("rolling-restart")
+@click.option("--engine", type=click.Choice(["fake", "native"]), default="fake", show_default=True)
+@click.option("--instances", type=int, default=2, show_default=True)
+@click.option("--concurrency", type=int, default=8, show_default=True, help="client streams, each one after another")
+@click.option("--baseline", "baseline_s", type=float, default=10.0, show_default=True,
+              help="seconds of load before the first restart")
+@click.option("--settle", "settle_s", type=float, default=3.0, show_default=True, help="seconds between restarts")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results here")
+def rolling_restart(engine, instances, concurrency, baseline_s, settle_s, seed, log_dir, json_path) -> None:
+    """Restart every process one by one under load: nothing lost, cut or recomputed."""
+    res = asyncio.run(run_rolling(engine, instances, concurrency, baseline_s, settle_s, seed, log_dir))
+    print_report(res)
     if json_path:
-        _write_json(json_path, res)
-        print(f"wrote {json_path}")
+        with open(json_path, "w") as fh:
+            json.dump(res, fh, indent=2)
+    if res["lost"] or res["cut"] or res["text_mismatches"] or res["leaked_blocks"]:
+        raise SystemExit(1)

@@ -121,6 +121,7 @@ def slowed_intervals(factor: float) -> tuple[list[str], list[str]]:
 
 
 def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
+    from ferry.bench.client import BENCH_API_KEY
     from ferry.cluster import ClusterSpec, LocalCluster, free_port
 
     args, sched_args = list(opts.instance_args), list(opts.scheduler_args)
@@ -133,7 +134,8 @@ def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
     spec = ClusterSpec(instances=opts.instances, prefill=opts.prefill, decode=opts.decode, engine=opts.engine,
                        port=free_port(), dispatch=dispatch,
                        instance_args=args, scheduler_args=sched_args, log_dir=log_dir,
-                       log_level=opts.log_level, pin_cores=opts.pin_cores)
+                       log_level=opts.log_level, pin_cores=opts.pin_cores,
+                       frontend_args=["--priority-api-key", BENCH_API_KEY])
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=opts.startup_timeout_s)
     return cluster

@@ -110,7 +110,8 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
         if ferry_engine == "vllm":
             inst_args.append(f"--vllm-args={' '.join(vllm_args)}")
         c = LocalCluster(ClusterSpec(instances=instances, engine=ferry_engine, model=model, port=free_port(),
-                                     instance_args=inst_args, log_dir=logs, log_level="warning"))
+                                     instance_args=inst_args, log_dir=logs, log_level="warning",
+                                     frontend_args=["--priority-api-key", client.BENCH_API_KEY]))
         c.start(timeout_s=startup_timeout_s)
         try:
             run_one(c.url, wl.build("poisson:4", "fixed:16:4", 4, seed + 1), None)  # warm-up

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ferry.pb import common_pb2 as ferry_dot_pb_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65rry/pb/frontend.proto\x12\x08\x66\x65rry.v1\x1a\x15\x66\x65rry/pb/common.proto\"\xc2\x01\n\x13TextGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x94\x01\n\x14TextGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x32W\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.ferry.v1.TextGenerateRequest\x1a\x1e.ferry.v1.TextGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66\x65rry/pb/frontend.proto\x12\x08\x66\x65rry.v1\x1a\x15\x66\x65rry/pb/common.proto\"\xc2\x01\n\x13TextGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xaf\x01\n\x14TextGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x32W\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.ferry.v1.TextGenerateRequest\x1a\x1e.ferry.v1.TextGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TEXTGENERATEREQUEST']._serialized_start=61
   _globals['_TEXTGENERATEREQUEST']._serialized_end=255
   _globals['_TEXTGENERATERESPONSE']._serialized_start=258
-  _globals['_TEXTGENERATERESPONSE']._serialized_end=406
-  _globals['_FRONTEND']._serialized_start=408
-  _globals['_FRONTEND']._serialized_end=495
+  _globals['_TEXTGENERATERESPONSE']._serialized_end=433
+  _globals['_FRONTEND']._serialized_start=435
+  _globals['_FRONTEND']._serialized_end=522
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ferry.pb import common_pb2 as ferry_dot_pb_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65rry/pb/meta_store.proto\x12\x08\x66\x65rry.v1\x1a\x15\x66\x65rry/pb/common.proto\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.ferry.v1.InstanceInfo\"\x1e\n\rRegisterReply\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x1c\n\x0bReportReply\x12\r\n\x05known\x18\x01 \x01(\x08\"\r\n\x0bListRequest\"8\n\tListReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\"-\n\x0cWatchRequest\x12\x1d\n\x15min_update_interval_s\x18\x01 \x01(\x01\"3\n\x0bWatchEvents\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.ferry.v1.WatchEvent\"\x98\x01\n\nWatchEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.ferry.v1.WatchEvent.Type\x12(\n\x06record\x18\x02 \x01(\x0b\x32\x18.ferry.v1.InstanceRecord\"7\n\x04Type\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x00\x12\x0b\n\x07UPDATED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\n\n\x06SYNCED\x10\x03\x32\xc5\x03\n\tMetaStore\x12>\n\x08Register\x12\x19.ferry.v1.RegisterRequest\x1a\x17.ferry.v1.RegisterReply\x12\x44\n\nDeregister\x12\x1b.ferry.v1.DeregisterRequest\x1a\x19.ferry.v1.DeregisterReply\x12?\n\x0cReportStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply\x12\x43\n\x0cStreamStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply(\x01\x30\x01\x12\x32\n\x04List\x12\x15.ferry.v1.ListRequest\x1a\x13.ferry.v1.ListReply\x12\x37\n\x05Watch\x12\x16.ferry.v1.WatchRequest\x1a\x14.ferry.v1.WatchEvent0\x01\x12?\n\x0cWatchBatched\x12\x16.ferry.v1.WatchRequest\x1a\x15.ferry.v1.WatchEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x65rry/pb/meta_store.proto\x12\x08\x66\x65rry.v1\x1a\x15\x66\x65rry/pb/common.proto\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.ferry.v1.InstanceInfo\"\x1e\n\rRegisterReply\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x1c\n\x0bReportReply\x12\r\n\x05known\x18\x01 \x01(\x08\" \n\x0bListRequest\x12\x11\n\tinfo_only\x18\x01 \x01(\x08\"8\n\tListReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\"-\n\x0cWatchRequest\x12\x1d\n\x15min_update_interval_s\x18\x01 \x01(\x01\"3\n\x0bWatchEvents\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.ferry.v1.WatchEvent\"\x98\x01\n\nWatchEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.ferry.v1.WatchEvent.Type\x12(\n\x06record\x18\x02 \x01(\x0b\x32\x18.ferry.v1.InstanceRecord\"7\n\x04Type\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x00\x12\x0b\n\x07UPDATED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\n\n\x06SYNCED\x10\x03\x32\xc5\x03\n\tMetaStore\x12>\n\x08Register\x12\x19.ferry.v1.RegisterRequest\x1a\x17.ferry.v1.RegisterReply\x12\x44\n\nDeregister\x12\x1b.ferry.v1.DeregisterRequest\x1a\x19.ferry.v1.DeregisterReply\x12?\n\x0cReportStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply\x12\x43\n\x0cStreamStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply(\x01\x30\x01\x12\x32\n\x04List\x12\x15.ferry.v1.ListRequest\x1a\x13.ferry.v1.ListReply\x12\x37\n\x05Watch\x12\x16.ferry.v1.WatchRequest\x1a\x14.ferry.v1.WatchEvent0\x01\x12?\n\x0cWatchBatched\x12\x16.ferry.v1.WatchRequest\x1a\x15.ferry.v1.WatchEvents0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,17 +43,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTREPLY']._serialized_start=229
   _globals['_REPORTREPLY']._serialized_end=257
   _globals['_LISTREQUEST']._serialized_start=259
-  _globals['_LISTREQUEST']._serialized_end=272
-  _globals['_LISTREPLY']._serialized_start=274
-  _globals['_LISTREPLY']._serialized_end=330
-  _globals['_WATCHREQUEST']._serialized_start=332
-  _globals['_WATCHREQUEST']._serialized_end=377
-  _globals['_WATCHEVENTS']._serialized_start=379
-  _globals['_WATCHEVENTS']._serialized_end=430
-  _globals['_WATCHEVENT']._serialized_start=433
-  _globals['_WATCHEVENT']._serialized_end=585
-  _globals['_WATCHEVENT_TYPE']._serialized_start=530
-  _globals['_WATCHEVENT_TYPE']._serialized_end=585
-  _globals['_METASTORE']._serialized_start=588
-  _globals['_METASTORE']._serialized_end=1041
+  _globals['_LISTREQUEST']._serialized_end=291
+  _globals['_LISTREPLY']._serialized_start=293
+  _globals['_LISTREPLY']._serialized_end=349
+  _globals['_WATCHREQUEST']._serialized_start=351
+  _globals['_WATCHREQUEST']._serialized_end=396
+  _globals['_WATCHEVENTS']._serialized_start=398
+  _globals['_WATCHEVENTS']._serialized_end=449
+  _globals['_WATCHEVENT']._serialized_start=452
+  _globals['_WATCHEVENT']._serialized_end=604
+  _globals['_WATCHEVENT_TYPE']._serialized_start=549
+  _globals['_WATCHEVENT_TYPE']._serialized_end=604
+  _globals['_METASTORE']._serialized_start=607
+  _globals['_METASTORE']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

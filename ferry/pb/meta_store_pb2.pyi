@@ -39,8 +39,10 @@ class ReportReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("info_only",)
+    INFO_ONLY_FIELD_NUMBER: _ClassVar[int]
+    info_only: bool
+    def __init__(self, info_only: _Optional[bool] = ...) -> None: ...
 
 class ListReply(_message.Message):
     __slots__ = ("instances",)

@@ -134,6 +134,9 @@ class ClusterView:
                     from libs.common.direct_status import poll_instances
 
                     self._outage = asyncio.create_task(poll_instances(self, ttl_s=self.outage_ttl_s))
+            except Exception as e:  # noqa: BLE001 - NOTE: a view that stopped watching would serve stale data forever
+                log.error("meta store watch failed; watching again", error=repr(e))
+                self.connected = False
             await asyncio.sleep(backoff)
             backoff = min(1.0, backoff * 2)
 

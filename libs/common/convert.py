@@ -96,7 +96,7 @@ _STATUS_SCALARS = (
     "instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running",
     "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
-    "waiting_demand_blocks", "engine_steps",
+    "waiting_demand_blocks", "engine_steps", "unschedulable",
 )
 
 

@@ -12,11 +12,13 @@ class Code(enum.Enum):
     INVALID_ARGUMENT = "invalid_argument"
     NOT_FOUND = "not_found"
     UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     TOO_LARGE = "request_too_large"
     FAILED_PRECONDITION = "failed_precondition"
     UNAVAILABLE = "unavailable"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    CLIENT_TIMEOUT = "client_timeout"  # the client was too slow to send its request
     ABORTED = "aborted"
     INTERNAL = "internal"
 
@@ -44,8 +46,20 @@ class Unauthenticated(FerryError):
     code = Code.UNAUTHENTICATED
 
 
+class PermissionDenied(FerryError):
+    """Authenticated (or anonymous), but not allowed to ask for this."""
+
+    code = Code.PERMISSION_DENIED
+
+
 class ResourceExhausted(FerryError):
+    """Over a bound (requests in flight, queued work): try again later."""
+
     code = Code.RESOURCE_EXHAUSTED
+
+
+class ClientTimeout(FerryError):
+    code = Code.CLIENT_TIMEOUT
 
 
 class TooLarge(FerryError):
@@ -70,16 +84,19 @@ _GRPC = {
     Code.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     Code.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Code.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     Code.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Code.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Code.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Code.CLIENT_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Code.ABORTED: grpc.StatusCode.ABORTED,
     Code.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 _FROM_GRPC = {v: k for k, v in _GRPC.items()}
 _FROM_GRPC[grpc.StatusCode.RESOURCE_EXHAUSTED] = Code.RESOURCE_EXHAUSTED
+_FROM_GRPC[grpc.StatusCode.DEADLINE_EXCEEDED] = Code.DEADLINE_EXCEEDED
 _FROM_GRPC[grpc.StatusCode.CANCELLED] = Code.ABORTED
 
 # HTTP status and OpenAI error "type" for each code.
@@ -87,11 +104,13 @@ _HTTP = {
     Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
     Code.NOT_FOUND: (404, "not_found_error"),
     Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.PERMISSION_DENIED: (403, "permission_error"),
     Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     Code.TOO_LARGE: (413, "invalid_request_error"),
     Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
     Code.UNAVAILABLE: (503, "service_unavailable_error"),
     Code.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    Code.CLIENT_TIMEOUT: (408, "timeout_error"),
     Code.ABORTED: (409, "aborted_error"),
     Code.INTERNAL: (500, "internal_error"),
 }
@@ -113,12 +132,24 @@ async def abort_with(context: grpc.aio.ServicerContext, err: FerryError):
     await context.abort(grpc_status(err), err.message)
 
 
+# How long a client told to come back later (429, 503) waits, in seconds.
+RETRY_AFTER_S = 1
+
+
 def openai_error(err: FerryError) -> tuple[int, dict]:
     """(HTTP status, OpenAI error JSON) for ``err``."""
     status, kind = _HTTP[err.code]
     return status, {
         "error": {"message": err.message, "type": kind, "param": err.param, "code": err.code.value}
     }
+
+
+def openai_headers(err: FerryError) -> dict[str, str]:
+    """The HTTP headers that go with ``err``'s response: ``Retry-After`` for
+    what may succeed later (429 over a bound, 503 nothing can take it)."""
+    if err.code in (Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE):
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    return {}
 
 
 def is_unavailable(err: grpc.RpcError | FerryError) -> bool:

@@ -29,7 +29,23 @@ GRPC_OPTIONS = [
     # Reconnect to a restarted peer (scheduler, meta store, instance) within a
     # second, not after gRPC's default exponential backoff of up to 120 s.
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Keepalive on every connection, both ways: a peer that is gone without a
+    # word (a host lost, a frozen process, a dropped route) ends the calls on
+    # it within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, long streams (Generate,
+    # Watch, StatusStream, DispatchStream, ForwardLayers) included; without it
+    # they waited for TCP's own timeout (minutes to hours). NOTE: an ack timeout
+    # of 3 s cut live streams on a 2-core host loaded 5x over (a starved
+    # process acks late; `ferry bench rolling-restart`, native): 10 s.
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 10000),
+    ("grpc.http2.ping_timeout_ms", 10000),  # gRPC >= 1.6x times a keepalive ping's ack out by this (default 60 s)
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # ... and servers accept those pings (else GOAWAY "too_many_pings").
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 5000, 10000
 TOKEN_METADATA = "x-ferry-token"
 
 

@@ -34,6 +34,7 @@ class Service:
     max_message_bytes: int | None = None
     exit_code: int = 0  # what serve() returns (the process's exit status)
     _request_stop: Callable[[], None] | None = None  # set by serve()
+    _set_health: Callable[[bool], Awaitable[None]] | None = None  # set by serve()
 
     def register(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -43,6 +44,12 @@ class Service:
 
     async def stop(self) -> None:  # before the server stops
         pass
+
+    async def set_health(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING on the health service, for a service that
+        finds itself unable to serve for a while (a hung engine)."""
+        if self._set_health is not None:
+            await self._set_health(serving)
 
     def shutdown(self, exit_code: int) -> None:
         """Stop from inside, for a fatal error: serve() reports NOT_SERVING,
@@ -212,9 +219,17 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
         raise OSError(f"cannot bind {host}:{port}")
     address = f"{host}:{bound}"
     await server.start()
+
+    async def set_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if serving and stop.is_set():
+            return  # stopping: NOT_SERVING stays
+        for name in ("", *service.service_names):
+            await _set(health_servicer, name, status)
+
+    service._set_health = set_health
     await service.start(address)
-    for name in ("", *service.service_names):
-        await _set(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
+    await set_health(True)
     log.info("serving", service=service.name, address=address, tls=creds.tls, token=bool(creds.token))
     if ready is not None:
         r = ready(address)
@@ -230,8 +245,7 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
                 pass
     await stop.wait()
     log.info("stopping", service=service.name)
-    for name in ("", *service.service_names):
-        await _set(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await set_health(False)
     try:
         await service.stop()
     finally:

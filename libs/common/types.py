@@ -56,6 +56,12 @@ class Role(str, enum.Enum):
         return self is not Role.PREFILL
 
 
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing
+# logits by a smaller one overflows float32 (1e-45 made every row NaN and
+# killed the engine thread that sampled it).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -69,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class FinishReason(str, enum.Enum):
@@ -141,6 +147,7 @@ class InstanceStatus:
     waiting_demand_blocks: int = 0
     engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
     role: Role = Role.MIXED  # Splitwise: which phases this instance runs
+    unschedulable: bool = False  # its engine is stuck in a step (services/instance/hang.py)
 
 
 @dataclass(frozen=True)

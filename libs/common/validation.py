@@ -41,6 +41,23 @@ def sampling_problem(temperature: float, top_p: float, top_k: int, max_tokens: i
     return None
 
 
+# A request id is copied into every status report of its instance and every
+# event of its stream: bounded (ids made inside the cluster are ~40 characters).
+MAX_REQUEST_ID = 128
+MAX_CLIENT_REQUEST_ID = 256  # a client's own id, kept beside the frontend's
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """What is wrong with a request id inside the cluster, or None."""
+    if not request_id:
+        return "request_id is empty"
+    if len(request_id) > MAX_REQUEST_ID:
+        return f"request_id has at most {MAX_REQUEST_ID} characters, got {len(request_id)}"
+    if request_id[0] == "\x00":
+        return "request_id must not start with NUL (reserved for the engine's own)"
+    return None
+
+
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # a stop string is matched against held-back text on every token
 

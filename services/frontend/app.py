@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import json
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libs.common.errors import FerryError, InvalidArgument, openai_error
+from libs.common.errors import RETRY_AFTER_S, FerryError, InvalidArgument, openai_error, openai_headers
 from libs.common.logging import get_logger
 from services.frontend import metrics
-from services.frontend.auth import check_bearer
+from services.frontend.admission import Admission
+from services.frontend.auth import check_priority
 from services.frontend.body_limit import BodyLimit
 from services.frontend.completions import Prepared, prepare, text_stream, usage
 from services.frontend.config import FrontendConfig
+from services.frontend.disconnect import ClientGone, unless_disconnected
+from services.frontend.edge import PRIVILEGED, Edge
 from services.frontend.event_stream import EventStream
 from services.frontend.router import Router
 from services.frontend.schema import ChatCompletionRequest, CompletionRequest
@@ -25,33 +28,42 @@ from services.frontend.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
-RETRY_AFTER_S = 1  # what a 503 (no instance can take the request now) tells clients
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobody reads it)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
         return "invalid request body", None
-    e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # A union's branches each add an error; a check of ours (value_error) says more than a type mismatch.
+    e = next((x for x in errs if x.get("type") == "value_error"), errs[0])
+    # the union's branch tags ("function-after[...]", "list[int]") name no field
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not (
+        isinstance(x, str) and ("[" in x or x in _TYPE_TAGS))]
     if e.get("type") == "json_invalid":
         return "request body is not valid JSON", None
     where = ".".join(loc) if loc else "body"
     return f"{where}: {e.get('msg', 'invalid value')}", (loc[0] if loc else None)
 
 
-def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> FastAPI:
+def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
+               admission: Admission | None = None) -> FastAPI:
+    """``admission``: the in-flight bound and drain this frontend's APIs share."""
     app = FastAPI(title="Ferry", version="0.1.0")
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    keys = config.api_keys()
+    admission = admission or Admission(config.max_in_flight)
+    # Outermost last: the key and admission before the body is read.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.client_timeout_s)
+    app.add_middleware(Edge, keys=config.keys(), admission=admission)
     model_name = config.model_name
 
     def error_response(err: FerryError, endpoint: str = "") -> JSONResponse:
         status, body = openai_error(err)
         if endpoint:
             metrics.REQUESTS.labels(endpoint, str(status)).inc()
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(body, status_code=status, headers=openai_headers(err) or None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -70,20 +82,14 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
                           "code": str(exc.detail).lower().replace(" ", "_")}}
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    async def require_key(request: Request) -> None:
-        # A route dependency, not an HTTP middleware: Starlette's
-        # BaseHTTPMiddleware costs about a third of the frontend's CPU per request.
-        check_bearer(request.headers.get("authorization"), keys)
-
-    guarded = [Depends(require_key)]
-
     def max_len() -> int:
         return router.max_model_len(config.default_max_model_len)
 
     def vocab() -> int:
         return router.vocab_size(tokenizer.vocab_size)
 
-    async def respond(prep: Prepared, stream: bool, include_usage: bool, endpoint: str):
+    async def respond(request: Request, prep: Prepared, stream: bool, include_usage: bool, endpoint: str):
+        check_priority(prep.gen.priority, request.scope.get("state", {}).get(PRIVILEGED, False))
         gen = prep.gen
         obj = "chat.completion" if prep.kind == "chat" else "text_completion"
 
@@ -97,13 +103,20 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
         def extras() -> dict:
             return {"instances": gen.instances, "migrations": gen.num_migrations,
                     "preemptions": gen.num_preemptions, "preemption_loss_ms": gen.preemption_loss_ms,
-                    "resumes": gen.num_resumes,
+                    "resumes": gen.num_resumes, "recomputed_tokens": gen.recomputed_tokens,
                     "ttft_ms": (gen.first_token_at - gen.arrival) * 1000 if gen.first_token_at else None}
 
         base = {"id": gen.request_id, "created": prep.created, "model": model_name}
         if not stream:
             gen.flush_interval_ms = config.nonstream_flush_ms
-            text = "".join([t async for t in text_stream(router, tokenizer, prep, config.max_resumes)])
+
+            async def whole() -> str:
+                return "".join([t async for t in text_stream(router, tokenizer, prep, config.max_resumes)])
+            try:
+                text = await unless_disconnected(request.receive, whole(), "before_response")
+            except ClientGone:
+                metrics.REQUESTS.labels(endpoint, str(CLIENT_CLOSED)).inc()
+                return Response(status_code=CLIENT_CLOSED)
             metrics.REQUESTS.labels(endpoint, "200").inc()
             return JSONResponse({**base, "object": obj, "choices": [choice(text, gen.finish_reason, True)],
                                  "usage": usage(gen), "ferry": extras()})
@@ -120,9 +133,13 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
         # first SSE chunk carries the first token (with the role, for chat).
         texts = text_stream(router, tokenizer, prep, config.max_resumes)
         try:
-            first = await anext(texts)
+            first = await unless_disconnected(request.receive, anext(texts), "before_first_token")
         except StopAsyncIteration:
             first = ""
+        except ClientGone:
+            await texts.aclose()
+            metrics.REQUESTS.labels(endpoint, str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
 
         def first_choice(text: str) -> dict:
             if prep.kind == "chat":
@@ -146,21 +163,21 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
                 await texts.aclose()
             yield "[DONE]"
 
-        return EventStream(chunk([first_choice(first)]), rest(), ping_s=15)
+        return EventStream(chunk([first_choice(first)]), rest(), ping_s=15, write_timeout_s=config.client_timeout_s)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(prep, body.stream, include_usage, "/v1/completions")
+        return await respond(request, prep, body.stream, include_usage, "/v1/completions")
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(prep, body.stream, include_usage, "/v1/chat/completions")
+        return await respond(request, prep, body.stream, include_usage, "/v1/chat/completions")
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
                                             "owned_by": "ferry", "max_model_len": max_len()}]}
@@ -168,10 +185,14 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer) -> 
     @app.get("/health")
     async def health():
         """Readiness: 200 once a request can be placed (an instance has
-        reported its status and is not being drained), 503 before."""
+        reported its status and is not being drained), 503 before, and 503
+        again while this frontend drains (SIGTERM)."""
         n = len(router.view.records)
-        ready = router.serving_instances()
-        body = {"status": "ok" if ready else "not_ready", "instances": n, "serving": ready, "bypass": router.bypass}
+        serving = router.serving_instances()
+        ready = serving and not admission.draining
+        status = "ok" if ready else ("draining" if admission.draining else "not_ready")
+        body = {"status": status, "instances": n, "serving": serving, "bypass": router.bypass,
+                "in_flight": admission.in_flight}
         return JSONResponse(body, status_code=200 if ready else 503,
                             headers=None if ready else {"Retry-After": str(RETRY_AFTER_S)})
 

@@ -52,7 +52,12 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenize
         raise InvalidArgument("logprobs are not supported", param="logprobs")
     if isinstance(body, ChatCompletionRequest):
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = tokenizer.apply_chat_template(messages)
+        try:
+            prompt_ids = tokenizer.apply_chat_template(messages)
+        except Exception as e:  # noqa: BLE001 - the template is a program over the client's messages
+            # (SmolLM2's raises on some role orders): its refusal is the request's problem
+            raise InvalidArgument(f"the model's chat template cannot format these messages: {e}",
+                                  param="messages") from e
         max_tokens = body.max_completion_tokens or body.max_tokens
         kind = "chat"
     else:

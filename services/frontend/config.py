@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from libs.common.config import CommonConfig, opt
+from libs.common.config import CommonConfig, ConfigError, opt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,11 +15,25 @@ class FrontendConfig(CommonConfig):
     served_model_name: str = opt("", "model name in the API (default: --model)")
     api_key: str = opt("", "require this Bearer token (comma-separated list allowed)")
     api_key_file: str = opt("", "file with one accepted API key per line")
+    require_api_key: bool = opt(False, "refuse to start unless an API key is configured (--api-key, "
+                                "--api-key-file or --priority-api-key): a public deployment is never open by "
+                                "mistake (compose sets it)")
+    priority_api_key: str = opt("", "API keys (comma-separated) whose requests may ask for high priority (the "
+                                "priority field, X-Priority, gRPC priority); they are accepted API keys too. Other "
+                                "clients asking for it get 403")
+    max_in_flight: int = opt(512, "most requests generating at once on this frontend (HTTP and gRPC); more get "
+                             "429 with Retry-After (0 = no bound)", min=0)
+    client_timeout_s: float = opt(30.0, "a client has this long to send a request's headers, and again its body "
+                                  "(then the connection is closed, or 408); and an SSE stream's client this long to "
+                                  "take each event (else the request is aborted)", min=0.1)
+    shutdown_grace_s: float = opt(120.0, "on SIGTERM: stop taking requests (503, /health 503) and let the streams "
+                                  "under way finish for up to this long", min=0.0)
     dispatch_timeout_s: float = opt(1.0, "give up on the scheduler after this long (then bypass)", min=0.01)
     bypass_retry_s: float = opt(1.0, "in bypass, ask the scheduler again after this long", min=0.0)
     dispatch_stream: bool = opt(True, "ask the scheduler for placements over one long-lived stream "
                                       "(DispatchStream); off: a unary Dispatch call per request")
-    max_resumes: int = opt(3, "resume a request on another instance at most this often after crashes", min=0)
+    max_resumes: int = opt(1, "a request whose instance died, stalled or failed it resumes on another instance at "
+                           "most this often (its retry budget); then it fails alone with its error", min=0)
     stall_timeout_s: float = opt(60.0, "a request whose instance stream brings nothing for this long is checked with "
                                  "the instance, and resumed elsewhere if the instance lost it or its engine makes no "
                                  "step (0 = never)", min=0.0)
@@ -36,6 +50,20 @@ class FrontendConfig(CommonConfig):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.require_api_key and not (self.api_key.strip(", ") or self.api_key_file or
+                                         self.priority_api_key.strip(", ")):
+            raise ConfigError("an API key is required (--require-api-key): give --api-key, --api-key-file or "
+                              "--priority-api-key (compose: ./init.sh writes one into .env)")
+
+    def keys(self):
+        from services.frontend.auth import Keys
+
+        priority = frozenset(k.strip() for k in self.priority_api_key.split(",") if k.strip())
+        required = self.api_keys()
+        return Keys(required | priority if required else frozenset(), priority)
 
     def api_keys(self) -> frozenset[str]:
         keys = {k.strip() for k in self.api_key.split(",") if k.strip()}

@@ -12,7 +12,10 @@ disconnect listener) start after it is out.
 
 A client that goes away cancels the stream's task: the events' generator
 gets the cancellation at its await (the request's instance call is cancelled
-there, which aborts the request and frees its KV)."""
+there, which aborts the request and frees its KV). So does a client that
+stays but stops reading: an event it does not take within
+``write_timeout_s`` (the socket's buffers full) ends the stream the same way;
+the connection is closed."""
 
 from __future__ import annotations
 
@@ -23,6 +26,11 @@ from typing import AsyncIterator
 from sse_starlette import ServerSentEvent  # (the package exports it in 2.x and 3.x)
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from libs.common.logging import get_logger
+from services.frontend import metrics
+
+log = get_logger(__name__)
 
 HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
@@ -40,11 +48,18 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, first: str, rest: AsyncIterator[str], ping_s: float = 15.0):
+    def __init__(self, first: str, rest: AsyncIterator[str], ping_s: float = 15.0, write_timeout_s: float = 30.0):
         super().__init__(rest, headers=HEADERS)
         self.first = first
         self.ping_s = ping_s
+        self.write_timeout_s = write_timeout_s
         self._lock = asyncio.Lock()
+
+    async def _send(self, send: Send, body: bytes, more: bool = True) -> None:
+        """One write, within the write timeout (TimeoutError: the client does not read)."""
+        async with self._lock:
+            await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": more}),
+                                   self.write_timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -56,30 +71,37 @@ class EventStream(StreamingResponse):
         others = [asyncio.ensure_future(self._disconnected(receive))]
         if self.ping_s > 0:
             others.append(asyncio.ensure_future(self._ping(send)))
+        waits = [stream, others[0]] + others[1:]  # a ping that cannot be written ends it too
         try:
-            await asyncio.wait([stream, others[0]], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if stream not in done:  # cut by the client: gone, or not reading
+                why = "disconnected" if others[0] in done else "not reading (ping)"
+                log.info("stream ended by its client", why=why)
         finally:
             for t in (stream, *others):
                 t.cancel()
             for t in others:
-                with contextlib.suppress(asyncio.CancelledError):
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                     await t
-            with contextlib.suppress(asyncio.CancelledError):
-                await stream  # its error, if it failed, is the response's
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await stream  # its error, if it failed, is the response's (not a slow reader's)
 
     async def _stream(self, send: Send) -> None:
-        async for data in self.body_iterator:
-            async with self._lock:
-                await send({"type": "http.response.body", "body": encode(data), "more_body": True})
-        async with self._lock:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            async for data in self.body_iterator:
+                await self._send(send, encode(data))
+        except TimeoutError:
+            metrics.DISCONNECTS.labels("slow_reader").inc()
+            log.info("stream ended by its client", why=f"not reading ({self.write_timeout_s:g}s)")
+            raise
+        finally:
+            await self.body_iterator.aclose()  # cancels the request's instance call if it did not end
+        await self._send(send, b"", more=False)
 
     async def _ping(self, send: Send) -> None:
         while True:
             await asyncio.sleep(self.ping_s)
-            async with self._lock:
-                await send({"type": "http.response.body", "body": ServerSentEvent(comment="ping").encode(),
-                            "more_body": True})
+            await self._send(send, ServerSentEvent(comment="ping").encode())
 
     @staticmethod
     async def _disconnected(receive: Receive) -> None:

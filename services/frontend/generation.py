@@ -1,7 +1,15 @@
 """One request's token stream as the client sees it: dispatch, follow the
-request across migrations (re-attach where it moved), resume it on another
-instance by recompute if its instance dies. Delivery is exactly once and in
-order by index: the frontend keeps every token it delivered."""
+request across migrations (re-attach where it moved, only to a registered
+instance), resume it on another instance by recompute if its instance dies
+or fails it. Delivery is exactly once and in order by index: the frontend
+keeps every token it delivered.
+
+NOTE: a request's retry budget (``max_resumes``, default 1) bounds how often
+it is resumed after a failure: its instance died, stalled, or failed it
+alone. A poison request then breaks at most two instances' work for it, never
+the cluster, and fails alone with its error. An instance that refuses it for
+load (RESOURCE_EXHAUSTED) is no failure: the request goes elsewhere, else the
+client gets 429."""
 
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import grpc
 
 from ferry.pb import instance_pb2 as ipb
 from libs.common import convert
-from libs.common.errors import Code, FerryError, InvalidArgument, Unavailable
+from libs.common.errors import Code, FerryError, InvalidArgument, ResourceExhausted, Unavailable
 from libs.common.logging import get_logger
 from libs.common.types import Priority, SamplingParams
 from services.frontend import metrics
@@ -37,6 +45,7 @@ class Generation:
     preemption_loss_ms: float = 0.0
     num_migrations: int = 0
     num_resumes: int = 0
+    recomputed_tokens: int = 0  # tokens instances computed again after a resume (prompt + delivered)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     # Above 0: the instance may hold tokens after the first and send them
@@ -44,7 +53,7 @@ class Generation:
     flush_interval_ms: int = 0
 
 
-async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) -> AsyncIterator[int]:
+async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) -> AsyncIterator[int]:
     """Yield the request's token ids in order, each once. On return,
     ``gen.finish_reason`` is set. Cancelling the iteration cancels the
     instance call, which aborts the request there and frees its blocks."""
@@ -55,13 +64,17 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
     handoff = None
     last_token_at = None
 
-    def resume_elsewhere(why: str, error: BaseException | None = None) -> None:
-        """The instance failed the stream (crashed, ended it early, stalled):
-        resume the request on another one by recompute, or give up."""
+    def resume_elsewhere(why: str, error: BaseException | None = None, final: FerryError | None = None) -> None:
+        """The instance failed the stream (crashed, ended it early, stalled,
+        failed the request): resume the request on another one by recompute,
+        or give up (with ``final`` if given)."""
         nonlocal address
         if gen.num_resumes >= max_resumes:
+            if final is not None:
+                raise final from error
             raise Unavailable(f"{why}; the request was resumed {max_resumes} times already") from error
         gen.num_resumes += 1
+        gen.recomputed_tokens += len(gen.prompt_ids) + len(gen.delivered)
         metrics.RESUMES.inc()
         log.warning("instance failed the request; resuming elsewhere", request_id=gen.request_id,
                     instance_id=instance_id, delivered=len(gen.delivered), reason=why)
@@ -91,6 +104,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
                 resume_token_ids=gen.delivered, flush_interval_ms=gen.flush_interval_ms, handoff=handoff))
         watched = router.watchdog.watch(gen.request_id, instance_id, address, call)
         moved = None
+        failed = None
         try:
             async for ev in call:
                 watched.touch()
@@ -114,7 +128,11 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
                             gen.delivered.append(token_id)
                             yield token_id
                 if ev.finish_reason == "error":
-                    raise _request_error(ev, instance_id)
+                    err = _request_error(ev, instance_id)
+                    if err.code is not Code.INTERNAL:
+                        raise err
+                    failed = err  # the engine failed it: once more elsewhere, then the error
+                    break
                 if ev.finish_reason:
                     gen.finish_reason = ev.finish_reason
                     gen.num_preemptions += ev.num_preemptions
@@ -128,6 +146,13 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
             code = e.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(e.details() or "rejected by the instance") from e
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not gen.delivered:
+                # Refused for load before it started: not a failure; another instance, else 429.
+                exclude.add(instance_id)
+                if len(exclude) >= max(1, len(router.view.records)):
+                    raise ResourceExhausted(f"every instance is full: {e.details()}") from e
+                address = None
+                continue
             resume_elsewhere(f"instance {instance_id} failed: {code.name}", e)
             continue
         except asyncio.CancelledError:
@@ -138,9 +163,20 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 3) 
         finally:
             router.watchdog.unwatch(watched)
             call.cancel()
+        if failed is not None:
+            resume_elsewhere(f"instance {instance_id} failed the request", final=failed)
+            continue
         if moved is None:
             # The stream ended without a final event: the instance went away.
             resume_elsewhere(f"instance {instance_id} ended the stream early")
+            continue
+        if not await router.is_registered(moved.instance_id, moved.address):
+            # NOTE: a move is followed only to an instance the meta store
+            # knows at that address: the cluster token is not enough to send
+            # a client's stream anywhere.
+            log.warning("move to an unregistered instance refused", request_id=gen.request_id,
+                        instance_id=moved.instance_id, address=moved.address)
+            resume_elsewhere(f"instance {instance_id} moved the request to an unregistered instance")
             continue
         metrics.MIGRATIONS_FOLLOWED.inc()
         gen.num_migrations += 1

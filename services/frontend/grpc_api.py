@@ -1,4 +1,10 @@
-"""The frontend's gRPC Generate API: the semantics of POST /v1/completions."""
+"""The frontend's gRPC Generate API: the semantics of POST /v1/completions.
+
+NOTE: the request id is the frontend's own, as over HTTP: a client's id
+(``request_id``) is kept as metadata, bounded, and echoed back as
+``client_request_id``; it never reaches an instance, where two clients' ids
+collided ("already running here") and a 7.9 MB id was copied into every
+status report."""
 
 from __future__ import annotations
 
@@ -9,25 +15,36 @@ from ferry.pb import frontend_pb2 as pb
 from ferry.pb import frontend_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.errors import InvalidArgument
-from libs.common.validation import sampling_problem, stops_problem
-from services.frontend.auth import check_bearer
+from libs.common.validation import MAX_CLIENT_REQUEST_ID, sampling_problem, stops_problem
+from services.frontend.admission import Admission
+from services.frontend.auth import Keys, check_priority
 from services.frontend.completions import Prepared, check_token_ids, text_stream
 from services.frontend.generation import Generation
 
 
 class FrontendServicer(pb_grpc.FrontendServicer):
-    def __init__(self, router, tokenizer, max_len, max_resumes: int = 3, api_keys: frozenset[str] = frozenset()):
+    def __init__(self, router, tokenizer, max_len, max_resumes: int = 1, keys: Keys | frozenset[str] = Keys(),
+                 admission: Admission | None = None):
         self.router = router
         self.tokenizer = tokenizer
         self.max_len = max_len
         self.max_resumes = max_resumes
-        self.api_keys = api_keys
+        self.keys = keys if isinstance(keys, Keys) else Keys(keys)
+        self.admission = admission or Admission()
 
     def vocab_size(self) -> int:
         return self.router.vocab_size(self.tokenizer.vocab_size)
 
     async def Generate(self, request, context):
-        check_bearer(dict(context.invocation_metadata() or ()).get("authorization"), self.api_keys)
+        privileged = self.keys.check(dict(context.invocation_metadata() or ()).get("authorization"))
+        with self.admission.slot():
+            async for m in self._generate(request, privileged):
+                yield m
+
+    async def _generate(self, request, privileged: bool):
+        if len(request.request_id) > MAX_CLIENT_REQUEST_ID:
+            raise InvalidArgument(f"request_id has at most {MAX_CLIENT_REQUEST_ID} characters, got "
+                                  f"{len(request.request_id)}", param="request_id")
         ids = list(request.prompt_token_ids) or (self.tokenizer.encode(request.prompt) if request.prompt else [])
         if not ids:
             raise InvalidArgument("prompt or prompt_token_ids is required", param="prompt")
@@ -39,6 +56,7 @@ class FrontendServicer(pb_grpc.FrontendServicer):
         if problem:
             raise InvalidArgument(f"sampling: {problem}", param="sampling")
         priority = convert.priority_from_pb(request.priority)
+        check_priority(priority, privileged)
         problem = stops_problem(list(request.stop))
         if problem:
             raise InvalidArgument(problem, param="stop")
@@ -48,13 +66,14 @@ class FrontendServicer(pb_grpc.FrontendServicer):
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(ids) + sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{sampling.max_tokens} for the completion).", param="max_tokens")
-        gen = Generation(request.request_id or f"grpc-{uuid.uuid4().hex}", ids, sampling, priority)
+        gen = Generation(f"grpc-{uuid.uuid4().hex}", ids, sampling, priority)
         prep = Prepared(gen, list(request.stop), int(time.time()), "completion")
         sent = 0
+        client_id = request.request_id
         async for text in text_stream(self.router, self.tokenizer, prep, self.max_resumes):
             yield pb.TextGenerateResponse(request_id=gen.request_id, text=text,
-                                          token_ids=gen.delivered[sent:])
+                                          token_ids=gen.delivered[sent:], client_request_id=client_id)
             sent = len(gen.delivered)
         yield pb.TextGenerateResponse(request_id=gen.request_id, token_ids=gen.delivered[sent:],
-                                      finish_reason=gen.finish_reason or "stop",
+                                      finish_reason=gen.finish_reason or "stop", client_request_id=client_id,
                                       prompt_tokens=len(ids), completion_tokens=len(gen.delivered))

@@ -21,6 +21,11 @@ RESUMES = Counter("ferry_resumes_total", "Requests resumed on another instance a
 STALLED = Counter("ferry_stalled_requests_total",
                   "Instance streams that made no progress past the stall limit (cancelled; the request resumed "
                   "elsewhere or failed)")
+REFUSED = Counter("ferry_requests_refused_total", "Requests refused at admission, by reason (in_flight: over "
+                  "--max-in-flight; draining: the frontend stops; instances_full: every instance's queue is full)",
+                  ["reason"])
+DISCONNECTS = Counter("ferry_client_disconnects_total", "Requests aborted because their client went away, by "
+                      "when", ["when"])
 REQUEST_ERRORS = Counter("ferry_request_errors_total", "Requests an instance failed on their own, by code", ["code"])
 INSTANCE_FREENESS = Gauge("ferry_instance_freeness", "Last reported freeness per instance", ["instance"])
 INSTANCE_RUNNING = Gauge("ferry_instance_running", "Running requests per instance", ["instance"])

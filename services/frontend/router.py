@@ -4,6 +4,7 @@ scheduler when it returns."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import NamedTuple
 
@@ -88,6 +89,23 @@ class Router:
     def serving_instances(self) -> int:
         """Instances a request can be placed on now: registered, reported, not draining."""
         return sum(1 for r in self.view.records.values() if r.status is not None and not r.status.terminating)
+
+    async def is_registered(self, instance_id: str, address: str, wait_s: float = 2.0) -> bool:
+        """Whether the meta store knows ``instance_id`` at ``address``,
+        waiting up to ``wait_s`` for a view that may lag a registration."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            rec = self.view.records.get(instance_id)
+            if rec is not None:
+                return rec.info.address == address
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.view.changed.clear()
+            try:
+                await asyncio.wait_for(self.view.changed.wait(), left)
+            except TimeoutError:
+                return False
 
     def vocab_size(self, default: int) -> int:
         """The vocabulary every instance accepts (``default`` when none says)."""

@@ -3,13 +3,27 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from libs.common.validation import stops_problem
 
 INT32_MAX = 2**31 - 1  # what crosses to the instances travels as protobuf int32
+
+
+def _unicode(v: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"): valid JSON, no text. It
+    cannot be tokenized (the tokenizer raised a TypeError: a 500), nor sent
+    on as protobuf (strings are UTF-8): refused here, naming the field."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode ({e.reason} at position {e.start})") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -19,13 +33,13 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -33,7 +47,7 @@ class _Common(BaseModel):
     priority: Literal["high", "normal"] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
-    user: str | None = None
+    user: Text | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -60,7 +74,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
     echo: bool = False
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
 
@@ -78,15 +92,25 @@ class CompletionRequest(_Common):
         return v
 
 
+class ContentPart(BaseModel):
+    """A part of a chat message's content: text parts only (an image or an
+    audio part would be silently dropped otherwise)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: Text
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 

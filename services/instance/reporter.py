@@ -76,7 +76,12 @@ class StatusReporter:
                 raise
             except grpc.RpcError as e:
                 if self.registered:
-                    log.warning("meta store unreachable; retrying", error=e.code().name)
+                    log.warning("meta store unreachable; retrying", error=e.code().name, details=e.details())
+                self.registered = False
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+            except Exception as e:  # noqa: BLE001 - NOTE: a reporter that stops lets the instance expire
+                log.error("status report failed; retrying", error=repr(e))
                 self.registered = False
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)

@@ -20,6 +20,7 @@ once with EngineBroken: nobody awaits a dead engine forever."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import queue
 import threading
@@ -56,6 +57,7 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
         self.last_step_s = 0.0  # wall time of the latest step
+        self._recent_steps: collections.deque[float] = collections.deque(maxlen=64)  # their wall times
         self._step_t0: float | None = None  # perf_counter at the start of the step under way
         self.error: BaseException | None = None
         self.dead = False
@@ -146,6 +148,16 @@ class EngineRunner:
             return 0.0
         return max(0.0, t0 + self.last_step_s - time.perf_counter())
 
+    def step_running_s(self) -> float:
+        """Any thread: how long the step under way has run (0 between steps)."""
+        t0 = self._step_t0
+        return 0.0 if t0 is None else max(0.0, time.perf_counter() - t0)
+
+    def expected_step_s(self) -> float | None:
+        """The longest of the recent steps (a long prompt's chunk included);
+        None before the first step."""
+        return max(self._recent_steps, default=None)
+
     def release(self, key: str) -> None:
         """Any thread: end the hold ``key`` (none: nothing happens)."""
         with self._holds_lock:
@@ -218,6 +230,7 @@ class EngineRunner:
 
     def _run(self) -> None:
         die_after = failpoints.value("engine.die_after_steps")
+        hang_after = failpoints.value("engine.hang_after_steps")  # tests: a step that never returns
         try:
             while not self._stop.is_set():
                 changed = self._drain()
@@ -232,9 +245,13 @@ class EngineRunner:
                     if die_after is not None and self.steps >= int(die_after):
                         raise EngineBroken(f"failpoint: engine.die_after_steps={die_after}")
                     t = self._step_t0 = time.perf_counter()
+                    if hang_after is not None and self.steps >= int(hang_after):
+                        self._stop.wait()
+                        return
                     outputs = self.engine.step()
                     self._step_t0 = None
                     self.last_step_s = time.perf_counter() - t
+                    self._recent_steps.append(self.last_step_s)
                     self.steps += 1
                     self._publish(outputs)
                     continue

@@ -21,6 +21,7 @@ from libs.common.errors import (
     FerryError,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
     abort_with,
 )
@@ -28,7 +29,11 @@ from libs.common.logging import get_logger
 from libs.common.server import Service
 from libs.common.types import InstanceInfo, InstanceStatus, Role, TokenOutput
 from services.instance.engine import ENGINES, create_engine
+from libs.common.validation import request_id_problem
+from services.instance.admission import QueueBound
 from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineLoad, EngineRequest
+from services.instance.hang import HangLimits, HangMonitor, Health
+from services.instance.registered import Registered
 from services.instance.reporter import StatusReporter
 from services.instance.runner import EngineRunner
 from services.instance.status import high_priority_headroom, instance_status, material
@@ -39,6 +44,7 @@ log = get_logger(__name__)
 # Exit status of an instance whose engine died (the launcher, ferry up and
 # compose see a crash; its requests resume elsewhere by recompute).
 EXIT_ENGINE_DIED = 3
+EXIT_ENGINE_HUNG = 4  # a step ran past --hang-stop-s (services/instance/hang.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +117,16 @@ class InstanceConfig(CommonConfig):
                                       "between two steps, MiB (at least one request a step; the others "
                                       "attend here meanwhile)", min=0.0)
     migration_deadline_ms: int = opt(3000, "migration: a reservation not renewed for this long is freed", min=50)
+    max_queued_tokens: int | None = opt(None, "refuse new requests (RESOURCE_EXHAUSTED: the frontend tries another "
+                                        "instance, else 429) while this many prompt tokens wait for their first "
+                                        "step (default: 4 x --max-num-batched-tokens, at least 8192; 0 = no bound)", min=0)
+    drain_timeout_s: float = opt(60.0, "on SIGTERM: migrate the requests here to other instances for up to this "
+                                 "long before stopping (what is left resumes elsewhere by recompute)", min=0.0)
+    hang_factor: float = opt(2.0, "an engine step running past this many times the expected step time (the longest "
+                             "recent one) marks the instance unschedulable and NOT_SERVING", min=1.0)
+    hang_floor_s: float = opt(0.5, "... and past this long in any case", min=0.001)
+    hang_stop_s: float = opt(60.0, "a step hung this long stops the instance (exit 4; its requests resume "
+                             "elsewhere; 0 = never)", min=0.0)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
                          "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
@@ -135,6 +151,11 @@ class InstanceConfig(CommonConfig):
             handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms,
             join_notice=self.migration_join_notice, shared_kv=self.migration_shared_kv,
             fuse_last_stage=self.migration_fuse_last_stage)
+
+    def queued_tokens_bound(self) -> int:
+        if self.max_queued_tokens is not None:
+            return self.max_queued_tokens
+        return max(4 * self.max_num_batched_tokens, 8192)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -213,6 +234,10 @@ class InstanceService(Service):
         self.migration = None  # set in start(): services.instance.migration.MigrationManager
         self.pipeline = None  # set in start(): services.instance.pipeline.PipelineHost (KunServe)
         self.migration_rpcs = None
+        self.queue = QueueBound(config.queued_tokens_bound())
+        self.registered = Registered(config.meta_store)
+        self.hang: HangMonitor | None = None  # set in start()
+        self.draining = False  # SIGTERM: handing the requests here over before stopping
 
     # --- lifecycle --------------------------------------------------------------
     def register(self, server: grpc.aio.Server) -> None:
@@ -245,10 +270,19 @@ class InstanceService(Service):
         self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
                                        self.config.report_interval_s, self.config.heartbeat_s)
         self.reporter.start()
+        c = self.config
+        self.hang = HangMonitor(self.runner, HangLimits(c.hang_factor, c.hang_floor_s, c.hang_stop_s),
+                                self._on_health)
+        self.hang.start()
         log.info("instance ready", instance_id=self.instance_id, address=address, engine=e.name,
                  blocks=e.num_total_blocks, block_size=e.block_size)
 
     async def stop(self) -> None:
+        if self.migration and not self.dead and self.exit_code == 0 and self.config.drain_timeout_s > 0:
+            await self._drain()
+        if self.hang:
+            await self.hang.stop()
+        await self.registered.close()
         if self.migration:
             await self.migration.close()
         if self.pipeline:
@@ -261,6 +295,42 @@ class InstanceService(Service):
     def _poke(self) -> None:
         if self.reporter:
             self.reporter.poke()
+
+    def _held(self) -> int:
+        """Requests this instance still holds: queued, running, leaving."""
+        return len(self.load.requests) + (self.migration.migrating_out if self.migration else 0)
+
+    async def _drain(self) -> None:
+        """SIGTERM: hand every request over by live migration first (shutdown.py)."""
+        from services.instance.shutdown import drain_for_shutdown
+
+        self.draining = self.terminating = True
+        self._poke()
+        if not self._held():
+            return
+        log.info("draining before stopping", requests=self._held(), max_s=self.config.drain_timeout_s)
+        try:
+            await drain_for_shutdown(self.migration, self.config.meta_store, self.instance_id,
+                                     self.config.drain_timeout_s, self._held)
+        except Exception as e:  # noqa: BLE001 - a failed drain still stops (the rest resume by recompute)
+            log.error("shutdown drain failed", error=repr(e))
+
+    def _on_health(self, health: Health, running_s: float) -> None:
+        """The hang monitor's verdict changed (services/instance/hang.py)."""
+        self._poke()
+        asyncio.ensure_future(self.set_health(health is Health.STEPPING))
+        if health is Health.STOPPING and not self.dead:
+            self._end_all(Code.UNAVAILABLE, f"the engine of instance {self.instance_id} is stuck in a step "
+                                            f"({running_s:.1f}s); resuming elsewhere")
+            self.dead = True
+            self.shutdown(EXIT_ENGINE_HUNG)
+
+    def _end_all(self, code: Code, message: str) -> None:
+        """End every stream with an error: their requests resume elsewhere."""
+        for rid in self.streams.ids():
+            stream = self.streams.get(rid)
+            stream.push(Event(stream.next_index, error=(code.value, message)))
+            self.streams.close(rid)
 
     # --- engine outputs (on the event loop) -----------------------------------------
     def _on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
@@ -283,6 +353,7 @@ class InstanceService(Service):
             self._engine_died()
             return
         self.load = load
+        self.queue.on_load()
         key = material(load)
         if key != self._load_key:  # not every step: most only add a token
             self._load_key = key
@@ -300,11 +371,7 @@ class InstanceService(Service):
         self.dead = True
         error = self.runner.error if self.runner else None
         log.error("engine died; stopping this instance so that its requests resume elsewhere", error=repr(error))
-        message = f"the engine of instance {self.instance_id} died: {error!r}"
-        for rid in self.streams.ids():
-            stream = self.streams.get(rid)
-            stream.push(Event(stream.next_index, error=(Code.UNAVAILABLE.value, message)))
-            self.streams.close(rid)
+        self._end_all(Code.UNAVAILABLE, f"the engine of instance {self.instance_id} died: {error!r}")
         self.shutdown(EXIT_ENGINE_DIED)
 
     def _end_stream(self, request_id: str, reason: str) -> None:
@@ -319,7 +386,8 @@ class InstanceService(Service):
         m = self.migration
         return instance_status(self.instance_id, self.seq, time.time(), self.load, self.headroom,
                                self.terminating, m.migrating_in if m else 0, m.migrating_out if m else 0,
-                               engine_steps=self.runner.steps if self.runner else 0, role=self.role)
+                               engine_steps=self.runner.steps if self.runner else 0, role=self.role,
+                               unschedulable=self.hang is not None and self.hang.health is not Health.STEPPING)
 
 
 class InstanceServicer(pb_grpc.InstanceServicer):
@@ -331,6 +399,9 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if svc.dead:
             await abort_with(context, Unavailable(f"the engine of instance {svc.instance_id} is not running"))
         rid = request.request_id or uuid.uuid4().hex
+        problem = request_id_problem(rid)
+        if problem:
+            await abort_with(context, InvalidArgument(problem, param="request_id"))
         if rid in svc.streams and not await svc.migration.dest.drop_unattached(rid):
             await abort_with(context, InvalidArgument(f"request id {rid!r} is already running here"))
         sampling = convert.sampling_from_pb(request.sampling)
@@ -341,7 +412,17 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         if request.handoff.instance_id and not request.handoff.address:
             await abort_with(context, InvalidArgument("handoff names an instance without its address", param="handoff"))
         resume = tuple(request.resume_token_ids)
-        plan = self._plan_handoff(rid, request)
+        if request.handoff.instance_id and request.handoff.instance_id != svc.instance_id:
+            await svc.registered.check(request.handoff.instance_id, request.handoff.address, "handoff target")
+        n_tokens = len(request.prompt_token_ids) + len(resume)
+        refused = svc.queue.admit(svc.load, n_tokens, resumed=bool(resume))
+        if refused:
+            await abort_with(context, ResourceExhausted(refused))
+        try:
+            plan = self._plan_handoff(rid, request)
+        except BaseException:
+            svc.queue.dropped(n_tokens)
+            raise
         ereq = EngineRequest(rid, tuple(request.prompt_token_ids), sampling, convert.priority_from_pb(request.priority),
                              time.time(), resume)
         stream = svc.streams.open(rid, next_index=len(resume))
@@ -349,13 +430,19 @@ class InstanceServicer(pb_grpc.InstanceServicer):
             if not failpoints.enabled("instance.lose_requests"):  # tests: a request that never runs
                 await svc.migration.handoffs.add(ereq, plan)  # a per-layer handoff starts with it
         except EngineBroken as e:
+            svc.queue.dropped(n_tokens)
             svc.streams.close(rid)
             svc.migration.handoffs.forget(rid)
             await abort_with(context, Unavailable(str(e)))
         except EngineError as e:
+            svc.queue.dropped(n_tokens)
             svc.streams.close(rid)
             svc.migration.handoffs.forget(rid)
             await abort_with(context, InvalidArgument(str(e)))
+        except BaseException:
+            svc.queue.dropped(n_tokens)
+            raise
+        svc.queue.added(n_tokens)
         async for m in self._follow(stream, rid, len(resume), len(request.prompt_token_ids),
                                     request.flush_interval_ms):
             yield m
@@ -439,6 +526,8 @@ class InstanceServicer(pb_grpc.InstanceServicer):
                    if h.instance_id and h.instance_id != svc.instance_id]
         if any(h.instance_id and not h.address for h in request.drain_to):
             raise InvalidArgument("drain_to names an instance without its address", param="drain_to")
+        for iid, address in targets:
+            await svc.registered.check(iid, address, "drain_to instance")
         draining = 0
         if role is Role.PREFILL:
             if svc.engine.no_migration:
@@ -474,7 +563,9 @@ class InstanceServicer(pb_grpc.InstanceServicer):
 
     # Migration RPCs: protobuf <-> domain types in services/instance/migration/servicer.py.
     async def MigrateOut(self, request, context):
-        return await self._migration().migrate_out(request)
+        rpcs = self._migration()
+        await self.svc.registered.check(request.dest_instance_id, request.dest_address)
+        return await rpcs.migrate_out(request)
 
     async def PreAllocate(self, request, context):
         return await self._migration().pre_allocate(request)

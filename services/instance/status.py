@@ -12,7 +12,8 @@ from services.instance.engine.base import EngineLoad
 
 def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLoad,
                     headroom: dict[Priority, int], terminating: bool = False, migrating_in: int = 0,
-                    migrating_out: int = 0, engine_steps: int = 0, role: Role = Role.MIXED) -> InstanceStatus:
+                    migrating_out: int = 0, engine_steps: int = 0, role: Role = Role.MIXED,
+                    unschedulable: bool = False) -> InstanceStatus:
     summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks, headroom, terminating,
                         reserved_blocks=load.reserved_blocks)
     waiting = sum(1 for r in load.requests if r.state == "waiting")
@@ -28,6 +29,7 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
         migrating_out=migrating_out, requests=summary.requests,
         used_blocks=load.total_blocks - load.free_blocks - load.reserved_blocks,
         waiting_demand_blocks=load.waiting_demand_blocks, engine_steps=engine_steps, role=role,
+        unschedulable=unschedulable,
     )
 
 

@@ -29,6 +29,10 @@ class Change:
     wire: list = field(default_factory=list, compare=False, repr=False)
 
 
+class TakenOver(Exception):
+    """Another live instance holds this id."""
+
+
 class Registry:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
                  watch_queue_size: int = 10_000):
@@ -40,8 +44,16 @@ class Registry:
 
     # --- commands -------------------------------------------------------------
     def register(self, info: InstanceInfo) -> None:
+        """Add or refresh an instance. Raises TakenOver when the id is
+        registered at another address and its owner reported within the TTL:
+        NOTE: the cluster token does not let one instance take another's id
+        (its clients and migrations would follow to the new address)."""
         existed = info.instance_id in self._records
         old = self._records.get(info.instance_id)
+        if old is not None and old.info.address != info.address and self.clock() - old.last_seen <= self.ttl_s:
+            raise TakenOver(f"instance id {info.instance_id!r} is registered at {old.info.address} and alive; "
+                            f"not re-registering it at {info.address} (it expires {self.ttl_s:g}s after its last "
+                            "report)")
         rec = InstanceRecord(info=info, status=old.status if old else None, last_seen=self.clock())
         self._records[info.instance_id] = rec
         self._notify(ChangeType.UPDATED if existed else ChangeType.ADDED, rec)

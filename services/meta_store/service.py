@@ -9,13 +9,16 @@ import time
 
 import grpc
 
+from ferry.pb import common_pb2 as pb_common
 from ferry.pb import meta_store_pb2 as pb
 from ferry.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.config import CommonConfig, opt
+from libs.common.errors import FailedPrecondition, InvalidArgument
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from services.meta_store.registry import Change, ChangeType, Registry
+from libs.common.validation import request_id_problem
+from services.meta_store.registry import Change, ChangeType, Registry, TakenOver
 
 log = get_logger(__name__)
 
@@ -48,7 +51,14 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
 
     async def Register(self, request, context):
         info = convert.info_from_pb(request.info)
-        self.registry.register(info)
+        problem = request_id_problem(info.instance_id)  # ids are request-id-like: bounded, not empty
+        if problem:
+            raise InvalidArgument(f"instance id: {problem.replace('request_id', 'it')}")
+        try:
+            self.registry.register(info)
+        except TakenOver as e:
+            log.warning("registration refused: id taken", instance_id=info.instance_id, address=info.address)
+            raise FailedPrecondition(str(e)) from None
         log.info("instance registered", instance_id=info.instance_id, address=info.address)
         return pb.RegisterReply(ttl_s=self.registry.ttl_s)
 
@@ -69,6 +79,10 @@ class MetaStoreServicer(pb_grpc.MetaStoreServicer):
                 return
 
     async def List(self, request, context):
+        if request.info_only:
+            return pb.ListReply(instances=[pb_common.InstanceRecord(info=convert.info_to_pb(r.info),
+                                                                   last_seen=r.last_seen)
+                                           for r in self.registry.list()])
         return pb.ListReply(instances=[convert.record_to_pb(r) for r in self.registry.list()])
 
     async def Watch(self, request, context):

@@ -30,6 +30,7 @@ import grpc
 from ferry.pb import instance_pb2 as ipb
 from ferry.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
+from libs.common.backoff import RestartBackoff
 from libs.common.load import is_finite
 from libs.common.logging import get_logger
 from libs.common.types import Priority
@@ -226,6 +227,9 @@ class Autoscaler:
         self.draining: dict[str, _Drain] = {}
         self.events: list[ScaleEvent] = []
         self._task: asyncio.Task | None = None
+        # A launched instance that dies on its own is replaced: at once, then
+        # with a doubling back-off while replacements keep dying.
+        self.replacing = RestartBackoff()
 
     def start(self) -> None:
         self._started_at = time.monotonic()
@@ -278,9 +282,13 @@ class Autoscaler:
         reap = getattr(self.launcher, "reap", None)
         if reap:
             for iid in reap():
-                log.warning("launched instance died", instance_id=iid)
-                if self.draining.pop(iid, None):
+                if self.draining.pop(iid, None) is not None:
+                    log.warning("launched instance died while draining", instance_id=iid)
                     await self.state.delete("draining", iid)
+                    continue
+                delay = self.replacing.died(now)
+                log.warning("launched instance died; replacing it", instance_id=iid, delay_s=delay)
+                self._launch(now, Decision(SCALE_OUT, reason=f"replaces {iid}, which died"), delay_s=delay)
         await self._check_drains(now)
         add_sample(self.window, self.sample(now), self.policy)
         d = decide(list(self.window), self.policy, now=now, last_action_at=self.last_action_at,
@@ -298,12 +306,15 @@ class Autoscaler:
         for _ in range(d.count):
             self._launch(now, d)
 
-    def _launch(self, now: float, d: Decision) -> None:
+    def _launch(self, now: float, d: Decision, delay_s: float = 0.0) -> None:
         ev = ScaleEvent(now, SCALE_OUT, None, d.reason)
         self.events.append(ev)
 
         async def run():
             try:
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                self.replacing.started(time.monotonic())
                 ev.instance_id = await self.launcher.launch()
                 ev.done_at = time.monotonic()
             except Exception as e:  # noqa: BLE001

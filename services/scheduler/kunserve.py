@@ -58,6 +58,9 @@ RESTORES = Counter("ferry_kunserve_restores_total", "buddy groups restored (laye
 FAILURES = Counter("ferry_kunserve_failures_total", "group formations or restores that failed", ["action"])
 GROUPS = Gauge("ferry_kunserve_groups", "buddy groups serving as pipelines now")
 FREED = Gauge("ferry_kunserve_freed_blocks", "KV blocks lent by dropped layers now")
+# A drop or restore moves a layer range's weights and KV between instances: minutes at worst,
+# never forever (a member that stopped answering fails the restore, which is retried).
+RESTORE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -232,14 +235,15 @@ class KunServeLoop:
         async def drop(m, prepare=False):
             for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
                 await self.stub(addresses[m.instance_id]).DropLayers(
-                    ipb.DropLayersRequest(layers=_lr(r), hold=not prepare, prepare=prepare))
+                    ipb.DropLayersRequest(layers=_lr(r), hold=not prepare, prepare=prepare),
+                    timeout=RESTORE_TIMEOUT_S)
 
         async def enter(m):
             peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
                      for o in plan.members if o is not m]
             await self.stub(addresses[m.instance_id]).SetPipeline(
                 ipb.SetPipelineRequest(own=_lr(range(m.start, m.end)), peers=peers,
-                                       pause_exchange=self.cfg.pause_exchange))
+                                       pause_exchange=self.cfg.pause_exchange), timeout=RESTORE_TIMEOUT_S)
 
         try:
             await _all(drop(m, prepare=True) for m in plan.members)  # storage ready, no step held yet
@@ -278,9 +282,11 @@ class KunServeLoop:
         for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
             for part, holder in holders(g.plan, r):
                 await stub.RestoreLayers(ipb.RestoreLayersRequest(layers=_lr(part),
-                                                                  from_address=g.addresses[holder]))
+                                                                  from_address=g.addresses[holder]),
+                                         timeout=RESTORE_TIMEOUT_S)
         t1 = time.perf_counter()
-        await stub.SetPipeline(ipb.SetPipelineRequest(own=_lr(range(self.cfg.num_layers))))
+        await stub.SetPipeline(ipb.SetPipelineRequest(own=_lr(range(self.cfg.num_layers))),
+                               timeout=RESTORE_TIMEOUT_S)
         log.info("kunserve: member restored", member=m.instance_id, layers_ms=round((t1 - t0) * 1000, 1),
                  kv_back_ms=round((time.perf_counter() - t1) * 1000, 1))
 

@@ -47,7 +47,9 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
     def f(v: InstanceView) -> float:
         return float("-inf") if v.status.terminating else freeness_of(v)
 
-    live = [(f(v), v) for v in views if v.instance_id not in busy and v.migratable]  # each F once
+    # NOTE: a hung engine (unschedulable) can neither send nor take a request
+    live = [(f(v), v) for v in views
+            if v.instance_id not in busy and v.migratable and not v.status.unschedulable]  # each F once
     sources = sorted(((fv, v) for fv, v in live if fv < out_threshold and
                       (v.status.num_running > 0 or v.status.terminating)), key=lambda p: p[0])
     # NOTE: an instance with a queue is never a destination: migrating in

@@ -85,3 +85,30 @@ async def test_a_store_that_has_not_heard_a_status_yet_does_not_blank_it():
     await view.stop()
     stop2.set()
     await task2
+async def test_the_view_survives_an_exception_that_is_not_an_rpc_error(monkeypatch):
+    """A record that fails to convert (any exception, not only a failed
+    call) must not end the watch for good: the view watches again."""
+    import grpc
+
+    from libs.common import cluster_view
+
+    address, stop, task = await start_store()
+    info = cpb.InstanceInfo(instance_id="i0", address="127.0.0.1:1", block_size=16, total_blocks=64)
+    async with grpc.aio.insecure_channel(address) as ch:
+        await pb_grpc.MetaStoreStub(ch).Register(pb.RegisterRequest(info=info))
+    real = cluster_view.convert.info_from_pb
+    calls = {"n": 0}
+
+    def flaky(m):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("a record this version cannot read")
+        return real(m)
+    monkeypatch.setattr(cluster_view.convert, "info_from_pb", flaky)
+    view = ClusterView(address)
+    view.start()
+    await asyncio.wait_for(view.synced.wait(), 5)
+    assert list(view.records) == ["i0"] and calls["n"] >= 2
+    await view.stop()
+    stop.set()
+    await task

@@ -594,3 +594,45 @@ def test_dockerignore():
     lines = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()}
     for pattern in (".venv", ".git", "**/__pycache__", "out"):
         assert pattern in lines, pattern
+
+
+@pytest.mark.parametrize("env_name", sorted(ENVIRONMENTS))
+def test_the_frontend_requires_an_api_key_by_default(env_name, monkeypatch):
+    """Issue 39: compose never starts an open endpoint by mistake. With the
+    shipped settings the frontend's own config refuses to start without a
+    key (./init.sh writes one into .env), and starts with one; the port is
+    published on loopback unless told otherwise."""
+    from libs.common.config import ConfigError
+    from services.frontend.config import FrontendConfig
+
+    svc = compose(env_name)["services"]["frontend"]
+    params = parse_service("frontend", svc, monkeypatch).params
+    assert params["require_api_key"] is True and not params["api_key"]
+    fields = {k: v for k, v in params.items() if k in FrontendConfig.__dataclass_fields__}
+    with pytest.raises(ConfigError, match="API key is required"):
+        FrontendConfig(**fields)
+    FrontendConfig(**{**fields, "api_key": "sk-generated"})
+    assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"]), svc["ports"]
+
+
+def test_init_script_writes_a_token_and_an_api_key_once(tmp_path):
+    folder = tmp_path / "compose"
+    folder.mkdir()
+    shutil.copy(COMPOSE_DIR / "init.sh", folder / "init.sh")
+    shutil.copy(ENV_EXAMPLE, folder / ".env.example")
+    subprocess.run(["sh", str(folder / "init.sh")], check=True, capture_output=True, timeout=30)
+    env = load_env_file(folder / ".env")
+    key, token = env["FERRY_API_KEY"], (folder / "cluster-token").read_text().strip()
+    assert len(key) > 30 and len(token) > 30
+    subprocess.run(["sh", str(folder / "init.sh")], check=True, capture_output=True, timeout=30)
+    assert load_env_file(folder / ".env")["FERRY_API_KEY"] == key  # kept, not replaced
+    assert (folder / "cluster-token").read_text().strip() == token
+
+
+def test_grpc_health_checks_are_tls_aware():
+    """The gRPC services' checks run libs/common/probe.py, which takes the
+    service's FERRY_TLS_* settings (a plain-text probe fails on a TLS server)."""
+    for name, svc in compose()["services"].items():
+        code = " ".join((svc.get("healthcheck") or {}).get("test") or [])
+        if "grpc" in code or "7000" in code or "7001" in code or "7100" in code:
+            assert "libs.common.probe" in code and "insecure_channel" not in code, name

@@ -117,6 +117,51 @@ async def test_with_the_token_the_cluster_serves_and_migrates(token_cluster):
     assert text == expected_fake_text(prompt, 80) and final["migrations"] == 1
 
 
+async def test_the_token_is_not_root(token_cluster):
+    """A holder of the cluster token cannot send a request (its prompt, KV
+    and client stream) to an address of its own, nor take over a live
+    instance's id: migration, handoff and drain destinations must be
+    registered instances at their registered address."""
+    c = token_cluster
+    inst, other = c.instances()
+    thief = "127.0.0.1:1"
+    async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
+        task = asyncio.create_task(stream_completion(http, {"prompt": "mine", "max_tokens": 80}))
+        rid = None
+        for _ in range(200):
+            for i in c.instances():
+                async with rpc.channel(i.address, c.credentials) as ch:
+                    st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
+                if st.requests:
+                    inst, rid = i, st.requests[0].request_id
+            if rid:
+                break
+            await asyncio.sleep(0.01)
+        other = next(i for i in c.instances() if i is not inst)
+        async with rpc.channel(inst.address, c.credentials) as ch:
+            stub = ipb_grpc.InstanceStub(ch)
+            for dest_id, address in ((other.name, thief), ("nobody", thief), ("nobody", other.address)):
+                with pytest.raises(grpc.RpcError) as e:
+                    await stub.MigrateOut(ipb.MigrateOutRequest(request_id=rid, dest_instance_id=dest_id,
+                                                                dest_address=address), timeout=10)
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value
+            with pytest.raises(grpc.RpcError) as e:
+                await stub.Generate(ipb.GenerateRequest(
+                    request_id="handed-to-a-thief", prompt_token_ids=[97, 98], sampling=cpb.SamplingParams(max_tokens=2),
+                    handoff=ipb.Handoff(instance_id=other.name, address=thief)), timeout=10).read()
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        async with rpc.channel(c.meta_store, c.credentials) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                await mpb_grpc.MetaStoreStub(ch).Register(mpb.RegisterRequest(
+                    info=cpb.InstanceInfo(instance_id=other.name, address=thief)), timeout=5)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            listed = await mpb_grpc.MetaStoreStub(ch).List(mpb.ListRequest(info_only=True), timeout=5)
+        assert {r.info.instance_id: r.info.address for r in listed.instances} == {
+            i.name: i.address for i in c.instances()}
+        text, final = await task
+    assert text == expected_fake_text("mine", 80) and final["migrations"] == 0
+
+
 def _certificates(folder):
     """A CA, and one certificate for every service of the cluster (127.0.0.1)."""
     from cryptography import x509
@@ -164,6 +209,13 @@ async def test_mutual_tls_with_a_token(tmp_path_factory):
         async with rpc.channel(inst.address, c.credentials) as ch:
             st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
         assert st.instance_id == inst.name
+        # The compose health check's probe, with the service's own TLS settings from its environment
+        # (a plain-text probe fails on a TLS server).
+        from libs.common import probe
+
+        env = {"FERRY_TLS_CERT": pem["cert"], "FERRY_TLS_KEY": pem["key"], "FERRY_TLS_CA": pem["ca"]}
+        assert probe.serving(inst.address, credentials=probe.credentials_from_env(env))
+        assert not probe.serving(inst.address, credentials=probe.credentials_from_env({}), timeout_s=1)
         no_cert = rpc.Credentials(token=TOKEN, tls_ca=pem["ca"])  # trusts the server, has no client cert
         for creds in (no_cert, rpc.Credentials(token=TOKEN)):  # ... and plaintext
             async with rpc.channel(inst.address, creds) as ch:

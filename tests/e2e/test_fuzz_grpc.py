@@ -1,10 +1,13 @@
-"""The frontend's gRPC Generate API, fuzzed (hypothesis): empty prompts,
-negative or huge max_tokens, NaN and infinite temperature and top_p,
-unknown priorities, ids outside the vocabulary, long stop strings, lone
-surrogates and bytes that are not UTF-8, bytes that are not a message at
-all, oversize messages. Every call completes or ends INVALID_ARGUMENT (or
-RESOURCE_EXHAUSTED for size), never another status, never a stuck stream;
-afterwards the cluster answers and leaks nothing."""
+"""The frontend's gRPC Generate API, fuzzed (hypothesis) against a
+fake-engine cluster and a native one (real sampling): empty prompts,
+negative or huge max_tokens, NaN, infinite and subnormal temperature and
+top_p, unknown priorities, ids outside the vocabulary, long stop strings,
+NUL, RTL and very long text, lone surrogates and bytes that are not UTF-8,
+huge client request ids, bytes that are not a message at all, oversize
+messages. Every call completes or ends INVALID_ARGUMENT (RESOURCE_EXHAUSTED
+for size, PERMISSION_DENIED for a priority without a priority key), never
+another status, never a stuck stream; afterwards the cluster answers, no
+instance exited, nothing leaked."""
 
 import math
 import os
@@ -14,25 +17,39 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ferry.cluster import free_port
+from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.pb import common_pb2 as cpb
 from ferry.pb import frontend_pb2 as fpb
 from tests.conftest import start_fake_cluster
+from tests.e2e.fuzz_values import EDGE_TEXT, FLOATS32, TEXT
 from tests.helpers import expected_fake_text, wait_idle_and_check
 
-EXAMPLES = int(os.environ.get("FERRY_FUZZ_EXAMPLES", "200"))
-OK_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+EXAMPLES = {"fake": int(os.environ.get("FERRY_FUZZ_EXAMPLES", "200")),
+            "native": int(os.environ.get("FERRY_FUZZ_EXAMPLES", "60"))}
+OK_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED}
 INT32 = st.integers(-(2**31), 2**31 - 1)
-FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, 0.7, 1.0]))
+FLOATS = FLOATS32
+PROTO_TEXT = TEXT.filter(lambda t: not any(0xD800 <= ord(ch) <= 0xDFFF for ch in t))  # what protobuf can carry
+MAX_LEN = 64
+FRONTEND_ARGS = ["--max-body-bytes", str(256 << 10)]
 
 
-@pytest.fixture(scope="module")
-def grpc_cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=["fake", pytest.param("native", marks=pytest.mark.model)])
+def grpc_cluster(request, tmp_path_factory):
     port = free_port()
-    c = start_fake_cluster(tmp_path_factory, "fuzz-grpc", instances=2, grpc_port=port,
-                           instance_args=["--token-delay-ms", "0", "--max-model-len", "96"],
-                           frontend_args=["--max-body-bytes", str(256 << 10)])
+    if request.param == "fake":
+        c = start_fake_cluster(tmp_path_factory, "fuzz-grpc", instances=2, grpc_port=port,
+                               instance_args=["--token-delay-ms", "0", "--max-model-len", str(MAX_LEN)],
+                               frontend_args=FRONTEND_ARGS)
+    else:
+        c = LocalCluster(ClusterSpec(instances=2, engine="native", port=free_port(), grpc_port=port,
+                                     instance_args=["--max-model-len", str(MAX_LEN), "--num-blocks", "256"],
+                                     frontend_args=FRONTEND_ARGS,
+                                     log_dir=str(tmp_path_factory.mktemp("fuzz-grpc-native"))))
+        c.start(timeout_s=300)
     c.grpc_port = port
+    c.engine = request.param
+    c.seen = {}
     yield c
     c.stop()
 
@@ -48,7 +65,7 @@ def raw_generate(grpc_cluster):
 
 def call(raw_generate, payload: bytes) -> grpc.StatusCode:
     try:
-        msgs = list(raw_generate(payload, timeout=30))
+        msgs = list(raw_generate(payload, timeout=120))
     except grpc.RpcError as e:
         assert e.code() in OK_CODES, (e.code(), e.details(), payload[:200])
         return e.code()
@@ -66,32 +83,41 @@ def _string_field(number: int, raw: bytes) -> bytes:
             return bytes([number << 3 | 2]) + varint + raw
 
 
-def _request(prompt, ids, t, p, k, mx, mn, seed, stops, stop_ids, prio) -> fpb.TextGenerateRequest:
+def _request(prompt, ids, t, p, k, mx, mn, seed, stops, stop_ids, prio, rid="", model="", eos=False):
     return fpb.TextGenerateRequest(
-        prompt=prompt, prompt_token_ids=ids, priority=prio, stop=stops, sampling=cpb.SamplingParams(
+        prompt=prompt, prompt_token_ids=ids, priority=prio, stop=stops, request_id=rid, model=model,
+        sampling=cpb.SamplingParams(
             temperature=t, top_p=p, top_k=k, max_tokens=mx, min_tokens=mn, has_seed=seed is not None,
-            seed=seed or 0, stop_token_ids=stop_ids))
+            seed=seed or 0, stop_token_ids=stop_ids, ignore_eos=eos))
 
 
 SEEDS = st.one_of(st.none(), st.integers(0, 2**64 - 1))
 # Half of the cases are valid (they must complete), half anything the wire allows.
+# Valid requests (they must complete) at the edges: subnormal and huge sampling values, unicode edge cases.
 valid_requests = st.builds(
-    _request, prompt=st.text(min_size=1, max_size=40), ids=st.just([]),
-    t=st.floats(0, 2, width=32), p=st.floats(0.0625, 1, width=32), k=st.integers(0, 50), mx=st.integers(1, 20),
-    mn=st.just(0), seed=SEEDS, stops=st.lists(st.text(max_size=20), max_size=4),
-    stop_ids=st.lists(st.integers(97, 122), max_size=2), prio=st.sampled_from([0, 1]))
+    _request, prompt=st.one_of(st.text(min_size=1, max_size=40),
+                               st.sampled_from([t for t in EDGE_TEXT if t and len(t) < 100
+                                                and not any(0xD800 <= ord(ch) <= 0xDFFF for ch in t)])),
+    ids=st.just([]), t=st.one_of(st.floats(0, 2, width=32), st.sampled_from([1e-45, 1e-38, 9.99e-6, 1e-5, 2.0])),
+    p=st.one_of(st.floats(0.0625, 1, width=32), st.sampled_from([1e-45, 1e-38, 1e-5])), k=st.integers(0, 50),
+    mx=st.integers(1, 8), mn=st.just(0), seed=SEEDS,
+    stops=st.lists(PROTO_TEXT.filter(lambda t: len(t) <= 256), max_size=4),
+    stop_ids=st.lists(st.integers(97, 122), max_size=2), prio=st.just(0),
+    rid=st.one_of(st.just(""), PROTO_TEXT.map(lambda t: t[:256])), model=PROTO_TEXT, eos=st.booleans())
 wild_requests = st.builds(
-    _request, prompt=st.text(max_size=40), ids=st.lists(st.one_of(INT32, st.integers(97, 122)), max_size=20),
-    t=FLOATS, p=FLOATS, k=st.one_of(INT32, st.just(0)), mx=st.one_of(INT32, st.integers(1, 20)),
+    _request, prompt=PROTO_TEXT, ids=st.lists(st.one_of(INT32, st.integers(97, 122)), max_size=20),
+    t=FLOATS, p=FLOATS, k=st.one_of(INT32, st.just(0)), mx=st.one_of(INT32, st.integers(1, 8)),
     mn=st.one_of(INT32, st.just(0)), seed=SEEDS, stops=st.lists(st.text(max_size=300), max_size=6),
-    stop_ids=st.lists(INT32, max_size=3), prio=st.one_of(INT32, st.sampled_from([0, 1])))
+    stop_ids=st.lists(INT32, max_size=3), prio=st.one_of(INT32, st.sampled_from([0, 1])),
+    rid=st.one_of(st.just(""), st.text(max_size=300), st.just("r" * 100_000)), model=PROTO_TEXT,
+    eos=st.booleans())
 requests = st.one_of(valid_requests, wild_requests)
 
-SEEN: dict = {}
+def test_generated_requests_complete_or_are_refused(grpc_cluster, raw_generate):
+    SEEN = grpc_cluster.seen
 
-
-def test_generated_requests_complete_or_are_refused(raw_generate):
-    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=EXAMPLES[grpc_cluster.engine], deadline=None, suppress_health_check=list(HealthCheck),
+              database=None)
     @given(req=requests, corrupt=st.one_of(st.none(), st.none(), st.binary(min_size=1, max_size=8)))
     def one(req, corrupt):
         payload = req.SerializeToString()
@@ -105,8 +131,9 @@ def test_generated_requests_complete_or_are_refused(raw_generate):
             assert 0 <= req.priority <= 1 and sp.max_tokens >= 1
 
     one()
-    print(f"grpc fuzz cases by status: {SEEN}")
-    assert sum(SEEN.values()) == EXAMPLES and SEEN.get("OK", 0) > 0 and SEEN.get("INVALID_ARGUMENT", 0) > 0
+    print(f"grpc fuzz ({grpc_cluster.engine}): {sum(SEEN.values())} cases by status: {SEEN}")
+    assert sum(SEEN.values()) == EXAMPLES[grpc_cluster.engine]
+    assert SEEN.get("OK", 0) > 0 and SEEN.get("INVALID_ARGUMENT", 0) > 0
 
 
 @pytest.mark.parametrize("payload,code", [
@@ -127,9 +154,11 @@ def test_known_bad_requests(raw_generate, payload, code):
 
 def test_after_fuzzing_the_cluster_answers_and_leaks_nothing(grpc_cluster, raw_generate):
     req = fpb.TextGenerateRequest(prompt="fine", sampling=cpb.SamplingParams(max_tokens=4))
-    msgs = list(raw_generate(req.SerializeToString(), timeout=30))
-    assert "".join(m.text for m in msgs) == expected_fake_text("fine", 4)
+    msgs = list(raw_generate(req.SerializeToString(), timeout=60))
+    assert msgs[-1].finish_reason in ("stop", "length")
+    if grpc_cluster.engine == "fake":
+        assert "".join(m.text for m in msgs) == expected_fake_text("fine", 4)
     for inst in grpc_cluster.instances():
         assert inst.alive()
-        rep = wait_idle_and_check(inst.address)
+        rep = wait_idle_and_check(inst.address, timeout_s=60)
         assert rep.ok and rep.free_blocks == rep.total_blocks, rep

@@ -103,3 +103,28 @@ def test_an_out_of_vocabulary_id_is_a_400_and_the_cluster_answers_the_next_20(cl
         r = client.completions.create(model="smollm2", prompt=f"Hello there {i}", max_tokens=3, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens >= 1
     assert all(inst.alive() for inst in real_cluster.instances())
+
+
+async def test_subnormal_temperatures_never_stop_the_cluster(real_cluster):
+    """The reproduction of issue 39: four concurrent requests with
+    temperature 1e-45 (finite, > 0, not greedy) made every row's
+    probabilities NaN; the step failed for everyone, the instance exited,
+    the frontend resumed the requests on the other one, which died the same
+    way. Target: 4 x 3 rounds answered (200 or 400), then 20/20 normal
+    requests, both instances alive, no block leaked."""
+    url = real_cluster.url
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        for temperature in (1e-45, 5e-324, 1e-30):  # three rounds
+            bodies = [{"prompt": f"Tell me about {w}", "max_tokens": 8, "temperature": temperature, **extra}
+                      for w, extra in (("cats", {}), ("dogs", {"top_p": 1e-300}), ("fish", {"top_k": 1}),
+                                       ("birds", {"stream": True}))]
+            replies = await asyncio.gather(*[http.post("/v1/completions", json=b) for b in bodies])
+            assert all(r.status_code in (200, 400) for r in replies), [(r.status_code, r.text[:200]) for r in replies]
+            assert all(r.status_code == 200 for r in replies)  # these are valid requests: greedy
+        for i in range(20):
+            r = await http.post("/v1/completions", json={"prompt": f"Hello there {i}", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert all(inst.alive() for inst in real_cluster.instances())
+    for inst in real_cluster.instances():
+        rep = await asyncio.to_thread(wait_idle_and_check, inst.address)
+        assert rep.ok and rep.free_blocks == rep.total_blocks, rep

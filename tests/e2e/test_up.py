@@ -127,3 +127,45 @@ def test_up_passes_scheduler_arguments_to_the_scheduler(monkeypatch):
                                        "--scheduler-arg=--kunserve-layers=30"])
     assert r.exit_code == 1 and "stub: not started" in r.output, r.output
     assert seen["spec"].scheduler_args == ["--kunserve", "--kunserve-layers=30"]
+
+
+def test_a_dead_instance_is_started_again():
+    """Issue 39: whoever started an instance starts it again when it dies:
+    `ferry up` restarts a killed instance, and the cluster serves again."""
+    port = free_port()
+    proc = _ferry_up("--instances", "2", "--port", str(port))
+    try:
+        assert proc.stdout.readline().strip().endswith("/v1")
+        instances = [c for c in _descendants(proc.pid) if "instance" in " ".join(c.cmdline())
+                     and "--instance-id" in c.cmdline()]
+        assert len(instances) == 2
+        victim = instances[0]
+        name = victim.cmdline()[victim.cmdline().index("--instance-id") + 1]
+        victim.kill()
+        t0 = time.monotonic()
+        restarted = None
+        while time.monotonic() - t0 < 60 and restarted is None:
+            for c in _descendants(proc.pid):
+                try:
+                    cmd = c.cmdline()
+                except psutil.NoSuchProcess:
+                    continue
+                if c.pid != victim.pid and "--instance-id" in cmd and cmd[cmd.index("--instance-id") + 1] == name:
+                    restarted = c
+            time.sleep(0.1)
+        assert restarted is not None, "the killed instance was not started again"
+        for _ in range(300):  # it registers again and the cluster is whole
+            h = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+            if h.get("serving") == 2:
+                break
+            time.sleep(0.1)
+        assert h["serving"] == 2, h
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "again", "max_tokens": 4})
+        assert r.json()["choices"][0]["text"] == expected_fake_text("again", 4)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        _, err = proc.communicate(timeout=10)
+        assert f"{name} exited with code -9; restarting now" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -67,3 +67,24 @@ async def test_slow_watcher_is_dropped_not_blocking():
         reg.register(info(f"i{i % 10}"))
     await asyncio.sleep(0)
     assert q.get_nowait() is None  # told to re-watch
+
+
+def test_a_live_instance_id_cannot_be_taken_over_by_another_address():
+    import dataclasses
+
+    import pytest
+
+    from services.meta_store.registry import TakenOver
+
+    clock = Clock()
+    reg = Registry(ttl_s=3.0, clock=clock)
+    reg.register(info("i0"))
+    thief = dataclasses.replace(info("i0"), address="10.6.6.6:666")
+    clock.t = 2.9
+    with pytest.raises(TakenOver, match="is registered at 127.0.0.1:1000 and alive"):
+        reg.register(thief)
+    assert reg.list()[0].info.address == "127.0.0.1:1000"
+    reg.register(info("i0"))  # its owner again, same address: fine
+    clock.t = 6.0  # the owner went silent past the TTL: the id is free (a restart on a new port)
+    reg.register(thief)
+    assert reg.list()[0].info.address == "10.6.6.6:666"

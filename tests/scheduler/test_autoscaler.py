@@ -148,3 +148,49 @@ def test_max_launch_sizes_a_scale_out_by_the_shortfall_within_the_caps():
     assert many.action == SCALE_OUT and many.count == 4
     assert decide(w, AutoscalePolicy(10, 60, 10, 1, 16, 5, max_launch=2), now=10).count == 2
     assert decide(w, AutoscalePolicy(10, 60, 10, 1, 6, 5, max_launch=8), now=10).count == 2  # max instances 6
+
+
+async def test_a_launched_instance_that_dies_is_replaced_with_back_off():
+    """Issue 39: whoever started an instance starts one again when it dies;
+    replacements that keep dying wait longer each time. An instance dying
+    while it drains (scale-in) is not replaced."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.scheduler.autoscaler import Autoscaler
+
+    class Launcher:
+        def __init__(self):
+            self.dead, self.launched = [], 0
+
+        def reap(self):
+            dead, self.dead = self.dead, []
+            return dead
+
+        def instances(self):
+            return []
+
+        def stoppable(self):
+            return []
+
+        async def launch(self):
+            self.launched += 1
+            return f"new-{self.launched}"
+
+    view = SimpleNamespace(views=lambda: [], synced=asyncio.Event())
+    launcher = Launcher()
+    a = Autoscaler(SimpleNamespace(view=view), launcher, AutoscalePolicy(min_instances=0, max_instances=10))
+    a.replacing.base_s = 0.05
+    launcher.dead = ["auto-1"]
+    await a.tick()
+    await asyncio.gather(*a.launching)
+    assert launcher.launched == 1 and a.events[-1].reason == "replaces auto-1, which died"
+    launcher.dead = ["new-1"]  # the replacement dies at once: the next one waits
+    await a.tick()
+    assert a.replacing.deaths == 2 and a.launching
+    await asyncio.gather(*a.launching)
+    assert launcher.launched == 2
+    a.draining["new-2"] = object()
+    launcher.dead = ["new-2"]  # stopped by a scale-in meanwhile: not replaced
+    await a.tick()
+    assert not a.launching and launcher.launched == 2

@@ -38,7 +38,8 @@ class Recorder:
 
         class Stub:
             def __getattr__(self, name):
-                async def call(request):
+                async def call(request, timeout=None):
+                    assert timeout is not None, f"{name} without a deadline"  # every inner unary call has one
                     rec.calls.append((address, name, request))
                     return SimpleNamespace()
                 return call

@@ -140,9 +140,10 @@ async def test_high_priority_instance_sheds_normal_requests(tmp_path_factory):
     # requests (lower priority first) away until it is no longer a source.
     c = start_fake_cluster(tmp_path_factory, "priority", instances=2, dispatch="llumnix",
                            instance_args=[*FAST, "--num-blocks", "300", "--headroom-high", "240"],
-                           scheduler_args=sched_args(15, 40))
+                           scheduler_args=sched_args(15, 40), frontend_args=["--priority-api-key", "vip"])
     try:
-        async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
+        # the priority key lets this client ask for high priority (anyone may send normal ones)
+        async with httpx.AsyncClient(base_url=c.url, timeout=60, headers={"Authorization": "Bearer vip"}) as http:
             normal = [f"normal {i} " * 6 for i in range(6)]
             tasks = [asyncio.create_task(stream_completion(http, {"prompt": p, "max_tokens": 500}))
                      for p in normal]

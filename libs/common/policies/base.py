@@ -24,7 +24,7 @@ class InstanceView:
 
     @property
     def schedulable(self) -> bool:
-        return not self.status.terminating
+        return not self.status.terminating and not self.status.unschedulable
 
 
 @dataclass(frozen=True)

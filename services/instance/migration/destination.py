@@ -42,6 +42,9 @@ class Reservation:
     deadline_s: float
     stages: dict[int, list[int]] = field(default_factory=dict)  # stage -> reserved block ids
     received: dict[int, int] = field(default_factory=dict)  # stage -> blocks written
+    # NOTE: stage -> positions written: a chunk sent twice counts once, so a
+    # block never written cannot pass the commit's check with stale content.
+    written: dict[int, set[int]] = field(default_factory=dict)
     bytes: int = 0
     committed_at: float | None = None
     spare: list[int] = field(default_factory=list)  # held for the last stage
@@ -129,6 +132,7 @@ class Destination:
             pool = res.spare + fresh
             res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
             res.received[stage] = 0
+            res.written[stage] = set()
             return True
 
     def _give_back(self, res: Reservation) -> int:
@@ -310,12 +314,13 @@ class Destination:
                                     list(chunk.src_blocks))
             else:
                 await self._scatter(res, self.engine.scatter_kv, blocks[first:first + n], chunk.data)
+            res.written.setdefault(stage, set()).update(range(first, first + n))
             written += n
             nbytes += n * bpb
         if res is not None:
             if res.machine.state is not DestState.RESERVED:
                 raise Aborted("migration aborted during transfer")
-            res.received[stage] += written
+            res.received[stage] = len(res.written.get(stage, ()))
             res.bytes += nbytes
             marks = res.layer_marks.get(stage)
             if marks is not None:  # a block counts once every layer of it arrived

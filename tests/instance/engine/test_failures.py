@@ -139,15 +139,41 @@ def test_an_engine_that_fails_for_everyone_is_broken(make_engine, monkeypatch):
     monkeypatch.setattr(e.executor, "execute", broken)
     for i in range(3):
         e.add_request(req(f"r{i}", [97 + i, 98], max_tokens=4))
-    with pytest.raises(EngineBroken, match="fails alone"):
+    with pytest.raises(EngineBroken, match="fails alone.*canary request fails too"):
         e.step()
-    for rid in list(e.requests):  # the instance dies and they resume elsewhere; free for the fixture
-        e.abort_request(rid)
+    assert e.num_free_blocks == e.num_total_blocks  # the failed requests' and the canary's blocks came back
 
 
-def test_one_request_failing_step_after_step_means_the_engine_is_broken(make_engine, monkeypatch):
+def test_a_request_failing_alone_step_after_step_never_breaks_a_working_engine(make_engine, poison):
+    """Whose fault it is, the canary says: poison requests alone in their
+    steps, one after the other, fail alone (the engine ran a canary fine)."""
+    e = make_engine(num_blocks=64)
+    for i in range(2 * 3 + 1):  # more than MAX_FAILED_STEPS in a row
+        e.add_request(req(f"p{i}", [97, POISON, 98 + i], max_tokens=4))
+        _, finals = drain(e)
+        assert finals[f"p{i}"].finish_reason is FinishReason.ERROR
+    for i in range(4):  # and a step of nothing but poison
+        e.add_request(req(f"q{i}", [POISON, 99 + i], max_tokens=4))
+    _, finals = drain(e)
+    assert {f.finish_reason for f in finals.values()} == {FinishReason.ERROR} and len(finals) == 4
+    e.add_request(req("after", [97, 98], max_tokens=3))
+    assert drain(e)[0]["after"] == fake_generate([97, 98], 3)
+
+
+def test_one_request_failing_where_the_canary_fails_too_means_the_engine_is_broken(make_engine, monkeypatch):
     e = make_engine(num_blocks=64)
     monkeypatch.setattr(e.executor, "execute", lambda chunks: (_ for _ in ()).throw(RuntimeError("boom")))
+    e.add_request(req("r0", [97, 98], max_tokens=4))
+    with pytest.raises(EngineBroken, match="canary request fails too"):
+        e.step()
+
+
+def test_without_a_block_for_the_canary_three_failed_steps_in_a_row_break_the_engine(make_engine, monkeypatch):
+    import services.instance.engine.core.engine as core
+
+    e = make_engine(num_blocks=64)
+    monkeypatch.setattr(e.executor, "execute", lambda chunks: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(core, "executor_works", lambda executor, pool: None)  # no free block to try one in
     for i in range(2):  # alone in its step, each one fails: could be the request's fault
         e.add_request(req(f"r{i}", [97, 98 + i], max_tokens=4))
         _, finals = drain(e)
@@ -155,4 +181,3 @@ def test_one_request_failing_step_after_step_means_the_engine_is_broken(make_eng
     e.add_request(req("r2", [97, 100], max_tokens=4))
     with pytest.raises(EngineBroken, match="3 steps in a row"):
         e.step()
-    e.abort_request("r2")

@@ -809,3 +809,27 @@ async def test_source_blocks_are_refused_without_a_mapped_cache(plain):
     assert await b.manager.dest.abort("m-x", "test")
     await b.check_clean()
 
+
+
+async def test_a_chunk_sent_twice_counts_once_towards_its_stage(plain):
+    """Two chunks for the same block of a two-block stage: one block was
+    never written, and the commit is refused (it would have installed a
+    block with stale content)."""
+    from libs.common.errors import FailedPrecondition
+    from services.instance.migration.messages import KvChunk
+
+    b = plain.nodes["b"]
+    p = PreAllocate("m-dup", "x", 0, 2, b.engine.kv_layout, 1000, "a")
+    assert (await b.manager.dest.pre_allocate(p)).accepted
+    bpb = b.engine.kv_layout.bytes_per_block
+
+    async def chunks():
+        for _ in range(2):
+            yield KvChunk("m-dup", 0, 0, bytes(bpb), 2, 2 * bpb)
+    written, _ = await b.manager.dest.transfer(chunks())
+    assert written == 2  # what this call wrote, duplicates included ...
+    assert b.manager.dest.reservations["m-dup"].received[0] == 1  # ... but one block of the stage
+    with pytest.raises(FailedPrecondition, match="not received"):
+        b.manager.dest._commit("m-dup", None)
+    assert await b.manager.dest.abort("m-dup", "test")
+    await b.check_clean()

@@ -23,11 +23,13 @@ from services.instance.engine.base import (
 )
 from services.instance.engine.core.block_pool import BlockPool
 from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.probe import executor_works
 from services.instance.engine.core.request import Request, RequestStatus
 from services.instance.engine.core.scheduler import ScheduledChunk, Scheduler, cdiv
 
-# Steps in a row in which every scheduled request failed on its own: past
-# this, the engine (not a request) is what is broken.
+# Steps in a row in which every scheduled request failed on its own and no
+# canary could be run (no free block): past this, the engine (not a request)
+# is what is broken. With a free block the canary decides (core/probe.py).
 MAX_FAILED_STEPS = 3
 
 
@@ -209,7 +211,8 @@ class CoreEngine(Engine):
 
     def _isolate(self, chunks: list[ScheduledChunk], error: Exception):
         """A batch failed naming nobody: run each chunk alone; the ones that
-        still fail are the culprits. If every one fails, the engine is broken."""
+        still fail are the culprits. If every one fails, a canary decides
+        whether they are, or the engine (``_fail``)."""
         ran, tokens, failed = [], [], {}
         for c in chunks:
             try:
@@ -218,19 +221,29 @@ class CoreEngine(Engine):
             except Exception as e:  # noqa: BLE001
                 failed[c.request.request_id] = (getattr(e, "code", "internal"), f"engine error: {e!r}")
         if not ran:
-            raise EngineBroken(f"every request of a {len(chunks)}-request step fails alone: {error!r}") from error
+            return [], [], self._fail(failed, all_failed=True, what=f"every request of a {len(chunks)}-request "
+                                      f"step fails alone: {error!r}")
         self._failed_steps = 0
         return ran, tokens, self._fail(failed)
 
-    def _fail(self, failed: dict[str, tuple[str, str]], all_failed: bool = False) -> list[TokenOutput]:
+    def _fail(self, failed: dict[str, tuple[str, str]], all_failed: bool = False,
+              what: str = "") -> list[TokenOutput]:
         """End the failed requests with FinishReason.ERROR and free their
-        blocks. ``all_failed``: nobody ran this step (counts towards
-        EngineBroken)."""
+        blocks. ``all_failed``: nobody ran this step: a canary then says
+        whether the engine still works (else EngineBroken); without a block
+        to run it in, such steps count towards EngineBroken."""
+        outputs = self._end_failed(failed)
         if all_failed:
-            self._failed_steps += 1
+            why = what or next(iter(failed.values()))[1]
+            works = executor_works(self.executor, self.pool)
+            if works is False:
+                raise EngineBroken(f"{why}; a canary request fails too")
+            self._failed_steps = 0 if works else self._failed_steps + 1
             if self._failed_steps >= MAX_FAILED_STEPS:
-                raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request: "
-                                   f"{next(iter(failed.values()))[1]}")
+                raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request: {why}")
+        return outputs
+
+    def _end_failed(self, failed: dict[str, tuple[str, str]]) -> list[TokenOutput]:
         outputs = []
         for rid, (code, message) in failed.items():
             req = self.requests.get(rid)

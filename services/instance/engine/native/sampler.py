@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from libs.common.types import GREEDY_TEMPERATURE
 from services.instance.engine.base import RequestFailed
 from services.instance.engine.core.request import Request
 
@@ -28,13 +29,14 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     """Mask (to -inf) what top-k (0 = off) and top-p exclude, row-wise."""
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(min=1, max=vocab)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # keep the smallest prefix whose mass reaches top_p (always the first token)
     before = probs.cumsum(dim=-1) - probs
     drop |= before >= top_p.unsqueeze(1)
+    drop[:, 0] = False  # NOTE: a top_p that rounds to 0 in float32 still keeps the best token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
 
@@ -61,10 +63,19 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
     if rows:
         sub = logits[rows]
-        temp = torch.tensor([reqs[i].sampling.temperature for i in rows], device=sub.device)
+        # NOTE: greedy below GREEDY_TEMPERATURE, so the division stays finite
+        # for any finite logits; the clamp guards callers that bypass `greedy`.
+        temp = torch.tensor([reqs[i].sampling.temperature for i in rows], device=sub.device,
+                            dtype=torch.float32).clamp(min=GREEDY_TEMPERATURE)
         top_k = torch.tensor([reqs[i].sampling.top_k for i in rows], device=sub.device)
         top_p = torch.tensor([reqs[i].sampling.top_p for i in rows], device=sub.device, dtype=torch.float32)
         probs = _filter(sub / temp.unsqueeze(1), top_k, top_p).softmax(dim=-1).cpu()
+        # Still before any draw: a row that cannot be drawn from (huge logits
+        # over a small temperature) fails alone, as non-finite logits do.
+        bad = (~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)).nonzero().flatten().tolist()
+        if bad:
+            raise RequestFailed("sampling produced no valid distribution for this request (logits too large "
+                                "for its temperature)", [reqs[rows[j]].request_id for j in bad], code="internal")
         for j, i in enumerate(rows):
             out[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator).item()
     return out.tolist()

@@ -1,0 +1,27 @@
+"""CI-sized runs of the reliability benchmarks' invariants (the full-sized
+runs are `ferry bench storm` and `ferry bench rolling-restart`; their
+timings are reported there, never asserted here)."""
+
+from ferry.bench.rolling import run_rolling
+from ferry.bench.storm import run_storm
+
+
+async def test_a_small_storm_kills_nothing_leaks_nothing_and_every_request_ends(tmp_path):
+    res = await run_storm("fake", 2, streams=300, leavers=60, slow=10, max_tokens=8, max_s=120,
+                          frontend_args=["--client-timeout-s", "2", "--max-in-flight", "100"], instance_args=[],
+                          log_dir=str(tmp_path), seed=1)
+    assert res["dead_processes"] == [] and res["leaked_blocks"] == 0 and res["integrity_errors"] == []
+    assert res["unended"] == 0
+    c = res["counts"]
+    assert c.get("answered", 0) + c.get("refused", 0) == 300, c  # each stream answered or told to come back
+    assert c.get("refused", 0) > 0, c  # the in-flight bound of 100 was met
+    assert not [k for k in c if k.startswith("error")], c
+    assert res["slowloris_closed"] == 10 and res["after_storm_probe"] == "answered"
+
+
+async def test_a_small_rolling_restart_loses_cuts_and_recomputes_nothing(tmp_path):
+    res = await run_rolling("fake", 2, concurrency=4, baseline_s=1.0, settle_s=0.5, seed=1, log_dir=str(tmp_path))
+    assert [r["exit_code"] for r in res["restarts"]] == [0] * 5
+    assert res["answered"] > 0 and res["lost"] == 0 and res["cut"] == 0 and res["text_mismatches"] == 0, res
+    assert res["recomputed_tokens"] == 0 and res["resumes"] == 0, res
+    assert res["leaked_blocks"] == 0

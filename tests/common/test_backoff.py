@@ -1,0 +1,20 @@
+"""Restart back-off (pure): at once, then doubling, reset after a stable run."""
+
+from libs.common.backoff import RestartBackoff
+
+
+def test_restarts_back_off_and_reset_after_a_stable_run():
+    b = RestartBackoff(base_s=1, max_s=8, stable_s=60, started_at=0)
+    delays = []
+    now = 100.0
+    for _ in range(6):
+        d = b.died(now)
+        delays.append(d)
+        assert not b.due(now + d - 0.01) or d == 0
+        assert b.due(now + d)
+        now += d
+        b.started(now)
+        now += 1  # dies a second after each start
+    assert delays == [0, 1, 2, 4, 8, 8]
+    now += 60  # then it stayed up a minute
+    assert b.died(now) == 0
