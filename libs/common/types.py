@@ -119,6 +119,27 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """An instance's prefix cache: counters since its start (``queries`` and
+    ``hits`` in tokens, vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``:
+    a request admitted with N tokens whose cached prefix covers H counts N
+    and H) and its size now (``cached_blocks`` named blocks, in use or free;
+    ``evictable_blocks`` of them free, counted as free everywhere)."""
+
+    enabled: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+    cached_blocks: int = 0
+    evictable_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True)
 class InstanceStatus:
     instance_id: str
     seq: int = 0
@@ -141,6 +162,7 @@ class InstanceStatus:
     waiting_demand_blocks: int = 0
     engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
     role: Role = Role.MIXED  # Splitwise: which phases this instance runs
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
 
 
 @dataclass(frozen=True)

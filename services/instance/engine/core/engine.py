@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from libs.common import failpoints
 from libs.common.validation import out_of_vocab_message, sampling_problem
-from libs.common.types import FinishReason, RequestLoad, RequestState, SamplingParams, TokenOutput
+from libs.common.types import FinishReason, PrefixCacheStats, RequestLoad, RequestState, SamplingParams, TokenOutput
 from services.instance.engine.base import (
     Engine,
     EngineBroken,
@@ -73,7 +73,7 @@ class CoreEngine(Engine):
         self._max_model_len = max_model_len
         self._model_name = model_name or config.model
         watermark = int(config.watermark * num_blocks)
-        self.pool = BlockPool(num_blocks, watermark_blocks=watermark)
+        self.pool = BlockPool(num_blocks, watermark_blocks=watermark, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self._block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, clock=clock)
         self.requests: dict[str, Request] = {}  # every live request, any status
@@ -121,6 +121,7 @@ class CoreEngine(Engine):
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[TokenOutput]:
+        self.scheduler.prefix_reuse = not self.executor.pipelined
         sched = self.scheduler.schedule()
         if sched.preempted:  # recomputed from scratch: a pipeline peer's part goes too
             self.executor.release_requests([r.request_id for r in sched.preempted])
@@ -132,6 +133,7 @@ class CoreEngine(Engine):
             req = chunk.request
             samples = chunk.samples
             req.num_computed_tokens = chunk.end
+            self._cache_computed(req)
             req.on_computed(now)
             if not samples:
                 continue
@@ -148,6 +150,18 @@ class CoreEngine(Engine):
             elif req.hold_after_prefill:
                 self._hold(req)
         return outputs
+
+    def _cache_computed(self, req: Request) -> None:
+        """Name the request's blocks that are full now in the prefix cache.
+        NOTE: only KV of every layer held here is named (not while a pipeline
+        peer holds some of the request's layers: it is named once back)."""
+        n = req.num_computed_tokens // self._block_size
+        first = req.num_cached_blocks
+        if n <= first or not self.pool.caching or not self.executor.kv_all_here(req.request_id):
+            return
+        hashes = req.full_block_hashes(self._block_size, n)
+        self.pool.cache_blocks(req.block_ids[first:n], hashes[first:n], hashes[first - 1] if first else None)
+        req.num_cached_blocks = n
 
     def _hold(self, req: Request) -> None:
         """Its prompt is done: out of the batch until its handoff ends
@@ -266,10 +280,9 @@ class CoreEngine(Engine):
     # --- load -------------------------------------------------------------------
     def load(self) -> EngineLoad:
         s = self.scheduler
-        reqs = [RequestLoad(r.request_id, r.priority, "running", len(r.block_ids), r.num_tokens)
-                for r in s.running]
-        reqs += [RequestLoad(r.request_id, r.priority, "waiting", len(r.block_ids), r.num_tokens)
-                 for r in s.waiting]
+        shared: set[int] = set()
+        reqs = [RequestLoad(r.request_id, r.priority, state, self._own_blocks(r, shared), r.num_tokens)
+                for state, queue in (("running", s.running), ("waiting", s.waiting)) for r in queue]
         demands = [s.demand_blocks(r) for r in s.waiting]
         return EngineLoad(
             total_blocks=self.pool.capacity,
@@ -280,7 +293,34 @@ class CoreEngine(Engine):
             waiting_demand_blocks=sum(demands),
             num_preemptions=s.num_preemptions,
             reserved_blocks=self.pool.num_reserved,
+            shared_blocks=len(shared),
+            prefix_cache=self.prefix_cache_stats(),
         )
+
+    def _own_blocks(self, r: Request, shared: set[int]) -> int:
+        """The blocks a request holds alone; those it shares go to ``shared``.
+        NOTE: only named blocks are ever shared (a hit), and a request's named
+        blocks are its first ``num_cached_blocks``."""
+        n = len(r.block_ids)
+        for b in r.block_ids[: r.num_cached_blocks]:
+            if self.pool.ref_count(b) > 1:
+                shared.add(b)
+                n -= 1
+        return n
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        st = self.pool.cache.stats
+        return PrefixCacheStats(self.pool.caching, st.requests, st.queries, st.hits, st.evictions,
+                                self.pool.num_cached, self.pool.num_evictable)
+
+    def take_kv_events(self) -> list:
+        return self.pool.take_events()
+
+    def cached_hashes(self) -> list:
+        return self.pool.cache.hashes()
+
+    def holds_hashes(self, hashes: list) -> list:
+        return [h for h in hashes if self.pool.cache.block_of(h) is not None]
 
     def check_integrity(self) -> None:
         live = list(self.requests.values())
@@ -291,9 +331,23 @@ class CoreEngine(Engine):
             have = cdiv(r.num_computed_tokens, self._block_size)
             if len(r.block_ids) < have:
                 raise IntegrityError(f"{r.request_id}: {len(r.block_ids)} blocks for {have} computed blocks")
+            self._check_named(r)
             if (r.status is RequestStatus.SUSPENDED) == (r in queued):
                 raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
         self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()])
+
+    def _check_named(self, r: Request) -> None:
+        """A request's named blocks are full, computed and carry its own
+        hashes (or none: a duplicate of a block named elsewhere)."""
+        bs = self._block_size
+        if r.num_cached_blocks > r.num_computed_tokens // bs:
+            raise IntegrityError(f"{r.request_id}: {r.num_cached_blocks} named blocks for "
+                                 f"{r.num_computed_tokens} computed tokens")
+        hashes = r.full_block_hashes(bs, r.num_cached_blocks)
+        for i, b in enumerate(r.block_ids):
+            h = self.pool.cache.hash_of(b)
+            if h is not None and (i >= r.num_cached_blocks or h != hashes[i]):
+                raise IntegrityError(f"{r.request_id}: block {b} (#{i}) is named {h:#x}, not by this request")
 
     def request_stats(self, request_id: str) -> dict:
         r = self.requests.get(request_id)
@@ -301,7 +355,8 @@ class CoreEngine(Engine):
             return {}
         return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
                 "num_preemptions": r.num_preemptions, "preemption_loss_ms": r.preemption_loss_ms,
-                "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens}
+                "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens,
+                "prefix_hit_tokens": r.prefix_hit_tokens}
 
     # --- migration hooks --------------------------------------------------------
     def _get(self, request_id: str) -> Request:
@@ -507,6 +562,7 @@ class CoreEngine(Engine):
         if state.rng_state:
             self.executor.set_rng_state(r, state.rng_state)
         self.requests[r.request_id] = r
+        self._cache_computed(r)  # its full blocks are named here as if computed here
         self.scheduler.add_running(r)
 
     def drop_request(self, request_id: str) -> None:
