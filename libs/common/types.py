@@ -163,6 +163,7 @@ class InstanceStatus:
     engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
     role: Role = Role.MIXED  # Splitwise: which phases this instance runs
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    shared_blocks: int = 0  # in use by more than one request, counted once
 
 
 @dataclass(frozen=True)
