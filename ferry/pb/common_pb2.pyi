@@ -120,7 +120,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
-    __slots__ = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks")
+    __slots__ = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks", "preempted_queries", "preempted_hits")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class PrefixCacheStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_HITS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     requests: int
     queries: int
@@ -135,7 +137,9 @@ class PrefixCacheStats(_message.Message):
     evictions: int
     cached_blocks: int
     evictable_blocks: int
-    def __init__(self, enabled: _Optional[bool] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ...) -> None: ...
+    preempted_queries: int
+    preempted_hits: int
+    def __init__(self, enabled: _Optional[bool] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ...) -> None: ...
 
 class KvBlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent")

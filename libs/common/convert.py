@@ -100,7 +100,8 @@ _STATUS_SCALARS = (
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
     "waiting_demand_blocks", "engine_steps", "shared_blocks",
 )
-_PREFIX_FIELDS = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks")
+_PREFIX_FIELDS = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks",
+                  "preempted_queries", "preempted_hits")
 
 
 def status_to_pb(s: InstanceStatus) -> pb.InstanceStatus:

@@ -123,7 +123,8 @@ class PrefixCacheStats:
     """An instance's prefix cache: counters since its start (``queries`` and
     ``hits`` in tokens, vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``:
     a request admitted with N tokens whose cached prefix covers H counts N
-    and H) and its size now (``cached_blocks`` named blocks, in use or free;
+    and H; a preempted request admitted again counts in ``preempted_*``)
+    and its size now (``cached_blocks`` named blocks, in use or free;
     ``evictable_blocks`` of them free, counted as free everywhere)."""
 
     enabled: bool = False
@@ -133,6 +134,9 @@ class PrefixCacheStats:
     evictions: int = 0
     cached_blocks: int = 0
     evictable_blocks: int = 0
+    # Preempted requests admitted again count here, not above (vLLM's split).
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:

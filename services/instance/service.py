@@ -249,6 +249,10 @@ class InstanceService(Service):
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
 
+            from services.instance import prefix_metrics
+
+            prefix_metrics.export(lambda: self.load.prefix_cache, instance=self.instance_id)
+
             start_http_server(self.config.metrics_port, addr=self.config.host)
         self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
                                        self.config.report_interval_s, self.config.heartbeat_s)

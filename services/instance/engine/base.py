@@ -240,7 +240,13 @@ class Engine(abc.ABC):
 
     def holds_hashes(self, hashes: list[BlockHash]) -> list[BlockHash]:
         """Those of ``hashes`` the prefix cache holds now (a destination's
-        answer to a pre-allocation). Engine thread."""
+        answer to a pre-allocation). Any thread: a hint, the cache changes
+        between steps."""
+        return []
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """The prefix-cache hashes of a live request's full blocks known so
+        far ([] if unknown). Any thread: a copy, possibly short."""
         return []
 
     # --- migration hooks ----------------------------------------------------

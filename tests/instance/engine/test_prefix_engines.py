@@ -84,7 +84,9 @@ def test_preempted_requests_restart_from_their_cached_blocks(make_engine, kind):
         e.add_request(req(rid, p, max_tokens=30, arrival=float(i + 1)))
     outs = run(e)
     assert e.load().num_preemptions > 0
-    assert e.load().prefix_cache.hits > 0, "a preempted request found its own blocks again"
+    pc = e.load().prefix_cache
+    assert pc.preempted_hits > 0, "a preempted request found its own blocks again"
+    assert pc.requests == 3 and pc.queries == 120  # each request's first admission only
     for rid, p in prompts.items():
         assert outs[rid] == expected(p, 30)
 

@@ -174,7 +174,7 @@ class CoreEngine(Engine):
     @staticmethod
     def _final_stats(req: Request) -> dict:
         return {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
-                "num_migrations": req.num_migrations}
+                "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens}
 
     # --- one request's failure fails that request only ----------------------------------
     def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -311,7 +311,8 @@ class CoreEngine(Engine):
     def prefix_cache_stats(self) -> PrefixCacheStats:
         st = self.pool.cache.stats
         return PrefixCacheStats(self.pool.caching, st.requests, st.queries, st.hits, st.evictions,
-                                self.pool.num_cached, self.pool.num_evictable)
+                                self.pool.num_cached, self.pool.num_evictable, st.preempted_queries,
+                                st.preempted_hits)
 
     def take_kv_events(self) -> list:
         return self.pool.take_events()
@@ -321,6 +322,10 @@ class CoreEngine(Engine):
 
     def holds_hashes(self, hashes: list) -> list:
         return [h for h in hashes if self.pool.cache.block_of(h) is not None]
+
+    def block_hashes(self, request_id: str) -> list:
+        r = self.requests.get(request_id)
+        return [] if r is None else list(r.block_hashes)  # NOTE: a copy; only the engine thread extends it
 
     def check_integrity(self) -> None:
         live = list(self.requests.values())

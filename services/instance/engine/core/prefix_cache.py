@@ -28,11 +28,15 @@ from services.instance.engine.base import IntegrityError
 class PrefixStats:
     """Counters since start. ``queries`` and ``hits`` are in tokens, as vLLM's
     ``prefix_cache_queries`` / ``prefix_cache_hits``: a request admitted with
-    N tokens of which its cached prefix covers H counts N queries, H hits."""
+    N tokens of which its cached prefix covers H counts N queries, H hits. A
+    preempted request admitted again counts apart (``preempted_*``), as in
+    vLLM: its own blocks are what it finds."""
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
     evictions: int = 0  # cached blocks whose content went (reused, retired or cleared)
 
     def as_dict(self) -> dict:

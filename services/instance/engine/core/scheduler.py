@@ -113,9 +113,13 @@ class Scheduler:
             return
         if self.pool.caching:
             stats = self.pool.cache.stats
-            stats.requests += 1
-            stats.queries += req.num_tokens
-            stats.hits += len(hit) * self.block_size
+            if req.num_preemptions:
+                stats.preempted_queries += req.num_tokens
+                stats.preempted_hits += len(hit) * self.block_size
+            else:
+                stats.requests += 1
+                stats.queries += req.num_tokens
+                stats.hits += len(hit) * self.block_size
         req.prefix_hit_tokens = len(hit) * self.block_size
         if hit:
             self.pool.touch(hit)
