@@ -20,6 +20,7 @@ from ferry.cli import LazyGroup
         "migration": "ferry.bench.migration:migration",
         "migration-local": "ferry.bench.migration_local:migration_local",
         "overhead": "ferry.bench.overhead:overhead",
+        "prefix": "ferry.bench.prefix:prefix",
         "serving": "ferry.bench.serving:serving",
         "vllm": "ferry.bench.vllm_serve:vllm_bench",
     },

@@ -47,5 +47,5 @@ def material(load: EngineLoad) -> tuple:
     changes only token counts does not call for a report; the heartbeat
     carries the counts."""
     return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
-            load.num_preemptions, load.reserved_blocks, load.shared_blocks,
-            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests))
+            load.num_preemptions, load.reserved_blocks,
+            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests), load.shared_blocks)

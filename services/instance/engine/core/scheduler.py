@@ -69,6 +69,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_admitted = 0  # requests that joined the running batch, since start
         # Whether a cached prefix may be reused now (the engine turns it off
         # while layers run on a pipeline peer, which lacks the cached KV).
         self.prefix_reuse = True
@@ -82,6 +83,7 @@ class Scheduler:
     def add_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.num_admitted += 1
 
     def remove(self, req: Request) -> None:
         """Take a request out of whichever queue holds it (blocks untouched)."""
