@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from libs.common import failpoints
 from libs.common.validation import out_of_vocab_message, sampling_problem
-from libs.common.types import FinishReason, PrefixCacheStats, RequestLoad, RequestState, SamplingParams, TokenOutput
+from libs.common.types import FinishReason, RequestLoad, RequestState, SamplingParams, TokenOutput
 from services.instance.engine.base import (
     Engine,
     EngineBroken,
@@ -23,6 +23,7 @@ from services.instance.engine.base import (
 )
 from services.instance.engine.core.block_pool import BlockPool
 from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.prefix_engine import PrefixCaching
 from services.instance.engine.core.request import Request, RequestStatus
 from services.instance.engine.core.scheduler import ScheduledChunk, Scheduler, cdiv
 
@@ -59,7 +60,7 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
     return n_ctx
 
 
-class CoreEngine(Engine):
+class CoreEngine(PrefixCaching, Engine):
     name = "core"
 
     def __init__(self, config: EngineConfig, executor: Executor, num_blocks: int, max_model_len: int,
@@ -150,18 +151,6 @@ class CoreEngine(Engine):
             elif req.hold_after_prefill:
                 self._hold(req)
         return outputs
-
-    def _cache_computed(self, req: Request) -> None:
-        """Name the request's blocks that are full now in the prefix cache.
-        NOTE: only KV of every layer held here is named (not while a pipeline
-        peer holds some of the request's layers: it is named once back)."""
-        n = req.num_computed_tokens // self._block_size
-        first = req.num_cached_blocks
-        if n <= first or not self.pool.caching or not self.executor.kv_all_here(req.request_id):
-            return
-        hashes = req.full_block_hashes(self._block_size, n)
-        self.pool.cache_blocks(req.block_ids[first:n], hashes[first:n], hashes[first - 1] if first else None)
-        req.num_cached_blocks = n
 
     def _hold(self, req: Request) -> None:
         """Its prompt is done: out of the batch until its handoff ends
@@ -297,36 +286,6 @@ class CoreEngine(Engine):
             prefix_cache=self.prefix_cache_stats(),
         )
 
-    def _own_blocks(self, r: Request, shared: set[int]) -> int:
-        """The blocks a request holds alone; those it shares go to ``shared``.
-        NOTE: only named blocks are ever shared (a hit), and a request's named
-        blocks are its first ``num_cached_blocks``."""
-        n = len(r.block_ids)
-        for b in r.block_ids[: r.num_cached_blocks]:
-            if self.pool.ref_count(b) > 1:
-                shared.add(b)
-                n -= 1
-        return n
-
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        st = self.pool.cache.stats
-        return PrefixCacheStats(self.pool.caching, st.requests, st.queries, st.hits, st.evictions,
-                                self.pool.num_cached, self.pool.num_evictable, st.preempted_queries,
-                                st.preempted_hits)
-
-    def take_kv_events(self) -> list:
-        return self.pool.take_events()
-
-    def cached_hashes(self) -> list:
-        return self.pool.cache.hashes()
-
-    def holds_hashes(self, hashes: list) -> list:
-        return [h for h in hashes if self.pool.cache.block_of(h) is not None]
-
-    def block_hashes(self, request_id: str) -> list:
-        r = self.requests.get(request_id)
-        return [] if r is None else list(r.block_hashes)  # NOTE: a copy; only the engine thread extends it
-
     def check_integrity(self) -> None:
         live = list(self.requests.values())
         queued = self.scheduler.waiting + self.scheduler.running
@@ -340,19 +299,6 @@ class CoreEngine(Engine):
             if (r.status is RequestStatus.SUSPENDED) == (r in queued):
                 raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
         self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()])
-
-    def _check_named(self, r: Request) -> None:
-        """A request's named blocks are full, computed and carry its own
-        hashes (or none: a duplicate of a block named elsewhere)."""
-        bs = self._block_size
-        if r.num_cached_blocks > r.num_computed_tokens // bs:
-            raise IntegrityError(f"{r.request_id}: {r.num_cached_blocks} named blocks for "
-                                 f"{r.num_computed_tokens} computed tokens")
-        hashes = r.full_block_hashes(bs, r.num_cached_blocks)
-        for i, b in enumerate(r.block_ids):
-            h = self.pool.cache.hash_of(b)
-            if h is not None and (i >= r.num_cached_blocks or h != hashes[i]):
-                raise IntegrityError(f"{r.request_id}: block {b} (#{i}) is named {h:#x}, not by this request")
 
     def request_stats(self, request_id: str) -> dict:
         r = self.requests.get(request_id)
