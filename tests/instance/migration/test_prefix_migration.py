@@ -49,3 +49,24 @@ async def test_shared_blocks_stay_at_the_source_and_are_named_at_the_destination
             await node.check_clean()
     finally:
         await c.stop()
+
+
+async def test_a_prefill_instances_cache_serves_later_prompts():
+    """Splitwise: a handed-off request's blocks stay cached at the prefill
+    instance (dropped there after the commit, not lost): the next prompt with
+    the same prefix hits them; both decode elsewhere with exact tokens."""
+    c = Cluster()
+    c.add("p", fake())
+    c.add("d", fake())
+    try:
+        first = Client(c, "first")
+        assert await asyncio.wait_for(first.run("p", X, 20, handoff="d"), 30) == fake_generate(X, 20)
+        second = Client(c, "second")
+        assert await asyncio.wait_for(second.run("p", Y, 20, handoff="d"), 30) == fake_generate(Y, 20)
+        assert first.path == second.path == ["p", "d"]
+        pc = c.nodes["p"].engine.load().prefix_cache
+        assert pc.hits == 64 and pc.requests == 2  # the shared prefix, from the first request's blocks
+        for node in c.nodes.values():
+            await node.check_clean()
+    finally:
+        await c.stop()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 
-from libs.common.prefix_hash import BlockHash, extend_hashes
+from libs.common.prefix_hash import ROOT, BlockHash, extend_hashes
 from libs.common.types import FinishReason, Priority, SamplingParams
 
 
@@ -46,6 +46,9 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.num_cached_blocks = 0
         self.prefix_hit_tokens = 0
+        # The parent of its first block: prefix_hash.chain_root(salt) of
+        # whatever else changes the KV (none today: one root for all).
+        self.hash_root: BlockHash = ROOT
         self.generator = None  # per-request RNG (native sampler), exportable
         # counters
         self.first_token_time = 0.0
@@ -88,7 +91,7 @@ class Request:
         """The hashes of its first ``n`` full blocks (default: every full block)."""
         n_full = self.num_tokens // block_size if n is None else n
         if len(self.block_hashes) < n_full:
-            extend_hashes(self.block_hashes, self.all_token_ids[: n_full * block_size], block_size)
+            extend_hashes(self.block_hashes, self.all_token_ids[: n_full * block_size], block_size, self.hash_root)
         return self.block_hashes[:n_full]
 
     @property
