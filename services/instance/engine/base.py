@@ -102,7 +102,10 @@ class EngineLoad:
     """A snapshot of the engine's load, for status reports (DESIGN §4).
 
     ``requests`` lists waiting and running requests (not suspended ones) with
-    their physical blocks; virtual usage is computed by the agent.
+    their physical blocks (with prefix caching: the blocks each holds alone;
+    ``shared_blocks`` counts the others once); virtual usage is computed by
+    the agent. ``free_blocks`` includes cached blocks no request uses (they
+    are evictable), and a waiting request's demand is net of its cached prefix.
     """
 
     total_blocks: int

@@ -125,6 +125,7 @@ class VllmEngine(Engine):
         if self._events is None:
             return []
         pub = self.scheduler.kv_event_publisher
+        pub.recording = True
         events, pub.pending = pub.pending, []
         return self._events.translate(events)
 

@@ -29,9 +29,11 @@ def publisher_class():
         def __init__(self, data_parallel_rank: int = 0, **_):
             super().__init__(data_parallel_rank)
             self.pending: list = []
+            self.recording = False  # from the first take (Engine.take_kv_events): nothing kept for nobody
 
         def publish(self, events) -> None:
-            self.pending.extend(events.events)
+            if self.recording:
+                self.pending.extend(events.events)
 
         def shutdown(self) -> None:
             self.pending.clear()
