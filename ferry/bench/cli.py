@@ -23,6 +23,7 @@ from ferry.cli import LazyGroup
         "migration-local": "ferry.bench.migration_local:migration_local",
         "overhead": "ferry.bench.overhead:overhead",
         "rolling-restart": "ferry.bench.rolling:rolling_restart",
+        "prefix": "ferry.bench.prefix:prefix",
         "serving": "ferry.bench.serving:serving",
         "storm": "ferry.bench.storm:storm",
         "vllm": "ferry.bench.vllm_serve:vllm_bench",

@@ -39,13 +39,16 @@ def raise_fd_limit() -> int:
 
 
 def request_body(req: Request, ids: list[int], model: str | None, stream: bool = True,
-                 ferry_priority: bool = True) -> dict:
+                 ferry_priority: bool = True, token_ids: bool = False) -> dict:
     """A completion request; ``ferry_priority=False`` leaves out Ferry's
-    named priority (vLLM's server takes only integers there)."""
+    named priority (vLLM's server takes only integers there); ``token_ids``:
+    ask for the completion's token ids (Ferry's ``ferry.token_ids``)."""
     body = {"prompt": ids, "max_tokens": req.output_len, "min_tokens": req.output_len, "ignore_eos": True,
             "temperature": 0.0, "stream": stream}
     if ferry_priority:
         body["priority"] = req.priority
+    if token_ids:
+        body["return_token_ids"] = True
     if stream:
         body["stream_options"] = {"include_usage": True}
     if model:
@@ -71,6 +74,8 @@ def _final(rec: RequestRecord, obj: dict) -> None:
         rec.resumes = int(extras.get("resumes") or 0)
         rec.instances = list(extras.get("instances") or [])
         rec.server_ttft_ms = extras.get("ttft_ms")
+        if extras.get("token_ids") is not None:
+            rec.output_ids = [int(t) for t in extras["token_ids"]]
 
 
 async def send_unary(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
@@ -168,11 +173,38 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
     timeout = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=None)
     records = [RequestRecord(r.index, r.priority, r.prompt_len, r.output_len, r.arrival_s) for r in workload.requests]
     lo, hi = token_range
+    # Prefix workloads: keep the tokens (the hit-rate bound; a session's next turn)
+    token_ids = workload.prefix != "none" and ferry_priority
+    turns: dict[int, list[int]] = {}
+    for i, req in enumerate(workload.requests):
+        if req.session >= 0:
+            turns.setdefault(req.session, []).append(i)
 
     async def run(client: httpx.AsyncClient, rec: RequestRecord, body: dict) -> None:
         await send_one(client, url, rec, body)
         if on_done:
             on_done(rec)
+
+    async def session(client: httpx.AsyncClient, rec: RequestRecord, body: dict, rest: list[int]) -> None:
+        """A conversation: each next turn, once the answer is in and the user
+        thought, sends everything so far (prompt and answer) and its message."""
+        await run(client, rec, body)
+        context = body["prompt"]
+        for i in rest:
+            if not rec.ok or rec.output_ids is None:
+                nxt = records[i]
+                nxt.error = "session ended: an earlier turn failed"
+                if on_done:
+                    on_done(nxt)
+                continue
+            context = context + rec.output_ids
+            req, rec = workload.requests[i], records[i]
+            await asyncio.sleep(req.think_s)
+            rec.scheduled_at = time.perf_counter()
+            body = request_body(req, context + prompt_ids(req, workload.seed, lo, hi), model, stream,
+                                ferry_priority, token_ids=True)
+            rec.prompt_ids = context = body["prompt"]
+            await run(client, rec, body)
 
     async with contextlib.AsyncExitStack() as stack:
         headers = {"Authorization": f"Bearer {BENCH_API_KEY}"}  # may ask for high priority (Ferry; others ignore it)
@@ -181,12 +213,20 @@ async def replay(url: str, workload: Workload, token_range: tuple[int, int], mod
         start = time.perf_counter()
         tasks = []
         for i, (req, rec) in enumerate(zip(workload.requests, records)):
+            if req.session >= 0 and req.turn > 0:
+                continue  # sent by its session's first turn
             body = request_body(req, prompt_ids(req, workload.seed, lo, hi), model, stream,
-                                ferry_priority)  # built before the wait
+                                ferry_priority, token_ids)  # built before the wait
+            if token_ids:
+                rec.prompt_ids = body["prompt"]
             rec.scheduled_at = start + req.arrival_s
             delay = rec.scheduled_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(run(clients[i % len(clients)], rec, body)))
+            c = clients[i % len(clients)]
+            if req.session >= 0:
+                tasks.append(asyncio.create_task(session(c, rec, body, turns[req.session][1:])))
+            else:
+                tasks.append(asyncio.create_task(run(c, rec, body)))
         await asyncio.gather(*tasks)
     return records

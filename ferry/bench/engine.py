@@ -14,6 +14,9 @@ Each round is also split into its two phases, measured the same way on both
 sides: prefill = until every request has its first token (vLLM: a batch with
 one output token, timed apart); decode = the rest of the run per output step
 ((run - prefill) / (output_len - 1)).
+Every round sends prompts of its own (a prefix cache would otherwise serve a
+round's prompts from the one before); --no-prefix-caching runs the native
+engine with its prefix cache off (A/B: the cost of the cache's bookkeeping).
 Also: instance ready time (engine construction + warmup from the cached model)
 and ``matches_reference``: greedy tokens of the native engine equal
 transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
@@ -163,14 +166,16 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
               help="the native engine without vLLM's CPU kernels (attention, RMSNorm, matmul handler): pure PyTorch")
 @click.option("--no-shared-kv", is_flag=True,
               help="the native engine's KV cache in ordinary memory, not the memfd a same-host migration maps")
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="the native engine's prefix cache (each round's prompts are new: no hits either way)")
 @click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
 @click.option("--cap-isa", type=click.Choice(["avx2"]), default=None,
               help="run as on a CPU without AVX-512: torch, oneDNN, MKL, vLLM (both engines) and Ferry's own "
                    "choices capped at AVX2 (ferry/bench/isa.py; the instruction set, not the machine)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
-           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, cap_isa, vllm_log,
-           json_path):
+           threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, prefix_caching,
+           cap_isa, vllm_log, json_path):
     """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
     from ferry.bench.isa import reexec_capped
 
@@ -198,6 +203,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
                                      num_blocks=need_blocks, block_size=block_size,
                                      max_num_batched_tokens=max_num_batched_tokens, share_kv=not no_shared_kv,
+                                     prefix_caching=prefix_caching,
                                      extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
     ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
@@ -210,6 +216,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
               "prompt_len": prompt_len, "output_len": output_len, "ready_s": round(ready_s, 2),
               "max_num_batched_tokens": max_num_batched_tokens, "kv_shared_memory": eng.kv_share() is not None,
               "repeats": repeats, "native_vllm_kernels": getattr(eng.executor, "kernels", None) is not None,
+              "native_prefix_caching": prefix_caching,
               "block_size": block_size, "kv_in_kernel_layout": eng.kv_layout.k_transposed,
               "native_projections": {"VllmPacked": "vLLM onednn_mm", "TorchPacked": "torch prepacked",
                                      "RowSplit": "F.linear at 1 row, else vLLM onednn_mm"}.get(
@@ -220,8 +227,8 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         if vllm else None
     result["vllm"] = vl if isinstance(vl, dict) else None
     for bs in bss:
-        _measure(eng, vl if not isinstance(vl, dict) else None, bs, _prompts(bs, prompt_len, vocab, bs), output_len,
-                 repeats, result)
+        _measure(eng, vl if not isinstance(vl, dict) else None, bs,
+                 lambda rep, bs=bs: _prompts(bs, prompt_len, vocab, bs + 1000 * rep), output_len, repeats, result)
     if vl is not None and not isinstance(vl, dict):
         vl.close()
     eng.check_integrity()
@@ -264,8 +271,9 @@ def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log
         return {"python": python, "version": version, "error": str(e)}
 
 
-def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeats: int, result: dict) -> None:
-    """``repeats`` rounds of native and vLLM (if running) on the same prompts,
+def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result: dict) -> None:
+    """``repeats`` rounds of native and vLLM (if running) on the same prompts
+    (``prompts_of(round)``: new ones every round, the same for both sides),
     taking turns (who goes first alternates), so each round's ratio is
     measured under the same machine load. Beside wall-clock tok/s, CPU
     milliseconds per output token (all of each side's processes): on a
@@ -274,14 +282,15 @@ def _measure(eng, vl, bs: int, prompts: list[list[int]], output_len: int, repeat
     key = str(bs)
     runs: dict[str, list[dict]] = {"native": [], "vllm": []}
 
-    def vllm_run() -> dict:
+    def vllm_run(prompts) -> dict:
         first = vl.generate(prompts, 1)  # its prefill: the same prompts with one output token
         return {**vl.generate(prompts, output_len), "prefill_s": first["seconds"]}
 
     for rep in range(repeats):
+        prompts = prompts_of(rep)
         turns = [("native", lambda: native_run(eng, prompts, output_len))]
         if vl is not None:
-            turns.append(("vllm", vllm_run))
+            turns.append(("vllm", lambda: vllm_run(prompts)))
         for name, run in turns[:: -1 if rep % 2 else 1]:
             runs[name].append(run())
         click.echo(f"bs={bs} round {rep + 1}: " + "  ".join(

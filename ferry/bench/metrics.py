@@ -45,6 +45,10 @@ class RequestRecord:
     server_ttft_ms: float | None = None
     max_gap_s: float | None = None  # streaming: the largest gap between two tokens (a stall)
     max_gap_end: float | None = None  # ... when it ended (epoch seconds: beside the services' logs)
+    # The tokens sent and answered (prefix workloads: the hit-rate bound, the
+    # next turn of a session); kept out of the JSON.
+    prompt_ids: list[int] | None = field(default=None, repr=False)
+    output_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +80,7 @@ class RequestRecord:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["prompt_ids"], d["output_ids"]
         if d["max_gap_s"] is None:  # not streamed (or simulated): absent, as before the field existed
             del d["max_gap_s"], d["max_gap_end"]
         d.update(ttft_s=self.ttft_s, decode_s=self.decode_s, e2e_s=self.e2e_s)

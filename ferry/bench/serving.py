@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import click
 import httpx
 
-from ferry.bench import client, metrics
+from ferry.bench import client, hit_rate, metrics, prefixes
 from ferry.bench import workload as wl
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
@@ -45,6 +45,7 @@ ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer
 class ServingOptions:
     arrivals: str = "poisson:2"
     lengths: str = "M-M"
+    prefix: str = "none"  # prefix structure (ferry/bench/prefixes.py)
     num_requests: int = 100
     seed: int = 0
     time_scale: float = 1.0
@@ -176,6 +177,41 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
                 pass
 
 
+async def prefix_stats(scheduler: str) -> tuple[dict, int | None]:
+    """Every instance's prefix-cache stats, asked of the instances themselves
+    (fresher than the view's last report), and the cluster's block size."""
+    import grpc
+
+    from ferry.pb import instance_pb2 as ipb
+    from ferry.pb import instance_pb2_grpc as ipb_grpc
+    from ferry.pb import scheduler_pb2 as pb
+    from ferry.pb import scheduler_pb2_grpc as pb_grpc
+    from libs.common import convert
+
+    out, block = {}, None
+    try:
+        async with rpc.channel(scheduler) as ch:
+            view = await pb_grpc.SchedulerStub(ch).GetClusterView(pb.ClusterViewRequest(), timeout=5.0)
+        for r in view.instances:
+            block = block or r.info.block_size
+            try:
+                async with rpc.channel(r.info.address) as ch:
+                    st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5.0)
+                out[r.info.instance_id] = convert.status_from_pb(st).prefix_cache
+            except grpc.RpcError:
+                out[r.info.instance_id] = convert.status_from_pb(r.status).prefix_cache
+    except grpc.RpcError:
+        pass
+    return out, block
+
+
+def prefix_summary(stats: dict, block: int | None, records: list[metrics.RequestRecord]) -> dict:
+    reqs = None
+    if all(r.prompt_ids is not None for r in records):
+        reqs = [(r.prompt_ids, r.output_ids or []) for r in sorted(records, key=lambda r: r.sent_at or 0.0)]
+    return hit_rate.summary(stats, reqs, block)
+
+
 async def _drive(url: str, work: wl.Workload, opts: ServingOptions, scheduler: str | None,
                  samples: list[dict], label: str) -> list[metrics.RequestRecord]:
     stop = asyncio.Event()
@@ -188,8 +224,12 @@ async def _drive(url: str, work: wl.Workload, opts: ServingOptions, scheduler: s
 
         bar = tqdm(total=len(work.requests), desc=label, unit="req", dynamic_ncols=True, mininterval=1.0)
     try:
-        return await client.replay(url, work, opts.token_range(), stream=opts.stream,
-                                  on_done=(lambda r: bar.update()) if bar else None)
+        records = await client.replay(url, work, opts.token_range(), stream=opts.stream,
+                                      on_done=(lambda r: bar.update()) if bar else None)
+        if scheduler:
+            stats, block = await prefix_stats(scheduler)
+            samples.append({"t": time.perf_counter(), "prefix_cache": prefix_summary(stats, block, records)})
+        return records
     finally:
         stop.set()
         if sampler:
@@ -213,8 +253,8 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
             cluster = start_cluster(opts, dispatch, log_dir)
             url, scheduler = cluster.url, cluster.scheduler
         max_len = opts.max_model_len or frontend_max_model_len(url)
-        work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.scale,
-                        opts.high_priority_fraction, max_len, opts.traces_dir)
+        work = prefixes.build(opts.arrivals, opts.lengths, opts.num_requests, opts.prefix, opts.seed,
+                              opts.time_scale / opts.scale, opts.high_priority_fraction, max_len, opts.traces_dir)
         if work.clip and work.clip.clipped:
             click.echo(f"[{label}] {work.clip.line()}", err=True)
         samples: list[dict] = []
@@ -230,6 +270,8 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
     summary = metrics.summarize(records, opts.scale)
     summary["wall_s"] = wall
     summary["dead_processes"] = dead
+    if samples and "prefix_cache" in samples[-1]:
+        summary["prefix_cache"] = samples.pop()["prefix_cache"]
     if samples:
         summary["migrations_ordered"] = samples[-1]["migrations_ordered"] - samples[0]["migrations_ordered"]
     return {"label": label, "dispatch": dispatch, "options": dataclasses.asdict(opts), "time_scale": opts.scale,
@@ -264,6 +306,12 @@ def summary_table(run: dict) -> str:
                      f"is saturated; latencies include client-side delay (raise --sim-slowdown or lower the rate)")
     if s["failed"] or s["short_outputs"]:
         lines.append(f"failed {s['failed']}, short outputs {s['short_outputs']}: {s['errors']}")
+    pc = s.get("prefix_cache")
+    if pc and pc.get("queries"):
+        bound = pc.get("upper_bound") or {}
+        lines.append(f"prefix cache: hit rate {_f(100 * pc['hit_rate'])}% of {pc['queries']:,} prompt tokens"
+                     + (f" (upper bound {_f(100 * bound['hit_rate'])}%)" if bound.get("hit_rate") is not None
+                        else "") + f", {pc['evictions']:,} blocks evicted")
     return "\n".join(lines)
 
 
@@ -275,6 +323,10 @@ WORKLOAD_OPTIONS = (
                  help="poisson:RATE | gamma:RATE:CV | phases:RATE@SECONDS,... (Poisson, the rate stepping through the phases, repeated) | trace:PATH (Azure CSV; a name in --traces-dir works)"),
     click.option("--lengths", default="M-M", show_default=True,
                  help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
+    click.option("--prefix", default="none", show_default=True,
+                 help="prefix structure: none | system:K:LEN[:ALPHA] (K shared system prompts, Zipf popularity) | "
+                      "sessions:TURNS[:THINK_S] (multi-turn conversations) | trace:PATH[:BLOCK] (Mooncake-format "
+                      "JSON lines with hash_ids; its arrivals and lengths)"),
     click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True),
     click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,

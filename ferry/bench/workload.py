@@ -63,13 +63,29 @@ class WorkloadError(ValueError):
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A run of ``length`` prompt tokens drawn from ``key`` (prefixes.py): the
+    same key gives the same tokens everywhere, so prompts that share
+    segments share prefixes."""
+
+    key: int
+    length: int
+
+
+@dataclass(frozen=True)
 class Request:
     index: int
-    arrival_s: float  # seconds after the start of the run
-    prompt_len: int
+    arrival_s: float  # seconds after the start of the run (a later session turn: its session's start)
+    prompt_len: int  # (a session turn: its whole context, earlier turns and answers included)
     output_len: int
     priority: str  # "high" | "normal"
     clipped: bool = False
+    # Prefix structure (prefixes.py): the prompt's segments (a session turn:
+    # its new message only); () = random tokens of its own.
+    segments: tuple[Segment, ...] = ()
+    session: int = -1  # >= 0: a turn of this session (sent after the previous one ended)
+    turn: int = 0
+    think_s: float = 0.0  # a later turn: sent this long after the previous answer ended
 
 
 @dataclass(frozen=True)
@@ -97,16 +113,17 @@ class Workload:
     seed: int
     time_scale: float
     clip: ClipReport | None
+    prefix: str = "none"  # the prefix structure (prefixes.py)
 
     @property
     def duration_s(self) -> float:
-        return self.requests[-1].arrival_s if self.requests else 0.0
+        return max((q.arrival_s for q in self.requests), default=0.0)
 
     def describe(self) -> dict:
         r = self.requests
         pl = np.array([q.prompt_len for q in r]) if r else np.zeros(1)
         ol = np.array([q.output_len for q in r]) if r else np.zeros(1)
-        return {"arrivals": self.arrivals, "lengths": self.lengths, "seed": self.seed,
+        return {"arrivals": self.arrivals, "lengths": self.lengths, "prefix": self.prefix, "seed": self.seed,
                 "time_scale": self.time_scale, "num_requests": len(r), "duration_s": self.duration_s,
                 "rate_rps": (len(r) - 1) / self.duration_s if self.duration_s > 0 else None,
                 "prompt_len_mean": float(pl.mean()), "output_len_mean": float(ol.mean()),
@@ -126,6 +143,11 @@ def traces_dir(explicit: str | None = None) -> pathlib.Path:
     if os.environ.get("FERRY_TRACES_DIR"):
         return pathlib.Path(os.environ["FERRY_TRACES_DIR"])
     return DEFAULT_TRACES_DIR
+
+
+def trace_file(spec_path: str, folder: pathlib.Path) -> pathlib.Path:
+    """A trace file given as a path, or a name in the traces folder."""
+    return _csv_path(spec_path, folder)
 
 
 def _csv_path(spec_path: str, folder: pathlib.Path) -> pathlib.Path:
@@ -348,6 +370,11 @@ def build(arrivals: str, length_spec: str, num_requests: int, seed: int = 0, tim
 
 
 def prompt_ids(req: Request, seed: int, lo: int, hi: int) -> list[int]:
-    """Random token ids in [lo, hi) for the request's prompt (deterministic)."""
+    """Token ids in [lo, hi) for the request's prompt (deterministic): its
+    segments' (prefixes.py; a session turn: its new message), else random."""
+    if req.segments:
+        from ferry.bench.prefixes import tokens_of
+
+        return tokens_of(req.segments, seed, lo, hi)
     rng = np.random.default_rng([seed, req.index])
     return rng.integers(lo, hi, req.prompt_len).tolist()

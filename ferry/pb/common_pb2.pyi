@@ -70,7 +70,7 @@ class RequestLoad(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., state: _Optional[_Union[RequestLoad.State, str]] = ..., physical_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., virtual_usage: _Optional[float] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks", "engine_steps", "role", "unschedulable")
+    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks", "engine_steps", "role", "unschedulable", "prefix_cache", "shared_blocks")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class InstanceStatus(_message.Message):
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     UNSCHEDULABLE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     timestamp: float
@@ -115,7 +117,87 @@ class InstanceStatus(_message.Message):
     engine_steps: int
     role: Role
     unschedulable: bool
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., unschedulable: _Optional[bool] = ...) -> None: ...
+    prefix_cache: PrefixCacheStats
+    shared_blocks: int
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., unschedulable: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks", "preempted_queries", "preempted_hits")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_HITS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    requests: int
+    queries: int
+    hits: int
+    evictions: int
+    cached_blocks: int
+    evictable_blocks: int
+    preempted_queries: int
+    preempted_hits: int
+    def __init__(self, enabled: _Optional[bool] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., evictions: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evictable_blocks: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ...) -> None: ...
+
+class KvBlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent: _Optional[int] = ...) -> None: ...
+
+class KvBlockRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvAllCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: KvBlockStored
+    removed: KvBlockRemoved
+    cleared: KvAllCleared
+    def __init__(self, stored: _Optional[_Union[KvBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KvAllCleared, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("instance_id", "seq", "events")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class KvBlock(_message.Message):
+    __slots__ = ("hash", "parent")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    hash: int
+    parent: int
+    def __init__(self, hash: _Optional[int] = ..., parent: _Optional[int] = ...) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("instance_id", "seq", "blocks")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    seq: int
+    blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("instance_id", "address", "engine", "model", "block_size", "total_blocks", "max_model_len", "started_at_ms", "vocab_size", "no_migration")

@@ -276,24 +276,40 @@ class SetRoleReply(_message.Message):
     def __init__(self, previous: _Optional[_Union[_common_pb2.Role, str]] = ..., draining: _Optional[int] = ...) -> None: ...
 
 class CheckIntegrityRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("with_cached_hashes",)
+    WITH_CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    with_cached_hashes: bool
+    def __init__(self, with_cached_hashes: _Optional[bool] = ...) -> None: ...
 
 class CheckIntegrityReply(_message.Message):
-    __slots__ = ("ok", "error", "free_blocks", "total_blocks", "num_requests", "num_reservations")
+    __slots__ = ("ok", "error", "free_blocks", "total_blocks", "num_requests", "num_reservations", "cached_block_hashes")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     free_blocks: int
     total_blocks: int
     num_requests: int
     num_reservations: int
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_reservations: _Optional[int] = ...) -> None: ...
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_reservations: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEventsMessage(_message.Message):
+    __slots__ = ("snapshot", "batch")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    snapshot: _common_pb2.KvSnapshot
+    batch: _common_pb2.KvEventBatch
+    def __init__(self, snapshot: _Optional[_Union[_common_pb2.KvSnapshot, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.KvEventBatch, _Mapping]] = ...) -> None: ...
 
 class MigrateOutRequest(_message.Message):
     __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking")
@@ -370,7 +386,7 @@ class KvHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_transposed: _Optional[bool] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share")
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share", "block_hashes")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +398,7 @@ class PreAllocateRequest(_message.Message):
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     KV_SHARE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     num_blocks: int
@@ -393,7 +410,8 @@ class PreAllocateRequest(_message.Message):
     handoff: bool
     last: bool
     kv_share: KvShare
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvShare(_message.Message):
     __slots__ = ("pid", "fd", "name", "size")
@@ -408,14 +426,16 @@ class KvShare(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PreAllocateReply(_message.Message):
-    __slots__ = ("accepted", "reason", "kv_shared")
+    __slots__ = ("accepted", "reason", "kv_shared", "held_block_hashes")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KV_SHARED_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     kv_shared: bool
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_shared: _Optional[bool] = ...) -> None: ...
+    held_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_shared: _Optional[bool] = ..., held_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes", "layer", "src_blocks")

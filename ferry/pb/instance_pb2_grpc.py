@@ -72,6 +72,11 @@ class InstanceStub:
                 request_serializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityReply.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/ferry.v1.Instance/WatchKvEvents',
+                request_serializer=ferry_dot_pb_dot_instance__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_instance__pb2.KvEventsMessage.FromString,
+                _registered_method=True)
         self.MigrateOut = channel.unary_unary(
                 '/ferry.v1.Instance/MigrateOut',
                 request_serializer=ferry_dot_pb_dot_instance__pb2.MigrateOutRequest.SerializeToString,
@@ -182,6 +187,15 @@ class InstanceServicer:
 
     def CheckIntegrity(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchKvEvents(self, request, context):
+        """The prefix cache's KV events: first a snapshot of every block hash held,
+        then each engine step's batch, in order. A subscriber that falls behind
+        is dropped (the stream ends) and reconnects for a new snapshot.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -310,6 +324,11 @@ def add_InstanceServicer_to_server(servicer, server):
                     servicer.CheckIntegrity,
                     request_deserializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityReply.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=ferry_dot_pb_dot_instance__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_instance__pb2.KvEventsMessage.SerializeToString,
             ),
             'MigrateOut': grpc.unary_unary_rpc_method_handler(
                     servicer.MigrateOut,
@@ -563,6 +582,33 @@ class Instance:
             '/ferry.v1.Instance/CheckIntegrity',
             ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
             ferry_dot_pb_dot_instance__pb2.CheckIntegrityReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ferry.v1.Instance/WatchKvEvents',
+            ferry_dot_pb_dot_instance__pb2.WatchKvEventsRequest.SerializeToString,
+            ferry_dot_pb_dot_instance__pb2.KvEventsMessage.FromString,
             options,
             channel_credentials,
             insecure,

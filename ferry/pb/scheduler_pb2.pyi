@@ -84,3 +84,30 @@ class SetInstanceRoleReply(_message.Message):
     previous: _common_pb2.Role
     draining: int
     def __init__(self, previous: _Optional[_Union[_common_pb2.Role, str]] = ..., draining: _Optional[int] = ...) -> None: ...
+
+class PrefixIndexRequest(_message.Message):
+    __slots__ = ("with_hashes",)
+    WITH_HASHES_FIELD_NUMBER: _ClassVar[int]
+    with_hashes: bool
+    def __init__(self, with_hashes: _Optional[bool] = ...) -> None: ...
+
+class PrefixIndexReply(_message.Message):
+    __slots__ = ("instances", "num_entries")
+    class Instance(_message.Message):
+        __slots__ = ("instance_id", "seq", "synced", "num_blocks", "block_hashes")
+        INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+        SEQ_FIELD_NUMBER: _ClassVar[int]
+        SYNCED_FIELD_NUMBER: _ClassVar[int]
+        NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+        BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+        instance_id: str
+        seq: int
+        synced: bool
+        num_blocks: int
+        block_hashes: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., synced: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[PrefixIndexReply.Instance]
+    num_entries: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[PrefixIndexReply.Instance, _Mapping]]] = ..., num_entries: _Optional[int] = ...) -> None: ...

@@ -60,6 +60,11 @@ class SchedulerStub:
                 request_serializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
                 response_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
                 _registered_method=True)
+        self.GetPrefixIndex = channel.unary_unary(
+                '/ferry.v1.Scheduler/GetPrefixIndex',
+                request_serializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.SerializeToString,
+                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -107,6 +112,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPrefixIndex(self, request, context):
+        """The cluster-wide prefix index: which instance holds which block hash
+        (from the instances' KV events).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +147,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.FromString,
                     response_serializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.SerializeToString,
+            ),
+            'GetPrefixIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPrefixIndex,
+                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.FromString,
+                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +290,33 @@ class Scheduler:
             '/ferry.v1.Scheduler/SetRole',
             ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
             ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPrefixIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.Scheduler/GetPrefixIndex',
+            ferry_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.SerializeToString,
+            ferry_dot_pb_dot_scheduler__pb2.PrefixIndexReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,7 +106,8 @@ def options_from(kw: dict, seed: int) -> SimOptions:
                     token_s=kw["token_ms"] / 1e3, report_s=kw["report_lag_ms"] / 1e3, rpc_s=kw["rpc_ms"] / 1e3,
                     hop_s=kw["hop_ms"] / 1e3, launch_s=kw["launch_s"])
     return SimOptions(
-        arrivals=kw["arrivals"], lengths=kw["lengths"], num_requests=kw["num_requests"], seed=seed,
+        arrivals=kw["arrivals"], lengths=kw["lengths"], prefix=kw.get("prefix", "none"),
+        num_requests=kw["num_requests"], seed=seed,
         time_scale=kw["time_scale"], high_priority_fraction=kw["high_priority_fraction"],
         max_model_len=kw["max_model_len"], traces_dir=kw["traces_dir"], instances=kw["instances"],
         profile=kw["profile"], sim_slowdown=kw["sim_slowdown"], instance_args=tuple(kw["instance_args"]),

@@ -28,14 +28,16 @@ CHECKS = (("TTFT mean", "ttft_ms", "mean", 0.10), ("TTFT p50", "ttft_ms", "p50",
           ("decode mean", "decode_ms", "mean", 0.10), ("decode p50", "decode_ms", "p50", 0.10),
           ("e2e mean", "e2e_ms", "mean", 0.10), ("e2e p50", "e2e_ms", "p50", 0.10),
           ("TTFT p99", "ttft_ms", "p99", None), ("decode p99", "decode_ms", "p99", None),
-          ("preemptions", "preemptions", None, 0.20), ("migrations", "migrations", None, 0.20))
+          ("preemptions", "preemptions", None, 0.20), ("migrations", "migrations", None, 0.20),
+          ("prefix hit rate", "prefix_cache", "hit_rate", 0.05))
 
 
 def sim_options_for(live_options: dict, seed: int, delays: Delays | None = None) -> SimOptions:
     o = live_options
     if o.get("engine", "sim") != "sim":
         raise click.UsageError("only runs of sim instances can be simulated")
-    return SimOptions(arrivals=o["arrivals"], lengths=o["lengths"], num_requests=o["num_requests"], seed=seed,
+    return SimOptions(arrivals=o["arrivals"], lengths=o["lengths"], prefix=o.get("prefix", "none"),
+                      num_requests=o["num_requests"], seed=seed,
                       time_scale=o["time_scale"], high_priority_fraction=o["high_priority_fraction"],
                       max_model_len=o["max_model_len"], traces_dir=o["traces_dir"], instances=o["instances"],
                       profile=o["profile"], sim_slowdown=o["sim_slowdown"],

@@ -255,7 +255,11 @@ class SimInstance:
         states; tests/sim check it over random runs), at O(1) per step."""
         s = self.engine.scheduler
         pool = self.engine.pool
-        return (pool.num_free, pool.num_reserved, len(s.waiting), len(s.running), s.num_preemptions)
+        # NOTE: with prefix caching a request may finish and another join with
+        # the same free count (it hit blocks in use), and blocks named in a
+        # step change a waiting request's demand: admissions and cached blocks.
+        return (pool.num_free, pool.num_reserved, len(s.waiting), len(s.running), s.num_preemptions,
+                s.num_admitted, pool.num_cached)
 
     def _publish(self) -> None:
         self._pub_load = None

@@ -15,6 +15,11 @@ and mixed instances, each pool on its own profile; requests prefilled on a
 prefill instance are handed to a decode instance (ferry/sim/handoff.py).
 ``fake_tokens`` runs the live sim engine's fake model (slower) so that the
 tokens of every request can be checked; the run then also returns them.
+
+Prompts are token ids as the live client sends them (ferry/bench/prefixes.py:
+shared system prompts, multi-turn sessions whose later turns carry the
+answers so far, Mooncake-format traces), so that the engines' prefix caches
+hit as live ones do; the run's ``summary.prefix_cache`` holds the hit rates.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 import click
 
-from ferry.bench import metrics
+from ferry.bench import hit_rate, metrics, prefixes
 from ferry.bench import workload as wl
 from ferry.bench.serving import slowed_intervals
 from ferry.sim.autoscaler import SimAutoscaler
@@ -57,6 +62,7 @@ WARMUP_S = 1.0  # the cluster is up and has reported before the first request
 class SimOptions:
     arrivals: str = "poisson:2"
     lengths: str = "M-M"
+    prefix: str = "none"  # prefix structure (ferry/bench/prefixes.py)
     num_requests: int = 100
     seed: int = 0
     time_scale: float = 1.0
@@ -143,6 +149,21 @@ class Cluster:
         self.autoscaler = SimAutoscaler(self, scfg, wall) if scfg.autoscale else None
         self.work = work
         self.tokens: dict[str, list[int]] | None = {} if opts.fake_tokens else None
+        # Requests that arrive by the clock (a session's later turns follow its previous answer)
+        self.first_turns = [i for i, r in enumerate(work.requests) if r.session < 0 or r.turn == 0]
+        self.next_turn: dict[int, int] = {}
+        self.prev_turn: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, r in enumerate(work.requests):
+            if r.session >= 0:
+                if r.session in last:
+                    self.next_turn[last[r.session]] = i
+                    self.prev_turn[i] = last[r.session]
+                last[r.session] = i
+        # The prompts and answers (prefix workloads: the hit-rate bound; sessions' next turns)
+        self.keep_tokens = work.prefix != "none"
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.answers: dict[int, list[int]] = {}
         self.samples: list[dict] = []
         self.instance_log: list[tuple[float, int]] = []  # (t, live instances) after each change
         for pool in self.pools:
@@ -151,7 +172,8 @@ class Cluster:
         self.scheduler.start()
         if self.autoscaler:
             self.autoscaler.start()
-        k.at(self.t0, self._arrive, 0)
+        if self.first_turns:
+            k.at(self.t0 + work.requests[self.first_turns[0]].arrival_s * wall, self._arrive, 0)
         k.at(self.t0, self._sample)
 
     # --- instances -----------------------------------------------------------------------
@@ -184,6 +206,16 @@ class Cluster:
 
     def _on_step(self, inst: SimInstance, outputs: list[TokenOutput]) -> None:
         self.recorder.on_tokens(self.k.now, outputs)
+        if self.keep_tokens:
+            for o in outputs:
+                i = self.recorder.index[o.request_id]
+                if o.token_id is not None:
+                    self.answers.setdefault(i, []).append(o.token_id)
+                if o.finish_reason is not None and i in self.next_turn:
+                    nxt = self.next_turn[i]
+                    # the client gets the last token, the user thinks, the next turn is sent
+                    self.k.after(self.delays.token_s + self.work.requests[nxt].think_s * self.wall,
+                                 self._send, nxt)
         if self.tokens is not None:
             for o in outputs:
                 toks = self.tokens.setdefault(o.request_id, [])
@@ -200,11 +232,27 @@ class Cluster:
         self.k.after(self.delays.report_s, self.scheduler.deliver, status)
 
     # --- the frontend ----------------------------------------------------------------------
-    def _arrive(self, i: int) -> None:
-        self.recorder.records[i].sent_at = self.k.now
+    def _arrive(self, pos: int) -> None:
+        self._send(self.first_turns[pos])
+        if pos + 1 < len(self.first_turns):  # one arrival in the queue at a time
+            nxt = self.first_turns[pos + 1]
+            self.k.at(self.t0 + self.work.requests[nxt].arrival_s * self.wall, self._arrive, pos + 1)
+
+    def _send(self, i: int) -> None:
+        rec = self.recorder.records[i]
+        rec.sent_at = self.k.now
+        if self.work.requests[i].turn > 0:
+            rec.scheduled_at = self.k.now
         self.k.after(self.delays.dispatch_s, self._dispatch, i)
-        if i + 1 < len(self.work.requests):  # one arrival in the queue at a time
-            self.k.at(self.t0 + self.work.requests[i + 1].arrival_s * self.wall, self._arrive, i + 1)
+
+    def prompt(self, i: int) -> tuple[int, ...]:
+        """Request i's prompt ids: a session turn's after the conversation so far."""
+        req = self.work.requests[i]
+        own = wl.prompt_ids(req, self.opts.seed, VOCAB_LO, VOCAB_HI)
+        if req.session >= 0 and req.turn > 0:
+            prev = self.prev_turn[i]
+            own = list(self.prompts[prev]) + self.answers.get(prev, []) + own
+        return tuple(own)
 
     def _dispatch(self, i: int) -> None:
         req = self.work.requests[i]
@@ -221,9 +269,10 @@ class Cluster:
         req = self.work.requests[i]
         inst = self.instances[iid]
         sp = SamplingParams(max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
-        prompt = (wl.prompt_ids(req, self.opts.seed, VOCAB_LO, VOCAB_HI) if self.opts.fake_tokens
-                  else (1,) * req.prompt_len)
-        ereq = EngineRequest(f"req-{i}", tuple(prompt), sp, priority, arrival_time=self.k.now)
+        prompt = self.prompt(i)
+        if self.keep_tokens:
+            self.prompts[i] = prompt
+        ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now)
 
         def added(_result, exc: BaseException | None) -> None:
             if isinstance(exc, EngineError):
@@ -278,6 +327,15 @@ class Cluster:
             left["reserved_blocks"] += eng.pool.num_reserved
         return left
 
+    def prefix_summary(self) -> dict:
+        """The engines' prefix-cache stats and, for a prefix workload, the bound."""
+        stats = {iid: i.engine.prefix_cache_stats() for iid, i in self.instances.items()}
+        reqs = None
+        if self.keep_tokens:
+            order = sorted(self.prompts, key=lambda i: (self.recorder.records[i].sent_at or 0.0, i))
+            reqs = [(list(self.prompts[i]), self.answers.get(i, [])) for i in order]
+        return hit_rate.summary(stats, reqs, self.profile.block_size)
+
     def instance_table(self) -> dict:
         return {iid: {"role": i.role.value, "profile": i.profile.name, "prefill_tokens": i.executor.prefill_tokens,
                       "decode_tokens": i.executor.decode_tokens, "busy_s": i.executor.busy_s, "steps": i.steps}
@@ -301,9 +359,9 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     ``extend(cluster)``: wires more onto the cluster before it runs (KunServe)
     and returns an object whose ``summary()`` goes into ``sim["extension"]``."""
     label = label or policy
-    work = wl.build(opts.arrivals, opts.lengths, opts.num_requests, opts.seed, opts.time_scale / opts.sim_slowdown,
-                    opts.high_priority_fraction, max_model_len_of(opts),
-                    opts.traces_dir)
+    work = prefixes.build(opts.arrivals, opts.lengths, opts.num_requests, opts.prefix, opts.seed,
+                          opts.time_scale / opts.sim_slowdown, opts.high_priority_fraction, max_model_len_of(opts),
+                          opts.traces_dir)
     if work.clip and work.clip.clipped and opts.report_clip:
         click.echo(f"[{label}] {work.clip.line()}", err=True)
     t_wall = time.perf_counter()
@@ -331,6 +389,7 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     summary = metrics.summarize(cluster.recorder.records)
     summary["dead_processes"] = []
     summary["migrations_ordered"] = cluster.scheduler.migrations_ordered
+    summary["prefix_cache"] = cluster.prefix_summary()
     sim_s = cluster.end - cluster.t0
     outcomes = cluster.migration.outcomes
     committed = [o for o in outcomes if o.committed]

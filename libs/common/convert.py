@@ -6,10 +6,12 @@ from __future__ import annotations
 from ferry.pb import common_pb2 as pb
 from ferry.pb import instance_pb2 as ipb
 from libs.common.errors import InvalidArgument
+from libs.common.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 from libs.common.types import (
     InstanceInfo,
     InstanceRecord,
     InstanceStatus,
+    PrefixCacheStats,
     Priority,
     RequestLoad,
     RequestState,
@@ -96,12 +98,16 @@ _STATUS_SCALARS = (
     "instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running",
     "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
-    "waiting_demand_blocks", "engine_steps", "unschedulable",
+    "waiting_demand_blocks", "engine_steps", "unschedulable", "shared_blocks",
 )
+_PREFIX_FIELDS = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks",
+                  "preempted_queries", "preempted_hits")
 
 
 def status_to_pb(s: InstanceStatus) -> pb.InstanceStatus:
-    m = pb.InstanceStatus(**{k: getattr(s, k) for k in _STATUS_SCALARS}, role=role_to_pb(s.role))
+    pc = s.prefix_cache
+    m = pb.InstanceStatus(**{k: getattr(s, k) for k in _STATUS_SCALARS}, role=role_to_pb(s.role),
+                          prefix_cache=pb.PrefixCacheStats(**{k: getattr(pc, k) for k in _PREFIX_FIELDS}))
     m.requests.extend(load_to_pb(r) for r in s.requests)
     return m
 
@@ -111,7 +117,49 @@ def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
         **{k: getattr(m, k) for k in _STATUS_SCALARS},
         requests=tuple(load_from_pb(r) for r in m.requests),
         role=_ROLE_OF.get(m.role, Role.MIXED),  # a role from a newer peer: treated as mixed
+        prefix_cache=PrefixCacheStats(**{k: getattr(m.prefix_cache, k) for k in _PREFIX_FIELDS}),
     )
+
+
+# --- KV events (libs/common/kv_events.py) -------------------------------------------
+
+def kv_event_to_pb(e: KvEvent) -> pb.KvEvent:
+    if isinstance(e, BlockStored):
+        return pb.KvEvent(stored=pb.KvBlockStored(block_hashes=e.block_hashes, parent=e.parent))
+    if isinstance(e, BlockRemoved):
+        return pb.KvEvent(removed=pb.KvBlockRemoved(block_hashes=e.block_hashes))
+    if isinstance(e, AllCleared):
+        return pb.KvEvent(cleared=pb.KvAllCleared())
+    raise TypeError(f"not a KV event: {e!r}")
+
+
+def kv_event_from_pb(m: pb.KvEvent) -> KvEvent:
+    kind = m.WhichOneof("event")
+    if kind == "stored":
+        st = m.stored
+        return BlockStored(tuple(st.block_hashes), st.parent if st.HasField("parent") else None)
+    if kind == "removed":
+        return BlockRemoved(tuple(m.removed.block_hashes))
+    if kind == "cleared":
+        return AllCleared()
+    raise InvalidArgument(f"a KV event of unknown kind {kind!r}")
+
+
+def kv_batch_to_pb(b: KvEventBatch) -> pb.KvEventBatch:
+    return pb.KvEventBatch(instance_id=b.instance_id, seq=b.seq, events=[kv_event_to_pb(e) for e in b.events])
+
+
+def kv_batch_from_pb(m: pb.KvEventBatch) -> KvEventBatch:
+    return KvEventBatch(m.instance_id, m.seq, tuple(kv_event_from_pb(e) for e in m.events))
+
+
+def kv_snapshot_to_pb(s: KvSnapshot) -> pb.KvSnapshot:
+    return pb.KvSnapshot(instance_id=s.instance_id, seq=s.seq,
+                         blocks=[pb.KvBlock(hash=h, parent=p) for h, p in s.blocks.items()])
+
+
+def kv_snapshot_from_pb(m: pb.KvSnapshot) -> KvSnapshot:
+    return KvSnapshot(m.instance_id, m.seq, {b.hash: b.parent if b.HasField("parent") else None for b in m.blocks})
 
 
 def record_to_pb(r: InstanceRecord) -> pb.InstanceRecord:

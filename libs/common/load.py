@@ -55,13 +55,19 @@ def freeness(total_blocks: int, usage: float, batch_size: int) -> float:
 
 def summarize(total_blocks: int, requests: tuple[RequestLoad, ...], head_of_line_demand: int,
               headroom: dict[Priority, int], terminating: bool = False,
-              reserved_blocks: int = 0) -> LoadSummary:
+              reserved_blocks: int = 0, shared_blocks: int = 0) -> LoadSummary:
     """reserved_blocks: blocks held for incoming migrations. They are spoken
     for, so they count in the usage; otherwise a destination looks freer than
-    it is and is filled past what it can hold (DESIGN §4)."""
+    it is and is filled past what it can hold (DESIGN §4).
+
+    Prefix caching: a request's physical blocks are those it holds alone;
+    ``shared_blocks`` (in use by several requests) count once, here. Cached
+    blocks no request uses are free (evictable) and count nowhere; the
+    head-of-line demand is already net of its cached prefix."""
     reqs = virtual_usages(requests, head_of_line_demand, headroom)
-    usage = sum(r.virtual_usage for r in reqs) + reserved_blocks
-    normal_usage = sum(r.virtual_usage for r in reqs if r.priority == Priority.NORMAL) + reserved_blocks
+    spoken = reserved_blocks + shared_blocks
+    usage = sum(r.virtual_usage for r in reqs) + spoken
+    normal_usage = sum(r.virtual_usage for r in reqs if r.priority == Priority.NORMAL) + spoken
     if terminating:
         usage += TERMINATING_USAGE
         normal_usage += TERMINATING_USAGE

@@ -125,6 +125,31 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True)
+class PrefixCacheStats:
+    """An instance's prefix cache: counters since its start (``queries`` and
+    ``hits`` in tokens, vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``:
+    a request admitted with N tokens whose cached prefix covers H counts N
+    and H; a preempted request admitted again counts in ``preempted_*``)
+    and its size now (``cached_blocks`` named blocks, in use or free;
+    ``evictable_blocks`` of them free, counted as free everywhere)."""
+
+    enabled: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+    cached_blocks: int = 0
+    evictable_blocks: int = 0
+    # Preempted requests admitted again count here, not above (vLLM's split).
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True)
 class InstanceStatus:
     instance_id: str
     seq: int = 0
@@ -148,6 +173,8 @@ class InstanceStatus:
     engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
     role: Role = Role.MIXED  # Splitwise: which phases this instance runs
     unschedulable: bool = False  # its engine is stuck in a step (services/instance/hang.py)
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    shared_blocks: int = 0  # in use by more than one request, counted once
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     def vocab() -> int:
         return router.vocab_size(tokenizer.vocab_size)
 
-    async def respond(request: Request, prep: Prepared, stream: bool, include_usage: bool, endpoint: str):
+    async def respond(request: Request, prep: Prepared, stream: bool, include_usage: bool, endpoint: str,
+                      token_ids: bool = False):
         check_priority(prep.gen.priority, request.scope.get("state", {}).get(PRIVILEGED, False))
         gen = prep.gen
         obj = "chat.completion" if prep.kind == "chat" else "text_completion"
@@ -101,10 +102,13 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
             return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
 
         def extras() -> dict:
-            return {"instances": gen.instances, "migrations": gen.num_migrations,
-                    "preemptions": gen.num_preemptions, "preemption_loss_ms": gen.preemption_loss_ms,
-                    "resumes": gen.num_resumes, "recomputed_tokens": gen.recomputed_tokens,
-                    "ttft_ms": (gen.first_token_at - gen.arrival) * 1000 if gen.first_token_at else None}
+            out = {"instances": gen.instances, "migrations": gen.num_migrations,
+                   "preemptions": gen.num_preemptions, "preemption_loss_ms": gen.preemption_loss_ms,
+                   "resumes": gen.num_resumes, "recomputed_tokens": gen.recomputed_tokens,
+                   "ttft_ms": (gen.first_token_at - gen.arrival) * 1000 if gen.first_token_at else None}
+            if token_ids:
+                out["token_ids"] = list(gen.delivered)
+            return out
 
         base = {"id": gen.request_id, "created": prep.created, "model": model_name}
         if not stream:
@@ -169,7 +173,7 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     async def completions(body: CompletionRequest, request: Request):
         prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, prep, body.stream, include_usage, "/v1/completions")
+        return await respond(request, prep, body.stream, include_usage, "/v1/completions", body.return_token_ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -47,6 +47,8 @@ class _Common(BaseModel):
     priority: Literal["high", "normal"] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    # vLLM's extension: the completion's token ids too (in Ferry's `ferry` object of the last chunk).
+    return_token_ids: bool = False
     user: Text | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -40,10 +40,14 @@ StepCallback = Callable[[list[TokenOutput], EngineLoad], None]
 
 class EngineRunner:
     def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, on_step: StepCallback,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, on_kv_events: Callable[[list], None] | None = None):
+        """``on_kv_events``: called on the loop with the prefix cache's events
+        (Engine.take_kv_events) after each step or command that made any,
+        in order, before that step's ``on_step``."""
         self.engine = engine
         self.loop = loop
         self.on_step = on_step
+        self.on_kv_events = on_kv_events
         self.idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._guests: queue.SimpleQueue = queue.SimpleQueue()
@@ -232,6 +236,8 @@ class EngineRunner:
         die_after = failpoints.value("engine.die_after_steps")
         hang_after = failpoints.value("engine.hang_after_steps")  # tests: a step that never returns
         try:
+            if self.on_kv_events is not None:
+                self.engine.take_kv_events()  # recording starts (the cache is empty)
             while not self._stop.is_set():
                 changed = self._drain()
                 held = self._held_for()
@@ -272,6 +278,10 @@ class EngineRunner:
     def _publish(self, outputs: list[TokenOutput]) -> None:
         load = self.engine.load()
         try:
+            if self.on_kv_events is not None:
+                events = self.engine.take_kv_events()
+                if events:
+                    self.loop.call_soon_threadsafe(self.on_kv_events, events)
             self.loop.call_soon_threadsafe(self.on_step, outputs, load)
         except RuntimeError:  # loop closed during shutdown
             self._stop.set()

@@ -25,6 +25,7 @@ from libs.common.errors import (
     Unavailable,
     abort_with,
 )
+from libs.common.kv_events import KvSnapshot
 from libs.common.logging import get_logger
 from libs.common.server import Service
 from libs.common.types import InstanceInfo, InstanceStatus, Role, TokenOutput
@@ -34,6 +35,7 @@ from services.instance.admission import QueueBound
 from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineLoad, EngineRequest
 from services.instance.hang import HangLimits, HangMonitor, Health
 from services.instance.registered import Registered
+from services.instance.kv_events import KvEventPublisher
 from services.instance.reporter import StatusReporter
 from services.instance.runner import EngineRunner
 from services.instance.status import high_priority_headroom, instance_status, material
@@ -127,6 +129,9 @@ class InstanceConfig(CommonConfig):
     hang_floor_s: float = opt(0.5, "... and past this long in any case", min=0.001)
     hang_stop_s: float = opt(60.0, "a step hung this long stops the instance (exit 4; its requests resume "
                              "elsewhere; 0 = never)", min=0.0)
+    prefix_caching: bool = opt(True, "automatic prefix caching: a request starts at its longest cached prefix "
+                               "(whole blocks); free blocks stay cached, evicted least-recently-used (vllm: "
+                               "vLLM's own)")
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
                          "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
@@ -164,7 +169,8 @@ class InstanceConfig(CommonConfig):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
-            seed=self.seed, share_kv=self.migration_shared_kv, extra=self._engine_extra(),
+            seed=self.seed, share_kv=self.migration_shared_kv, prefix_caching=self.prefix_caching,
+            extra=self._engine_extra(),
         )
 
     def _engine_extra(self) -> dict:
@@ -238,6 +244,7 @@ class InstanceService(Service):
         self.registered = Registered(config.meta_store)
         self.hang: HangMonitor | None = None  # set in start()
         self.draining = False  # SIGTERM: handing the requests here over before stopping
+        self.kv_events = KvEventPublisher(self.instance_id)
 
     # --- lifecycle --------------------------------------------------------------
     def register(self, server: grpc.aio.Server) -> None:
@@ -250,7 +257,8 @@ class InstanceService(Service):
         self.info = InstanceInfo(self.instance_id, address, e.name, e.model_name, e.block_size,
                                  e.num_total_blocks, e.max_model_len, int(time.time() * 1000), e.vocab_size,
                                  no_migration=e.no_migration)
-        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step)
+        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step,
+                                   on_kv_events=self.kv_events.publish)
         self.runner.start()
         from services.instance.migration import MigrationHost, MigrationManager
         from services.instance.migration.servicer import MigrationRpcs
@@ -265,6 +273,10 @@ class InstanceService(Service):
         self.pipeline = PipelineHost(self.engine, self.runner)
         if self.config.metrics_port >= 0:
             from prometheus_client import start_http_server
+
+            from services.instance import prefix_metrics
+
+            prefix_metrics.export(lambda: self.load.prefix_cache, instance=self.instance_id)
 
             start_http_server(self.config.metrics_port, addr=self.config.host)
         self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
@@ -283,6 +295,7 @@ class InstanceService(Service):
         if self.hang:
             await self.hang.stop()
         await self.registered.close()
+        self.kv_events.close()
         if self.migration:
             await self.migration.close()
         if self.pipeline:
@@ -553,13 +566,27 @@ class InstanceServicer(pb_grpc.InstanceServicer):
                 svc.engine.check_integrity()
             except AssertionError as e:
                 err = str(e) or "integrity check failed"
-            return err, svc.engine.num_free_blocks, svc.engine.load()
+            hashes = svc.engine.cached_hashes() if request.with_cached_hashes else []
+            return err, svc.engine.num_free_blocks, svc.engine.load(), hashes
 
-        err, free, load = await svc.runner.call(check)
+        err, free, load, hashes = await svc.runner.call(check)
         reservations = len(svc.migration.reservations) if svc.migration else 0
         return pb.CheckIntegrityReply(ok=not err, error=err, free_blocks=free,
                                       total_blocks=svc.engine.num_total_blocks,
-                                      num_requests=len(load.requests), num_reservations=reservations)
+                                      num_requests=len(load.requests), num_reservations=reservations,
+                                      cached_block_hashes=hashes)
+
+    async def WatchKvEvents(self, request, context):
+        """The prefix cache's events: a snapshot, then each step's batch."""
+        q = self.svc.kv_events.subscribe()
+        try:
+            while (item := await q.get()) is not None:
+                if isinstance(item, KvSnapshot):
+                    yield pb.KvEventsMessage(snapshot=convert.kv_snapshot_to_pb(item))
+                else:
+                    yield pb.KvEventsMessage(batch=convert.kv_batch_to_pb(item))
+        finally:
+            self.svc.kv_events.unsubscribe(q)
 
     # Migration RPCs: protobuf <-> domain types in services/instance/migration/servicer.py.
     async def MigrateOut(self, request, context):

@@ -15,7 +15,7 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
                     migrating_out: int = 0, engine_steps: int = 0, role: Role = Role.MIXED,
                     unschedulable: bool = False) -> InstanceStatus:
     summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks, headroom, terminating,
-                        reserved_blocks=load.reserved_blocks)
+                        reserved_blocks=load.reserved_blocks, shared_blocks=load.shared_blocks)
     waiting = sum(1 for r in load.requests if r.state == "waiting")
     return InstanceStatus(
         instance_id=instance_id, seq=seq, timestamp=timestamp,
@@ -30,6 +30,7 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
         used_blocks=load.total_blocks - load.free_blocks - load.reserved_blocks,
         waiting_demand_blocks=load.waiting_demand_blocks, engine_steps=engine_steps, role=role,
         unschedulable=unschedulable,
+        prefix_cache=load.prefix_cache, shared_blocks=load.shared_blocks,
     )
 
 
@@ -49,4 +50,4 @@ def material(load: EngineLoad) -> tuple:
     carries the counts."""
     return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
             load.num_preemptions, load.reserved_blocks,
-            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests))
+            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests), load.shared_blocks)

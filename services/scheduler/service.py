@@ -47,6 +47,8 @@ class SchedulerConfig(CommonConfig):
     migrate_in_threshold: float | None = opt(None, "instances with freeness above this are destinations "
                                                    "(default: the policy's, 20)")
     migration: bool = opt(True, "run the rescheduling loop (for policies that migrate)")
+    prefix_index: bool = opt(True, "keep the cluster-wide prefix index: follow every instance's KV events "
+                                   "(which instance holds which block hash)")
     # Launcher and auto-scaling (services/scheduler/launcher.py, autoscaler.py).
     launch_args: str = opt("", "instance arguments (shell-quoted) for instances the scheduler launches; "
                                "empty = no launcher")
@@ -169,6 +171,20 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.SetTerminatingReply(ok=True)
 
 
+    async def GetPrefixIndex(self, request, context):
+        kv = self.svc.kv_index
+        reply = pb.PrefixIndexReply()
+        if kv is None:
+            return reply
+        idx = kv.index
+        for iid in sorted(set(idx.instances()) | set(self.svc.view.records)):
+            hashes = idx.hashes_of(iid)
+            reply.instances.append(pb.PrefixIndexReply.Instance(
+                instance_id=iid, seq=idx.seq_of(iid) or 0, synced=iid in kv.synced, num_blocks=len(hashes),
+                block_hashes=sorted(hashes) if request.with_hashes else []))
+        reply.num_entries = idx.num_entries
+        return reply
+
     async def SetRole(self, request, context):
         """Change an instance's role (Splitwise's mixed pool). Becoming
         prefill, its decoding requests drain to the other instances that
@@ -233,6 +249,7 @@ class SchedulerService(Service):
                 iid = self.index.choose(req)
                 return None if iid is None else Placement(iid)
         return place(self.dispatcher, self.view.views(), req)
+        self.kv_index = None  # services/scheduler/kv_index.py: the prefix index and its streams (every scheduler)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
@@ -247,6 +264,11 @@ class SchedulerService(Service):
         from services.scheduler.state import EtcdState, MemoryState
 
         self.view.start()
+        if c.prefix_index:
+            from services.scheduler.kv_index import KvIndexWatcher
+
+            self.kv_index = KvIndexWatcher(self.view)
+            self.kv_index.start()
         if c.etcd:
             self.leadership = EtcdLeadership(c.etcd, c.etcd_prefix, ttl_s=c.leader_ttl_s,
                                              scheduler_id=c.scheduler_id, address=bound_address)
@@ -325,4 +347,6 @@ class SchedulerService(Service):
         if self.leadership is not None:
             await self.leadership.stop()  # etcd: resigns; the deposed hook stopped the loops
         await self._stop_loops(close_launcher=True)
+        if self.kv_index is not None:
+            await self.kv_index.stop()
         await self.view.stop()

@@ -49,3 +49,13 @@ def test_normal_freeness_ignores_high_priority_load():
     s = summarize(100, reqs, 0, {H: 30})
     assert s.normal_freeness == (100 - 10) / 1
     assert s.freeness == (100 - (50 + 30) - 10) / 2
+
+
+def test_shared_blocks_count_once_and_cached_free_ones_not_at_all():
+    """Prefix caching: two running requests hold 3 blocks alone each and share
+    4 (a cached prefix); 20 cached blocks nobody uses are free. Freeness is
+    the free space as it is: 100 - (3 + 3 + 4) over 2."""
+    reqs = (req("a", N, "running", 3), req("b", N, "running", 3))
+    s = summarize(100, reqs, head_of_line_demand=0, headroom={}, shared_blocks=4)
+    assert s.virtual_usage == 10 and s.freeness == 45
+    assert summarize(100, reqs, 0, {}, shared_blocks=4).normal_freeness == 45

@@ -79,7 +79,10 @@ async def test_request_preempted_during_a_stage(tmp_path_factory):
     # instance-0 has 24 blocks: two requests of 7 blocks each grow toward 16
     # each; after ~80 tokens the pool is full and the latest arrival (the one
     # migrating) is preempted while the stage waits.
-    c = make(tmp_path_factory, "preempt", src=["--num-blocks", "24", "--failpoints", "source.copy_delay_ms=1500"])
+    # No prefix cache at the source: with it the victim's recompute is a hit on
+    # its own blocks and it may finish within the stage, which is not this test.
+    c = make(tmp_path_factory, "preempt", src=["--num-blocks", "24", "--failpoints", "source.copy_delay_ms=1500",
+                                               "--no-prefix-caching"])
     try:
         async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
             other = asyncio.create_task(stream_completion(http, {"prompt": "y" * 100, "max_tokens": 150}))

@@ -44,3 +44,16 @@ def test_simulator_agrees_with_a_live_sim_cluster():
     # Tolerances a little above the issue's 10% for one small run on a shared machine.
     for metric, tol in (("decode mean", 0.12), ("e2e mean", 0.12), ("TTFT p50", 0.25)):
         assert abs(rows[metric]["diff"]) <= tol, (metric, rows[metric])
+
+
+def test_simulator_reproduces_the_live_prefix_hit_rate():
+    """Shared system prompts (Zipf) over two live sim instances: the
+    simulated engines' caches hit as the live ones do, within 5%."""
+    opts = ServingOptions(arrivals="poisson:6", lengths="fixed:64:16", prefix="system:4:256:1.0", num_requests=60,
+                          seed=2, instances=2, max_model_len=2048, engine="sim", progress=False, stream=False)
+    live = run_serving(opts, "round_robin")
+    assert live["summary"]["completed"] == 60
+    des = simulate(sim_options_for(live["options"], opts.seed), "round_robin")["summary"]
+    row = {r["metric"]: r for r in compare(live["summary"], des, [des])}["prefix hit rate"]
+    assert row["live"] > 0.3 and row["ok"], row
+    assert des["prefix_cache"]["upper_bound"] == live["summary"]["prefix_cache"]["upper_bound"]

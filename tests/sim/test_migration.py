@@ -91,7 +91,8 @@ def test_transfer_time_is_bytes_over_bandwidth_plus_stage_overhead():
 
 def start_many(k, inst, n, n_prompt=400, n_out=400, prefix="r"):
     for i in range(n):
-        r = EngineRequest(f"{prefix}{i}", (3,) * n_prompt,
+        # prompts of their own: one request's prefix would be a cache hit for the next
+        r = EngineRequest(f"{prefix}{i}", (3 + i,) * n_prompt,
                           SamplingParams(max_tokens=n_out, min_tokens=n_out, ignore_eos=True), arrival_time=k.now)
         inst.submit(inst.engine.add_request, r)
 

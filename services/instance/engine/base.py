@@ -16,7 +16,10 @@ import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from libs.common.kv_events import KvEvent
+from libs.common.prefix_hash import BlockHash
 from libs.common.types import (
+    PrefixCacheStats,
     Priority,
     RequestLoad,
     RequestState,
@@ -99,7 +102,10 @@ class EngineLoad:
     """A snapshot of the engine's load, for status reports (DESIGN §4).
 
     ``requests`` lists waiting and running requests (not suspended ones) with
-    their physical blocks; virtual usage is computed by the agent.
+    their physical blocks (with prefix caching: the blocks each holds alone;
+    ``shared_blocks`` counts the others once); virtual usage is computed by
+    the agent. ``free_blocks`` includes cached blocks no request uses (they
+    are evictable), and a waiting request's demand is net of its cached prefix.
     """
 
     total_blocks: int
@@ -110,6 +116,10 @@ class EngineLoad:
     waiting_demand_blocks: int = 0  # blocks all waiting requests need
     num_preemptions: int = 0  # total since start
     reserved_blocks: int = 0  # held for incoming migrations
+    # Prefix caching: blocks in use by more than one request, counted once
+    # (each request's physical_blocks counts only the blocks it holds alone).
+    shared_blocks: int = 0
+    prefix_cache: PrefixCacheStats = PrefixCacheStats()
 
 
 class EngineError(Exception):
@@ -220,6 +230,28 @@ class Engine(abc.ABC):
         """Counters of a live request (num_preemptions, preemption_loss_ms)."""
         return {}
 
+    # --- prefix caching -------------------------------------------------------
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's events (libs/common/kv_events.py) since the last
+        call, in order; the first call starts recording them (nothing is kept
+        for nobody). Engine thread, between steps."""
+        return []
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash the prefix cache holds now. Engine thread."""
+        return []
+
+    def holds_hashes(self, hashes: list[BlockHash]) -> list[BlockHash]:
+        """Those of ``hashes`` the prefix cache holds now (a destination's
+        answer to a pre-allocation). Any thread: a hint, the cache changes
+        between steps."""
+        return []
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """The prefix-cache hashes of a live request's full blocks known so
+        far ([] if unknown). Any thread: a copy, possibly short."""
+        return []
+
     # --- migration hooks ----------------------------------------------------
     @abc.abstractmethod
     def request_phase(self, request_id: str) -> tuple[str, int] | None:
@@ -327,6 +359,8 @@ class EngineConfig:
     # The KV cache in shared memory a destination on this host can map
     # (shared_kv.py): fake and native engines on CPU.
     share_kv: bool = True
+    # Automatic prefix caching (engine/core/prefix_cache.py; vLLM's own for vllm).
+    prefix_caching: bool = True
     profile: str = "llama-7b-a10"  # sim engine: profile name or path
     seed: int = 0
     extra: dict = field(default_factory=dict)

@@ -182,7 +182,9 @@ class Destination:
         if not ok:
             return Admission(False, reason)
         res = self.reservations.get(p.migration_id)
-        return Admission(True, kv_shared=res is not None and self._map_source_kv(res, p))
+        # NOTE: read off the engine thread: a hint (the cache changes between steps)
+        held = tuple(self.engine.holds_hashes(list(p.block_hashes))) if p.block_hashes else ()
+        return Admission(True, kv_shared=res is not None and self._map_source_kv(res, p), held=held)
 
     def _map_source_kv(self, res: Reservation, p: PreAllocate) -> bool:
         """Map the source's shared KV cache when it offers one (again when it

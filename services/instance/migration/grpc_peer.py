@@ -41,7 +41,7 @@ def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:
     return pb.PreAllocateRequest(
         migration_id=p.migration_id, request_id=p.request_id, num_blocks=p.num_blocks, stage=p.stage,
         header=header_to_pb(p.layout), deadline_ms=p.deadline_ms, source_instance_id=p.source_instance_id,
-        spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last,
+        spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last, block_hashes=p.block_hashes,
         kv_share=None if share is None else pb.KvShare(pid=share.pid, fd=share.fd, name=share.name,
                                                       size=share.size))
 
@@ -50,7 +50,8 @@ def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
     share = (KvShare(m.kv_share.pid, m.kv_share.fd, m.kv_share.name, m.kv_share.size)
              if m.HasField("kv_share") else None)
     return PreAllocate(m.migration_id, m.request_id, m.stage, m.num_blocks, layout_from_pb(m.header),
-                       m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last, share)
+                       m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last, share,
+                       tuple(m.block_hashes))
 
 
 def chunk_to_pb(c: KvChunk) -> pb.KvChunk:
@@ -110,7 +111,7 @@ class GrpcPeer:
             reply = await self.stub.PreAllocate(pre_allocate_to_pb(p), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise PeerError(_reason(e)) from None
-        return Admission(reply.accepted, reply.reason, reply.kv_shared)
+        return Admission(reply.accepted, reply.reason, reply.kv_shared, tuple(reply.held_block_hashes))
 
     async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
         async def pbs():

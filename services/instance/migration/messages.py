@@ -77,6 +77,10 @@ class PreAllocate:
     handoff: bool = False  # a prefill->decode handoff, not a load-balancing migration
     last: bool = False  # the last stage: the request is suspended at the source
     kv_share: KvShare | None = None  # the source's shared KV cache, offered (shared_kv.py)
+    # The prefix-cache hashes of the request's full blocks (first stage): the
+    # destination says which it holds (Admission.held). NOTE: a hint today;
+    # a source may later skip sending those blocks.
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,8 @@ class Admission:
     # It mapped the source's shared KV cache (PreAllocate.kv_share): chunks
     # may name source blocks (KvChunk.src_blocks) instead of carrying bytes.
     kv_shared: bool = False
+    # Those of PreAllocate.block_hashes its prefix cache holds now.
+    held: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,7 @@ class Outcome:
     # Unix time (s) of the suspend at the source: places the downtime on a client's timeline (0: none).
     suspended_at: float = 0.0
     kv_shared: bool = False  # the KV went through the source's shared cache (else bytes)
+    held_blocks: int = 0  # of the request's full blocks, how many the destination's prefix cache held
 
 
 @dataclass(frozen=True)

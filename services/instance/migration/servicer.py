@@ -32,7 +32,8 @@ class MigrationRpcs:
         a = await self.dest.pre_allocate(pre_allocate_from_pb(req))
         if not a.accepted:
             log.info("pre-allocate refused", migration_id=req.migration_id, reason=a.reason)
-        return pb.PreAllocateReply(accepted=a.accepted, reason=a.reason, kv_shared=a.kv_shared)
+        return pb.PreAllocateReply(accepted=a.accepted, reason=a.reason, kv_shared=a.kv_shared,
+                                   held_block_hashes=a.held)
 
     async def transfer_kv(self, chunks) -> pb.TransferKvReply:
         if failpoints.enabled("dest.crash_mid_transfer"):

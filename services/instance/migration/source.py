@@ -117,13 +117,16 @@ class SourceMigration:
 
     async def _pre_allocate(self, stage: int, n: int, spare: int = 0, last: bool = False) -> None:
         share = self.engine.kv_share() if self.config.shared_kv else None
+        hashes = tuple(self.engine.block_hashes(self.request_id)) if stage == 0 else ()
         a = await self.peer.pre_allocate(PreAllocate(
             self.id, self.request_id, stage, n, self.engine.kv_layout, self.deadline_ms,
-            self.host.instance_id, spare, handoff=self.handoff, last=last, kv_share=share))
+            self.host.instance_id, spare, handoff=self.handoff, last=last, kv_share=share, block_hashes=hashes))
         if not a.accepted:
             self.dest_failed = True
             raise MigrationAborted(f"destination refused: {a.reason}")
         self.shared = share if a.kv_shared else None
+        if hashes:
+            self.out.held_blocks = len(a.held)
 
     async def _copy(self, stage: int, blocks: list[int], paced: bool = False) -> int:
         """Gather the blocks in chunks (off the event loop and the engine

@@ -11,7 +11,7 @@ import pytest
 
 from services.instance.engine.vllm import available
 
-pytestmark = [pytest.mark.model, pytest.mark.slow,
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900),
               pytest.mark.skipif(available() is not None, reason=str(available()))]
 
 
@@ -57,9 +57,28 @@ def test_self_migration_continues_exactly(facts):
     assert facts["migrated"] == facts["ref"]
 
 
+def test_an_installed_request_loads_only_what_vllms_cache_lacks(facts):
+    """mig2's context (prompt and 24 tokens: 3 blocks of 32 and a partial one)
+    finds the prompt's 2 whole blocks in vLLM's cache: the connector loads the
+    rest only."""
+    ml = facts["migrate_load"]
+    computed, loads = ml["computed"], [n for n in ml["loads"] if n]
+    assert len(loads) == 1, ml  # the installed incarnation's load
+    local = computed - loads[0]  # what vLLM's own cache gave it
+    assert local >= 64 and local % 32 == 0 and 0 < loads[0] < computed
+
+
+def test_prefix_caching_is_vllms_and_its_events_name_ferrys_hashes(facts):
+    assert facts["again"] == facts["ref"]
+    st = facts["prefix_stats"]
+    assert st["enabled"] and st["requests"] == 2 and st["hits"] == 64  # 2 whole blocks of 32 the second time
+    assert facts["events_match_cache"] and facts["prompt_blocks_held"]
+    assert facts["events_match_cache_at_end"]
+
+
 def test_no_block_leaks_after_every_path(facts):
     total = facts["total"]
-    for key in ("after_ref", "after_resume", "after_migrate", "after_dest_aborts", "after_dropped",
+    for key in ("after_ref", "after_again", "after_resume", "after_migrate", "after_dest_aborts", "after_dropped",
                 "after_aborted", "after_lite", "end"):
         assert facts[key] == {"free": total, "total": total}, key
     assert facts["abort_installed"] is True

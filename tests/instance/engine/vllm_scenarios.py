@@ -63,9 +63,24 @@ def main() -> None:
     facts: dict = {"prompt_len": len(PROMPT), "migratable": e.migratable, "why": e.migration_error, "layout": e.kv_layout.__dict__,
                    "total": e.num_total_blocks, "block_size": e.block_size}
 
+    from libs.common.kv_events import apply
+    from libs.common.prefix_hash import block_hashes
+
+    held: dict = {}
+    apply(held, e.take_kv_events())  # recording on
     e.add_request(EngineRequest("ref", PROMPT, greedy))
     facts["ref"] = run(e)["ref"]
     facts["after_ref"] = settle(e)
+
+    # Prefix caching (vLLM's own): the same prompt again hits its whole blocks;
+    # the KV events, in Ferry's hashes, replay to what vLLM's cache holds.
+    e.add_request(EngineRequest("again", PROMPT, greedy))
+    facts["again"] = run(e)["again"]
+    facts["prefix_stats"] = e.load().prefix_cache.__dict__
+    apply(held, e.take_kv_events())
+    facts["events_match_cache"] = set(held) == set(e.cached_hashes())
+    facts["prompt_blocks_held"] = set(block_hashes(PROMPT, 32)) <= set(held)
+    facts["after_again"] = settle(e)
 
     # Suspend (abort with the blocks held) and resume (KV copied back, no recompute).
     e.add_request(EngineRequest("sr", PROMPT, greedy))
@@ -82,6 +97,16 @@ def main() -> None:
     facts["after_resume"] = settle(e)
 
     # Self-migration: pre-copy, suspend, last stage, reserve, scatter, install, drop.
+    # vLLM's cache holds the prompt's whole blocks (ref, again): the installed
+    # incarnation hits them and the connector loads only the rest.
+    loads = []
+    orig = e.sconn.update_state_after_alloc
+
+    def recording(request, blocks, num_external_tokens):
+        loads.append(num_external_tokens)
+        return orig(request, blocks, num_external_tokens)
+
+    e.sconn.update_state_after_alloc = recording
     e.add_request(EngineRequest("mig", PROMPT, greedy))
     got = run(e, {"mig": 20})["mig"]
     first = e.full_blocks("mig")
@@ -99,6 +124,8 @@ def main() -> None:
     e.drop_request("mig")
     e.check_integrity()
     facts["migrated"] = got + run(e)["mig2"]
+    facts["migrate_load"] = {"computed": state.num_computed_tokens, "loads": loads}
+    e.sconn.update_state_after_alloc = orig
     facts["after_migrate"] = settle(e)
 
     # Negative control: the same migration with the KV zeroed in transit must
@@ -164,6 +191,8 @@ def main() -> None:
     facts["vllm_priorities"] = {rid: e._vreq(e.reqs[rid]).priority for rid in ("lo", "hi")}
     run(e)
     facts["end"] = settle(e)
+    apply(held, e.take_kv_events())
+    facts["events_match_cache_at_end"] = set(held) == set(e.cached_hashes()) and len(held) > 0
     print("FACTS " + json.dumps(facts), flush=True)
     sys.stdout.flush()
     os._exit(0)  # vLLM's teardown is slow and noisy; nothing is left to save

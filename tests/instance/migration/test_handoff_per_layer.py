@@ -71,7 +71,8 @@ def watch(c: Cluster, on_chunk) -> list[tuple[int | None, int]]:
 
 
 async def test_long_prompt_streams_layers_while_it_computes_with_the_colocated_tokens(pd):
-    colocated = await asyncio.wait_for(Client(pd, "ref").run("p", LONG, N), 30)
+    # the reference runs at d: p's prefix cache stays cold and the prompt computes in 5 chunks
+    colocated = await asyncio.wait_for(Client(pd, "ref").run("d", LONG, N), 30)
     assert colocated == fake_generate(LONG, N)
     seen = watch(pd, lambda _: None)
     p = pd.nodes["p"]
@@ -206,6 +207,20 @@ async def test_manager_closed_before_the_handoff_ran_fails_the_add_and_leaves_no
     await asyncio.wait_for(close, 10)
     assert await p.runner.call(p.engine.request_phase, "r") is None
     assert not p.manager.outgoing
+    await clean(pd)
+
+
+async def test_a_prompt_whose_prefix_is_cached_hands_the_hit_blocks_over_with_its_first_chunk(pd):
+    """p's prefix cache holds LONG's first 6 blocks: the prompt computes only
+    its last 4 tokens, in one chunk, and that chunk's layer hands over the 6
+    hit blocks too (the destination never saw them computed)."""
+    colocated = await asyncio.wait_for(Client(pd, "ref").run("p", LONG, N), 30)
+    seen = watch(pd, lambda _: None)
+    cl = Client(pd, "r")
+    assert await asyncio.wait_for(cl.run("p", LONG, N, handoff="d"), 30) == colocated == fake_generate(LONG, N)
+    assert cl.path == ["p", "d"] and counts(pd) == (1, 0)
+    assert seen == [(0, 96)]  # one chunk, sent when the hit was in place
+    assert pd.nodes["p"].engine.load().prefix_cache.hits == 96
     await clean(pd)
 
 

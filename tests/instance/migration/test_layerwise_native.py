@@ -42,13 +42,16 @@ CFG = dataclasses.replace(CONFIG, chunk_bytes=1 << 20, deadline_ms=5000)
 GREEDY, SEEDED = {}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 
-def native():
-    return native_engine(num_blocks=48, max_num_batched_tokens=BUDGET)
+def native(**config):
+    return native_engine(num_blocks=48, max_num_batched_tokens=BUDGET, **config)
 
 
 @pytest.fixture(scope="module")
 def engines():
-    return native(), native()
+    # No prefix cache: these tests count the layers each prompt chunk streams,
+    # and a module's tests share the engines (a cached prompt computes in one
+    # chunk; tests/instance/migration/test_handoff_per_layer.py has that case).
+    return native(prefix_caching=False), native(prefix_caching=False)
 
 
 @pytest.fixture

@@ -442,7 +442,9 @@ async def test_destination_with_a_queue_refuses():
         cl, task = await start(c)
         busy, busy_task = await start(c, rid="busy", n=120, at=1, node="b")
         queued = Client(c, "queued")
-        queued_task = asyncio.create_task(queued.run("b", PROMPT + PROMPT[:60], 4))  # 10 blocks: waits
+        # 10 blocks, none of them busy's (a prefix busy holds would be a cache hit and fit): waits
+        long = [97 + (i * 11) % 26 for i in range(160)]
+        queued_task = asyncio.create_task(queued.run("b", long, 4))
         while not any(r.state == "waiting" for r in b.load.requests):
             await asyncio.sleep(0.005)
         res = await c.nodes["a"].manager.migrate_out(order("b", "r"))
@@ -450,7 +452,7 @@ async def test_destination_with_a_queue_refuses():
         await finish(c, cl, task, 200)
         await asyncio.wait_for(asyncio.gather(busy_task, queued_task), 30)
         assert busy.tokens == fake_generate(PROMPT, 120)
-        assert queued.tokens == fake_generate(PROMPT + PROMPT[:60], 4)
+        assert queued.tokens == fake_generate(long, 4)
         for node in c.nodes.values():
             await node.check_clean()
     finally:

@@ -1,8 +1,12 @@
-"""A pool of fixed-size KV blocks: a FIFO free list, reference counts, and
-blocks held in reserve for incoming migrations.
+"""A pool of fixed-size KV blocks: a FIFO free list, reference counts, a
+prefix cache (prefix_cache.py), and blocks held in reserve for incoming
+migrations.
 
 NOTE: the free list is FIFO (allocate from the front, freed blocks go to the
-back) so a just-freed block is reused last; tests assert exact ids.
+back) so a just-freed block is reused last; tests assert exact ids. Free
+blocks that are cached (named by a hash) wait on the cache's LRU queue
+instead and are taken only when the plain free list is empty: a cached
+block's content goes only when nothing else is free.
 Running out of blocks is an expected result (``can_allocate`` is False,
 ``reserve`` returns None); misuse (double free, freeing an unknown block) raises.
 """
@@ -12,16 +16,21 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from libs.common.prefix_hash import BlockHash
 from services.instance.engine.base import IntegrityError
+from services.instance.engine.core.prefix_cache import PrefixCache
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, watermark_blocks: int = 0):
+    def __init__(self, num_blocks: int, watermark_blocks: int = 0, caching: bool = True):
+        """``caching``: full blocks are named and kept while free (prefix caching)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.watermark_blocks = watermark_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.caching = caching
+        self.cache = PrefixCache()
+        self._free: deque[int] = deque(range(num_blocks))  # free blocks with no name
         self._ref = [0] * num_blocks
         self._reserved: set[int] = set()
         # Capacity given back (KunServe's restore, ``shrink``): ids out of
@@ -45,7 +54,17 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free blocks, cached ones (evictable) included."""
+        return len(self._free) + self.cache.num_evictable
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks named in the prefix cache (in use or evictable)."""
+        return len(self.cache)
+
+    @property
+    def num_evictable(self) -> int:
+        return self.cache.num_evictable
 
     @property
     def num_reserved(self) -> int:
@@ -53,37 +72,46 @@ class BlockPool:
 
     def can_allocate(self, n: int, keep_watermark: bool = False) -> bool:
         floor = self.watermark_blocks if keep_watermark else 0
-        return n <= len(self._free) - floor
+        return n <= self.num_free - floor
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
     # --- actions --------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take n blocks (refcount 1). Call can_allocate first: running out
-        here is a programming error."""
+        """Take n blocks (refcount 1): plain free ones first, then the least
+        recently used cached ones (evicted). Call can_allocate first: running
+        out here is a programming error."""
         with self._lock:
-            if n > len(self._free):
-                raise IntegrityError(f"allocate({n}) with {len(self._free)} free: call can_allocate first")
-            ids = [self._free.popleft() for _ in range(n)]
+            if n > self.num_free:
+                raise IntegrityError(f"allocate({n}) with {self.num_free} free: call can_allocate first")
+            ids = [self._free.popleft() if self._free else self.cache.evict_lru() for _ in range(n)]
             for b in ids:
                 self._ref[b] = 1
             return ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero go to the
-        back of the free list in the given order."""
+        """Drop one reference from each block. Blocks reaching zero go to the
+        back of the free list in the given order, or, when cached, to the
+        back of the evictable queue in reverse order (a sequence's tail is
+        evicted before its head)."""
         with self._lock:
+            parked = []
             for b in block_ids:
                 if self._ref[b] <= 0:
                     raise IntegrityError(f"double free of block {b}")
                 self._ref[b] -= 1
                 if self._ref[b] == 0:
                     if self._to_retire:
+                        self.cache.forget(b)
                         self._retired.add(b)
                         self._to_retire -= 1
+                    elif self.cache.hash_of(b) is not None:
+                        parked.append(b)
                     else:
                         self._free.append(b)
+            for b in reversed(parked):
+                self.cache.park(b)
 
     def share(self, block_ids: list[int]) -> None:
         """Add a reference (a block used by a second owner, e.g. a prefix)."""
@@ -92,6 +120,50 @@ class BlockPool:
                 if self._ref[b] <= 0:
                     raise IntegrityError(f"share of free block {b}")
                 self._ref[b] += 1
+
+    # --- the prefix cache ---------------------------------------------------------
+    def lookup(self, hashes) -> list[int]:
+        """Blocks of the longest cached prefix of ``hashes`` ([] when caching is off)."""
+        if not self.caching:
+            return []
+        with self._lock:
+            return self.cache.lookup(hashes)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks a request hits (evictable ones
+        leave the queue)."""
+        with self._lock:
+            for b in block_ids:
+                if self.cache.hash_of(b) is None:
+                    raise IntegrityError(f"touch of block {b}, which is not cached")
+                if self._ref[b] == 0:
+                    self.cache.unpark(b)
+                self._ref[b] += 1
+
+    def num_evictable_of(self, block_ids: list[int]) -> int:
+        """How many of these (cached) blocks are evictable: a hit takes them off the free count."""
+        return sum(1 for b in block_ids if self._ref[b] == 0)
+
+    def cache_blocks(self, block_ids: list[int], hashes: list[BlockHash], parent: BlockHash | None) -> int:
+        """Name newly full blocks (in use) by their hashes; a hash already
+        cached stays with its block. Returns how many were named."""
+        if not self.caching or not block_ids:
+            return 0
+        with self._lock:
+            for b in block_ids:
+                if self._ref[b] <= 0:
+                    raise IntegrityError(f"caching free block {b}")
+            return self.cache.register(block_ids, hashes, parent)
+
+    def clear_cache(self) -> None:
+        """Forget every cached block (evictable ones become plain free)."""
+        with self._lock:
+            self._free.extend(self.cache.clear())
+
+    def take_events(self):
+        """KV events since the last call (libs/common/kv_events.py); the first call starts recording."""
+        with self._lock:
+            return self.cache.take_events()
 
     def ids_after_grow(self, n: int) -> int:
         """``num_blocks`` once ``grow(n)`` has run: a shrink under way and
@@ -126,9 +198,9 @@ class BlockPool:
         if n < 0 or n > self.capacity - self._to_retire:
             raise ValueError(f"shrink({n}) of a pool of {self.capacity} blocks ({self._to_retire} already going)")
         with self._lock:
-            now = min(n, len(self._free))
+            now = min(n, self.num_free)
             for _ in range(now):
-                self._retired.add(self._free.pop())
+                self._retired.add(self._free.pop() if self._free else self.cache.evict_lru())
             self._to_retire += n - now
             return self._to_retire
 
@@ -165,6 +237,10 @@ class BlockPool:
             free = list(self._free)
             if len(set(free)) != len(free):
                 raise IntegrityError("a block is on the free list twice")
+            if any(self.cache.hash_of(b) is not None for b in free):
+                raise IntegrityError("a cached block is on the plain free list")
+            self.cache.check(self._ref, self._retired)
+            free += [b for b in range(self.num_blocks) if self.cache.is_evictable(b)]
             counts = [0] * self.num_blocks
             for ids in owned:
                 for b in ids:

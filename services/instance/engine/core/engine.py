@@ -24,6 +24,7 @@ from services.instance.engine.base import (
 from services.instance.engine.core.block_pool import BlockPool
 from services.instance.engine.core.executor import Executor
 from services.instance.engine.core.probe import executor_works
+from services.instance.engine.core.prefix_engine import PrefixCaching
 from services.instance.engine.core.request import Request, RequestStatus
 from services.instance.engine.core.scheduler import ScheduledChunk, Scheduler, cdiv
 
@@ -61,7 +62,7 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
     return n_ctx
 
 
-class CoreEngine(Engine):
+class CoreEngine(PrefixCaching, Engine):
     name = "core"
 
     def __init__(self, config: EngineConfig, executor: Executor, num_blocks: int, max_model_len: int,
@@ -75,7 +76,7 @@ class CoreEngine(Engine):
         self._max_model_len = max_model_len
         self._model_name = model_name or config.model
         watermark = int(config.watermark * num_blocks)
-        self.pool = BlockPool(num_blocks, watermark_blocks=watermark)
+        self.pool = BlockPool(num_blocks, watermark_blocks=watermark, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self._block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, clock=clock)
         self.requests: dict[str, Request] = {}  # every live request, any status
@@ -123,6 +124,7 @@ class CoreEngine(Engine):
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[TokenOutput]:
+        self.scheduler.prefix_reuse = not self.executor.pipelined
         sched = self.scheduler.schedule()
         if sched.preempted:  # recomputed from scratch: a pipeline peer's part goes too
             self.executor.release_requests([r.request_id for r in sched.preempted])
@@ -134,6 +136,7 @@ class CoreEngine(Engine):
             req = chunk.request
             samples = chunk.samples
             req.num_computed_tokens = chunk.end
+            self._cache_computed(req)
             req.on_computed(now)
             if not samples:
                 continue
@@ -162,7 +165,7 @@ class CoreEngine(Engine):
     @staticmethod
     def _final_stats(req: Request) -> dict:
         return {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
-                "num_migrations": req.num_migrations}
+                "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens}
 
     # --- one request's failure fails that request only ----------------------------------
     def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -279,10 +282,9 @@ class CoreEngine(Engine):
     # --- load -------------------------------------------------------------------
     def load(self) -> EngineLoad:
         s = self.scheduler
-        reqs = [RequestLoad(r.request_id, r.priority, "running", len(r.block_ids), r.num_tokens)
-                for r in s.running]
-        reqs += [RequestLoad(r.request_id, r.priority, "waiting", len(r.block_ids), r.num_tokens)
-                 for r in s.waiting]
+        shared: set[int] = set()
+        reqs = [RequestLoad(r.request_id, r.priority, state, self._own_blocks(r, shared), r.num_tokens)
+                for state, queue in (("running", s.running), ("waiting", s.waiting)) for r in queue]
         demands = [s.demand_blocks(r) for r in s.waiting]
         return EngineLoad(
             total_blocks=self.pool.capacity,
@@ -293,6 +295,8 @@ class CoreEngine(Engine):
             waiting_demand_blocks=sum(demands),
             num_preemptions=s.num_preemptions,
             reserved_blocks=self.pool.num_reserved,
+            shared_blocks=len(shared),
+            prefix_cache=self.prefix_cache_stats(),
         )
 
     def check_integrity(self) -> None:
@@ -304,6 +308,7 @@ class CoreEngine(Engine):
             have = cdiv(r.num_computed_tokens, self._block_size)
             if len(r.block_ids) < have:
                 raise IntegrityError(f"{r.request_id}: {len(r.block_ids)} blocks for {have} computed blocks")
+            self._check_named(r)
             if (r.status is RequestStatus.SUSPENDED) == (r in queued):
                 raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
         self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()])
@@ -314,7 +319,8 @@ class CoreEngine(Engine):
             return {}
         return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
                 "num_preemptions": r.num_preemptions, "preemption_loss_ms": r.preemption_loss_ms,
-                "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens}
+                "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens,
+                "prefix_hit_tokens": r.prefix_hit_tokens}
 
     # --- migration hooks --------------------------------------------------------
     def _get(self, request_id: str) -> Request:
@@ -520,6 +526,7 @@ class CoreEngine(Engine):
         if state.rng_state:
             self.executor.set_rng_state(r, state.rng_state)
         self.requests[r.request_id] = r
+        self._cache_computed(r)  # its full blocks are named here as if computed here
         self.scheduler.add_running(r)
 
     def drop_request(self, request_id: str) -> None:

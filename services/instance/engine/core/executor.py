@@ -58,6 +58,17 @@ class Executor(abc.ABC):
         """Requests whose KV is partly on a pipeline peer (they cannot migrate)."""
         return frozenset()
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether a request that joins now runs some layers on a pipeline
+        peer (which holds no KV of this engine's cached prefixes)."""
+        return False
+
+    def kv_all_here(self, request_id: str) -> bool:
+        """Whether this request's KV of every layer is in this engine's blocks
+        (the prefix cache names only such blocks)."""
+        return True
+
     def release_requests(self, request_ids: list[str]) -> None:
         """These requests finished, were preempted or left: whatever a peer
         keeps for them goes."""
@@ -89,14 +100,18 @@ class Executor(abc.ABC):
 
 class TappedChunk:
     """A chunk whose request has a layer tap: the blocks it wrote, and the
-    tap called per layer (executors share this)."""
+    tap called per layer (executors share this).
+
+    NOTE: the first chunk after a prefix-cache hit also hands over the hit
+    blocks (from block 0): the tap's receiver never saw them computed."""
 
     def __init__(self, chunk: ScheduledChunk, block_size: int, num_layers: int):
         req = chunk.request
         self.tap, self.copy = req.layer_tap
         self.chunk = chunk
         self.num_layers = num_layers
-        self.first_block = chunk.start // block_size
+        hit_first = chunk.start > 0 and chunk.start == req.prefix_hit_tokens
+        self.first_block = 0 if hit_first else chunk.start // block_size
         self.block_ids = tuple(req.block_ids[self.first_block: cdiv(chunk.end, block_size)])
 
     def emit(self, layer: int, data: memoryview | None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 
+from libs.common.prefix_hash import ROOT, BlockHash, extend_hashes
 from libs.common.types import FinishReason, Priority, SamplingParams
 
 
@@ -39,6 +40,15 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # Prefix caching: the hashes of its full blocks (prefix_hash.py), made
+        # as they are needed; how many of its first blocks are known to the
+        # cache (hit at admission, or named once computed); its last hit.
+        self.block_hashes: list[BlockHash] = []
+        self.num_cached_blocks = 0
+        self.prefix_hit_tokens = 0
+        # The parent of its first block: prefix_hash.chain_root(salt) of
+        # whatever else changes the KV (none today: one root for all).
+        self.hash_root: BlockHash = ROOT
         self.generator = None  # per-request RNG (native sampler), exportable
         # counters
         self.first_token_time = 0.0
@@ -77,6 +87,13 @@ class Request:
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
+    def full_block_hashes(self, block_size: int, n: int | None = None) -> list[BlockHash]:
+        """The hashes of its first ``n`` full blocks (default: every full block)."""
+        n_full = self.num_tokens // block_size if n is None else n
+        if len(self.block_hashes) < n_full:
+            extend_hashes(self.block_hashes, self.all_token_ids[: n_full * block_size], block_size, self.hash_root)
+        return self.block_hashes[:n_full]
+
     @property
     def sort_key(self) -> tuple:
         """Waiting-queue order: higher priority first, then arrival."""
@@ -89,6 +106,7 @@ class Request:
             self._preempted_at = now
             self._recompute_target = max(self._recompute_target, self.num_computed_tokens)
         self.num_computed_tokens = 0
+        self.num_cached_blocks = 0
         self.status = RequestStatus.WAITING
 
     def on_computed(self, now: float) -> None:

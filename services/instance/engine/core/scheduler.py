@@ -10,6 +10,11 @@ Policy:
   head is admitted when all its blocks fit above the watermark, else it waits
   (no skipping ahead: FCFS within a priority);
 - nothing new is admitted in a step that preempted.
+
+Prefix caching: a request admitted with no KV starts at its longest cached
+prefix (whole blocks, and never its last token: the step must compute at
+least one token to sample); its demand is the blocks it still needs plus
+the evictable ones its hit takes off the free count.
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        self.num_admitted = 0  # requests that joined the running batch, since start
+        # Whether a cached prefix may be reused now (the engine turns it off
+        # while layers run on a pipeline peer, which lacks the cached KV).
+        self.prefix_reuse = True
 
     # --- queues -------------------------------------------------------------
     def add_waiting(self, req: Request) -> None:
@@ -74,6 +83,7 @@ class Scheduler:
     def add_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.num_admitted += 1
 
     def remove(self, req: Request) -> None:
         """Take a request out of whichever queue holds it (blocks untouched)."""
@@ -85,9 +95,39 @@ class Scheduler:
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, cdiv(num_tokens, self.block_size) - len(req.block_ids))
 
-    def demand_blocks(self, req: Request) -> int:
-        """Blocks a waiting request needs to be admitted (its whole context)."""
-        return self.blocks_needed(req, req.num_tokens)
+    def prefix_hit(self, req: Request) -> list[int]:
+        """The cached blocks a request with no KV would start from."""
+        if req.block_ids or req.num_computed_tokens or not self.prefix_reuse or not self.pool.caching:
+            return []
+        return self.pool.lookup(req.full_block_hashes(self.block_size, (req.num_tokens - 1) // self.block_size))
+
+    def demand_blocks(self, req: Request, hit: list[int] | None = None) -> int:
+        """Free blocks a waiting request takes when admitted: its whole
+        context less its cached prefix, plus the hit blocks that are free
+        (evictable) now."""
+        if hit is None:
+            hit = self.prefix_hit(req)
+        return self.blocks_needed(req, req.num_tokens) - len(hit) + self.pool.num_evictable_of(hit)
+
+    def _start_from_cache(self, req: Request, hit: list[int]) -> None:
+        """Admission of a request with no KV: count the query, take the hit."""
+        if req.block_ids or req.num_computed_tokens:
+            return
+        if self.pool.caching:
+            stats = self.pool.cache.stats
+            if req.num_preemptions:
+                stats.preempted_queries += req.num_tokens
+                stats.preempted_hits += len(hit) * self.block_size
+            else:
+                stats.requests += 1
+                stats.queries += req.num_tokens
+                stats.hits += len(hit) * self.block_size
+        req.prefix_hit_tokens = len(hit) * self.block_size
+        if hit:
+            self.pool.touch(hit)
+            req.block_ids = list(hit)
+            req.num_computed_tokens = req.prefix_hit_tokens
+            req.num_cached_blocks = len(hit)
 
     # --- policy ---------------------------------------------------------------
     def pick_victim(self) -> Request:
@@ -133,11 +173,12 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                need = self.demand_blocks(req)
-                if not self.pool.can_allocate(need, keep_watermark=True):
+                hit = self.prefix_hit(req)
+                if not self.pool.can_allocate(self.demand_blocks(req, hit), keep_watermark=True):
                     break
                 self.waiting.pop(0)
-                req.block_ids += self.pool.allocate(need)
+                self._start_from_cache(req, hit)
+                req.block_ids += self.pool.allocate(self.blocks_needed(req, req.num_tokens))
                 self.add_running(req)
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)

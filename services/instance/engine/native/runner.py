@@ -295,6 +295,15 @@ class ModelRunner(Executor):
     def returning(self) -> bool:
         return self._returning
 
+    @property
+    def pipelined(self) -> bool:
+        return len(self._segments) > 1 and not self._returning
+
+    def kv_all_here(self, request_id: str) -> bool:
+        # NOTE: a request that stepped while layers ran on a peer is in
+        # _remote until its KV of those layers is back here.
+        return request_id not in self._remote and not self.pipelined
+
     def start_return(self) -> None:
         """Leave the pipeline live: from the next step, a request not in
         ``remote_requests`` runs every layer here (its KV is back), the others

@@ -70,6 +70,16 @@ def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple
     # synchronous so that a request's counters are final between two steps.
     if "--scheduling-policy" not in user:
         args.scheduling_policy = "priority"
+    # Prefix caching is vLLM's own (--no-prefix-caching turns it off, as a
+    # user's --no-enable-prefix-caching does); its KV events feed Ferry's
+    # prefix index (kv_events.py takes them in process).
+    if not config.prefix_caching:
+        args.enable_prefix_caching = False
+    elif args.enable_prefix_caching is not False and args.kv_events_config is None:
+        from vllm.config import KVEventsConfig
+
+        args.enable_prefix_caching = True
+        args.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     args.async_scheduling = False
     args.disable_log_stats = True
     migratable = args.kv_transfer_config is None

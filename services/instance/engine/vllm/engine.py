@@ -110,9 +110,56 @@ class VllmEngine(Engine):
                 self.migration_error = self.wconn.layout_error or "KV caches were never registered"
         self._layout = self.wconn.views.layout if self.migratable else self._plain_layout()
         self._watermark = int(config.watermark * self.num_total_blocks)
+        self._events = self._kv_events()
+        self._fresh: dict[str, int] = {}  # incarnations of new requests -> tokens queried (prefix stats)
+        self._prefix = {"requests": 0, "queries": 0, "hits": 0}
         log.info("vllm engine ready", model=model, blocks=self.num_total_blocks, block_size=self._block_size,
                  migratable=self.migratable, why_not=self.migration_error or None,
                  seconds=round(time.perf_counter() - t0, 1))
+
+    def _kv_events(self):
+        """vLLM's KV-event publisher, replaced by one Ferry reads in process
+        (kv_events.py), when vLLM's prefix cache records events."""
+        from services.instance.engine.vllm.kv_events import KvEventTranslator, publisher_class
+
+        if not getattr(self.scheduler, "enable_kv_cache_events", False):
+            return None
+        self.scheduler.kv_event_publisher = publisher_class()()
+        return KvEventTranslator(self.pool, self._block_size)
+
+    # --- prefix caching (vLLM's own) ------------------------------------------------
+    def take_kv_events(self) -> list:
+        if self._events is None:
+            return []
+        pub = self.scheduler.kv_event_publisher
+        pub.recording = True
+        events, pub.pending = pub.pending, []
+        return self._events.translate(events)
+
+    def cached_hashes(self) -> list:
+        return [] if self._events is None else self._events.hashes()
+
+    def holds_hashes(self, hashes: list) -> list:
+        held = self._events.count if self._events is not None else {}
+        return [h for h in hashes if h in held]
+
+    def block_hashes(self, request_id: str) -> list:
+        from libs.common.prefix_hash import block_hashes
+
+        r = self.reqs.get(request_id)
+        if r is None:
+            return []
+        v = None if r.suspended else self._vreq(r)
+        n = r.computed if v is None else v.num_computed_tokens
+        return block_hashes((r.prompt + r.output)[:n], self._block_size)
+
+    def prefix_cache_stats(self):
+        from libs.common.types import PrefixCacheStats
+
+        p = self._prefix
+        cached = len(self.pool.cached_block_hash_to_block)
+        return PrefixCacheStats(bool(self.llm.vllm_config.cache_config.enable_prefix_caching), p["requests"],
+                                p["queries"], p["hits"], self._events.evictions if self._events else 0, cached)
 
     # --- static facts -------------------------------------------------------
     block_size = property(lambda self: self._block_size)
@@ -161,6 +208,8 @@ class VllmEngine(Engine):
             raise EngineError(str(e)) from e
         if load is not None:
             self.sconn.expect_load(key, load)
+        else:  # a new request (not a resumed or migrated incarnation): a prefix-cache query
+            self._fresh[iid] = len(r.prompt) + len(r.output)
         r.iid, r.suspended = iid, False
         self.reqs[r.request_id] = r
         self.by_iid[iid] = r.request_id
@@ -170,6 +219,7 @@ class VllmEngine(Engine):
         if r is None:
             return False
         self.by_iid.pop(r.iid, None)
+        self._fresh.pop(r.iid, None)
         if r.suspended:
             self.sconn.release_held(r.iid)
         else:
@@ -188,6 +238,11 @@ class VllmEngine(Engine):
             if rid is None:  # vLLM reports the external id: Ferry's own
                 rid = o.request_id if o.request_id in self.reqs else None
             r = self.reqs.get(rid) if rid else None
+            n_query = self._fresh.pop(r.iid if r is not None else getattr(o, "request_id", ""), None)
+            if n_query is not None and o.num_cached_tokens is not None:
+                self._prefix["requests"] += 1
+                self._prefix["queries"] += n_query
+                self._prefix["hits"] += o.num_cached_tokens
             if r is None or r.suspended or not o.outputs:
                 continue
             c = o.outputs[0]
@@ -228,16 +283,25 @@ class VllmEngine(Engine):
         kvm = s.kv_cache_manager
         reqs: list[RequestLoad] = []
         demands: list[tuple[tuple, int]] = []
+        shared: set[int] = set()
+        blocks = self.pool.blocks
         for state, queue in (("running", s.running), ("waiting", list(s.waiting) + list(s.kv_holding_waiting))):
             for v in queue:
                 rid = self.by_iid.get(v.request_id)
                 if rid is None:
                     continue
                 self._count_preemptions(v)
-                n_blocks = len(kvm.get_block_ids(v.request_id)[0])
-                reqs.append(RequestLoad(rid, self.reqs[rid].priority, state, n_blocks, v.num_tokens))
+                ids = kvm.get_block_ids(v.request_id)[0]
+                mine = len(ids)
+                for b in ids:  # blocks shared with another request (a prefix hit) count once, apart
+                    if blocks[b].ref_cnt > 1:
+                        shared.add(b)
+                        mine -= 1
+                reqs.append(RequestLoad(rid, self.reqs[rid].priority, state, mine, v.num_tokens))
                 if state == "waiting":
-                    need = max(0, cdiv(v.num_tokens + 1, self._block_size) - n_blocks)
+                    need = max(0, cdiv(v.num_tokens + 1, self._block_size) - len(ids))
+                    if not ids:
+                        need -= self._hit_saves(v)
                     demands.append(((v.priority, v.arrival_time), need))
         demands.sort(key=lambda d: d[0])  # vLLM's own order for the priority policy
         return EngineLoad(
@@ -245,7 +309,25 @@ class VllmEngine(Engine):
             block_size=self._block_size, requests=tuple(reqs),
             head_of_line_demand_blocks=demands[0][1] if demands else 0,
             waiting_demand_blocks=sum(d for _, d in demands), num_preemptions=self._num_preemptions,
-            reserved_blocks=len(self.sconn.reserved) if self.sconn else 0)
+            reserved_blocks=len(self.sconn.reserved) if self.sconn else 0, shared_blocks=len(shared),
+            prefix_cache=self.prefix_cache_stats())
+
+    def _hit_saves(self, v) -> int:
+        """Free blocks a waiting request's prefix-cache hit spares it: the
+        cached blocks it would find in use (an evictable one it takes off the
+        free count anyway). vLLM's own hashes and lookup, never its last token."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        if not self.llm.vllm_config.cache_config.enable_prefix_caching:
+            return 0
+        cache = self.pool.cached_block_hash_to_block
+        saved = 0
+        for h in list(v.block_hashes)[: (v.num_tokens - 1) // self._block_size]:
+            b = cache.get_one_block(make_block_hash_with_group_id(h, 0))
+            if b is None:
+                break
+            saved += b.ref_cnt > 0
+        return saved
 
     def _count_preemptions(self, v) -> None:
         seen = self._preemptions_seen.get(v.request_id, 0)

@@ -1,0 +1,213 @@
+"""Workloads with prefix structure (prefix caching), on top of the plain
+workloads of workload.py, the same live (``ferry bench serving``/``compare``)
+and in the simulator (``ferry sim``). The ``--prefix`` spec:
+
+- ``none``: every prompt its own random tokens (as before);
+- ``system:K:LEN[:ALPHA]``: K shared system prompts of LEN tokens, each
+  request's one drawn with Zipf popularity (P(rank r) ∝ r^-ALPHA, default 1),
+  followed by the request's own tokens (its length from the lengths spec);
+- ``sessions:TURNS[:THINK_S]``: multi-turn conversations. The arrivals spec
+  starts sessions; each has TURNS turns whose new message and output lengths
+  come from the lengths spec; a turn sends the whole conversation so far (every
+  earlier message and the tokens the model answered) plus its new message,
+  THINK_S seconds (exponential, mean 5) after the previous answer ended.
+  Turns that would pass the context length are dropped (the session ends);
+- ``trace:PATH[:BLOCK]``: a trace in the format of the Mooncake public traces,
+  JSON lines ``{"timestamp" (ms), "input_length", "output_length",
+  "hash_ids"}``, one hash id per BLOCK tokens of the input (default 512, the
+  traces' own): arrivals, lengths and the prompts' block structure all come
+  from it (requests sharing their first k hash ids share their first k*BLOCK
+  tokens). The arrivals and lengths specs are not used.
+
+Prompts are built from ``Segment``s: runs of tokens drawn from a key, so that
+the same key gives the same tokens in every process (live client, simulator,
+hit-rate bound), and the block hashes of the engines follow the structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+
+from ferry.bench import workload as wl
+from ferry.bench.workload import Request, Segment, Workload, WorkloadError
+
+THINK_S = 5.0
+TRACE_BLOCK = 512
+# Key spaces of the segments (high bits): a system prompt, a request's own
+# tokens, a session turn's new message, a trace block.
+SYSTEM, OWN, MESSAGE, TRACE = 1, 2, 3, 4
+
+
+def key(kind: int, *parts: int) -> int:
+    k = kind
+    for p in parts:
+        k = (k << 32) | (p & 0xFFFFFFFF)
+    return k
+
+
+@functools.lru_cache(maxsize=4096)
+def segment_tokens(seg: Segment, seed: int, lo: int, hi: int) -> tuple[int, ...]:
+    """The segment's tokens: the same in every process for the same key."""
+    rng = np.random.default_rng([seed, seg.key >> 64, (seg.key >> 32) & 0xFFFFFFFF, seg.key & 0xFFFFFFFF])
+    return tuple(rng.integers(lo, hi, seg.length).tolist())
+
+
+def tokens_of(segments, seed: int, lo: int, hi: int) -> list[int]:
+    out: list[int] = []
+    for s in segments:
+        out += segment_tokens(s, seed, lo, hi)
+    return out
+
+
+# --- the spec ----------------------------------------------------------------------
+
+def build(arrivals: str, lengths: str, num_requests: int, prefix: str = "none", seed: int = 0,
+          time_scale: float = 1.0, high_priority_fraction: float = 0.0, max_model_len: int | None = None,
+          folder=None) -> Workload:
+    """workload.build with the prefix structure of ``prefix`` (module doc)."""
+    kind, _, rest = (prefix or "none").partition(":")
+    args = rest.split(":") if rest else []
+    try:
+        if kind == "none" and not args:
+            return wl.build(arrivals, lengths, num_requests, seed, time_scale, high_priority_fraction,
+                            max_model_len, folder)
+        if kind == "system" and len(args) in (2, 3):
+            base = wl.build(arrivals, lengths, num_requests, seed, time_scale, high_priority_fraction,
+                            max_model_len, folder)
+            alpha = float(args[2]) if len(args) == 3 else 1.0
+            return system_prompts(base, int(args[0]), int(args[1]), alpha, seed, max_model_len, prefix)
+        if kind == "sessions" and len(args) in (1, 2):
+            think = float(args[1]) if len(args) == 2 else THINK_S
+            return sessions(arrivals, lengths, num_requests, int(args[0]), think, seed, time_scale,
+                            high_priority_fraction, max_model_len, folder, prefix)
+        if kind == "trace" and args:
+            block = int(args[1]) if len(args) == 2 else TRACE_BLOCK
+            return mooncake(args[0], num_requests, block, seed, time_scale, high_priority_fraction,
+                            max_model_len, folder, prefix)
+    except ValueError as e:
+        if isinstance(e, WorkloadError):
+            raise
+        raise WorkloadError(f"bad number in prefix spec {prefix!r}: {e}") from e
+    raise WorkloadError(f"unknown prefix spec {prefix!r}; use none, system:K:LEN[:ALPHA], "
+                        f"sessions:TURNS[:THINK_S] or trace:PATH[:BLOCK]")
+
+
+def _with(base: Workload, requests: list[Request], prefix: str, clip=None) -> Workload:
+    return dataclasses.replace(base, requests=requests, prefix=prefix, clip=clip or base.clip)
+
+
+# --- shared system prompts ----------------------------------------------------------------
+
+def zipf_choice(rng: np.random.Generator, k: int, alpha: float, n: int) -> np.ndarray:
+    p = np.arange(1, k + 1, dtype=float) ** -alpha
+    return rng.choice(k, n, p=p / p.sum())
+
+
+def system_prompts(base: Workload, k: int, length: int, alpha: float, seed: int, max_model_len: int | None,
+                   prefix: str) -> Workload:
+    if k < 1 or length < 1 or alpha < 0:
+        raise WorkloadError(f"system:K:LEN[:ALPHA] needs K >= 1, LEN >= 1, ALPHA >= 0; got {prefix!r}")
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(4)[3])
+    which = zipf_choice(rng, k, alpha, len(base.requests))
+    out = []
+    for r, s in zip(base.requests, which):
+        own = r.prompt_len
+        if max_model_len is not None:
+            own = max(1, min(own, max_model_len - length - r.output_len))
+        segs = (Segment(key(SYSTEM, int(s)), length), Segment(key(OWN, r.index), own))
+        out.append(dataclasses.replace(r, prompt_len=length + own, segments=segs))
+    return _with(base, out, prefix)
+
+
+# --- multi-turn sessions -------------------------------------------------------------------
+
+def sessions(arrivals: str, lengths: str, num_requests: int, turns: int, think_s: float, seed: int,
+             time_scale: float, high_fraction: float, max_model_len: int | None, folder, prefix: str) -> Workload:
+    """Sessions of ``turns`` turns (``num_requests`` turns in all, before the
+    context length drops some). A turn's ``prompt_len`` is its whole context;
+    its ``segments`` are its new message only (the client prepends the
+    conversation so far, answers included)."""
+    if turns < 1 or think_s < 0:
+        raise WorkloadError(f"sessions:TURNS[:THINK_S] needs TURNS >= 1, THINK_S >= 0; got {prefix!r}")
+    n_sessions = -(-num_requests // turns)
+    starts = wl.build(arrivals, "fixed:1:1", n_sessions, seed, time_scale, high_fraction, None, folder)
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(5)[4])
+    folder_path = wl.traces_dir(str(folder) if folder else None)
+    msg, out = wl.lengths(lengths, num_requests, np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[1]),
+                          folder_path)
+    think = rng.exponential(think_s, num_requests) if think_s > 0 else np.zeros(num_requests)
+    reqs, dropped, j = [], 0, 0
+    for s, start in enumerate(starts.requests):
+        context = 0
+        for t in range(turns):
+            if j >= num_requests:
+                break
+            m, o = int(msg[j]), int(out[j])
+            j += 1
+            if max_model_len is not None and context + m + o > max_model_len:
+                dropped += turns - t
+                j += turns - t - 1
+                break
+            reqs.append(Request(len(reqs), start.arrival_s, context + m, o, start.priority,
+                                segments=(Segment(key(MESSAGE, s, t), m),), session=s, turn=t,
+                                think_s=float(think[j - 1]) / time_scale if t else 0.0))
+            context += m + o
+    clip = None if max_model_len is None else wl.ClipReport(max_model_len, dropped, num_requests, 0, 0)
+    return _with(starts, reqs, prefix, clip)
+
+
+# --- Mooncake-format traces -----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def load_mooncake(path: str) -> tuple[dict, ...]:
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append({"timestamp": float(row["timestamp"]), "input_length": int(row["input_length"]),
+                             "output_length": int(row["output_length"]),
+                             "hash_ids": tuple(int(h) for h in row["hash_ids"])})
+            except (ValueError, KeyError, TypeError) as e:
+                raise WorkloadError(f"{path}:{n}: not a Mooncake trace line ({e!r})") from None
+    return tuple(rows)
+
+
+def mooncake(path: str, num_requests: int, block: int, seed: int, time_scale: float, high_fraction: float,
+             max_model_len: int | None, folder, prefix: str) -> Workload:
+    p = wl.trace_file(path, wl.traces_dir(str(folder) if folder else None))
+    rows = load_mooncake(str(p))
+    if num_requests > len(rows):
+        raise WorkloadError(f"the trace has {len(rows)} requests; asked for {num_requests}")
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(3)[2])
+    high = rng.random(num_requests) < high_fraction
+    t0 = rows[0]["timestamp"]
+    reqs, clipped = [], 0
+    for i, row in enumerate(rows[:num_requests]):
+        hashes, n_in = row["hash_ids"], row["input_length"]
+        if not hashes or not (len(hashes) - 1) * block < n_in <= len(hashes) * block:
+            raise WorkloadError(f"{p}: request {i} has {n_in} input tokens for {len(hashes)} hash ids of "
+                                f"{block} tokens (wrong block size?)")
+        segs = [Segment(key(TRACE, h >> 32, h), block) for h in hashes]
+        segs[-1] = Segment(segs[-1].key, n_in - block * (len(hashes) - 1))
+        out = max(1, row["output_length"])
+        if max_model_len is not None and n_in + out > max_model_len:  # keep whole blocks of the prefix
+            clipped += 1
+            keep, rest = max(1, max_model_len - out), []
+            for s in segs:
+                if keep <= 0:
+                    break
+                rest.append(Segment(s.key, min(s.length, keep)))
+                keep -= rest[-1].length
+            segs, n_in, out = rest, sum(s.length for s in rest), min(out, max_model_len - 1)
+        arrival = (row["timestamp"] - t0) / 1000.0 / time_scale
+        reqs.append(Request(i, arrival, n_in, out, "high" if high[i] else "normal",
+                            clipped=n_in != row["input_length"], segments=tuple(segs)))
+    clip = None if max_model_len is None else wl.ClipReport(max_model_len, clipped, num_requests, 0, 0)
+    return Workload(reqs, f"trace:{path}", f"trace:{path}", seed, time_scale, clip, prefix=prefix)

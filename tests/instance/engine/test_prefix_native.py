@@ -1,0 +1,77 @@
+"""Prefix caching on the native engine (SmolLM2-135M, fp32 and the bf16 fast
+path): the tokens with the cache on equal those with it off, greedy and
+seeded, at hit lengths 0, one block, many blocks and the whole prompt but its
+last token; a migrated request whose blocks were shared keeps its tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.instance.engine.helpers import migrate, req, run, step_collect
+
+pytestmark = pytest.mark.model
+
+BS = 16
+TEXT = ("You are a careful assistant. Answer every question in two sentences, cite no sources, and end with "
+        "a short summary line. The user asks about the history of tea in England and how it changed trade. ") * 5
+N = 16
+
+
+@pytest.fixture(scope="module")
+def base():
+    from libs.common.models import ensure_model
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(ensure_model("smollm2"))(TEXT)["input_ids"]
+    assert len(ids) > 4 * 32 + 1
+    return ids
+
+
+def cases(ids, bs):
+    """(the second prompt, its hit) after a first prompt of 4 full blocks and one token."""
+    base = ids[: 4 * bs + 1]
+    tail = [1000 + i * 37 for i in range(9)]
+    return base, {"none": ([2000 + i for i in range(40)], 0), "one_block": (base[:bs] + tail, bs),
+                  "many_blocks": (base[: 4 * bs] + tail, 4 * bs), "all_but_last": (list(base), 4 * bs)}
+
+
+@pytest.mark.parametrize("name", ["none", "one_block", "many_blocks", "all_but_last"])
+@pytest.mark.parametrize("sampling", [{}, {"seed": 11, "temperature": 0.9, "top_p": 0.95}], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tokens_equal_the_cache_off(make_engine, base, name, sampling, dtype):
+    bs = BS if dtype == "float32" else 32  # bf16 on CPU: vLLM's kernel over the paged cache, blocks of 32
+    first, c = cases(base, bs)
+    prompt, hit = c[name]
+    outs = {}
+    for caching in (True, False):
+        e = make_engine("native", num_blocks=64, block_size=bs, dtype=dtype, prefix_caching=caching)
+        e.add_request(req("first", first, max_tokens=4, min_tokens=4, **sampling))
+        run(e)
+        e.add_request(req("second", prompt, max_tokens=N, min_tokens=N, **sampling))
+        o: dict = {}
+        step_collect(e, o, 1)
+        assert e.request_stats("second")["prefix_hit_tokens"] == (hit if caching else 0)
+        outs[caching] = run(e, o)["second"]
+    assert outs[True] == outs[False]
+
+
+def test_migration_of_a_request_sharing_its_prefix(make_engine, base):
+    src, dst = make_engine("native", num_blocks=64), make_engine("native", num_blocks=64)
+    ref = make_engine("native", num_blocks=64, prefix_caching=False)
+    a, b = base[:48] + [3000, 3001], base[:48] + [4000, 4001, 4002]
+    want = {}
+    for rid, p in (("a", a), ("b", b)):
+        ref.add_request(req(rid, p, max_tokens=24, min_tokens=24, seed=5, temperature=0.8))
+    want = run(ref)
+    outs: dict = {}
+    src.add_request(req("a", a, max_tokens=24, min_tokens=24, seed=5, temperature=0.8))
+    step_collect(src, outs, 2)
+    src.add_request(req("b", b, max_tokens=24, min_tokens=24, seed=5, temperature=0.8))
+    step_collect(src, outs, 3)
+    assert src.load().shared_blocks == 3
+    migrate(src, dst, "b")
+    run(src, outs)
+    run(dst, outs)
+    assert outs == want
