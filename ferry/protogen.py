@@ -1,4 +1,4 @@
-"""Generate Python code from protos/ into ferry/pb (committed), or check that
+"""Generate Python code from protos/ into libs/pb (committed), or check that
 the committed code is current (``--check``, run by ``make test`` and CI)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT_PKG = pathlib.Path("ferry") / "pb"
+OUT_PKG = pathlib.Path("libs") / "pb"
 
 
 def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
     from grpc_tools import protoc  # dev dependency: only needed to (re)generate
 
-    protos = sorted(PROTO_ROOT.glob("ferry/pb/*.proto"))
+    protos = sorted(PROTO_ROOT.glob("libs/pb/*.proto"))
     include = pathlib.Path(protoc.__file__).parent / "_proto"
     args = [
         "protoc",
@@ -35,7 +35,7 @@ def generate(out_root: pathlib.Path) -> list[pathlib.Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if ferry/pb is stale")
+    parser.add_argument("--check", action="store_true", help="fail if libs/pb is stale")
     args = parser.parse_args(argv)
     if not args.check:
         files = generate(ROOT)

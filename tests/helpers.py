@@ -7,8 +7,8 @@ import subprocess
 import grpc
 
 from ferry.bench import sse
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from services.instance.engine.fake import fake_generate
 
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import httpx
 
-from ferry.bench.metrics import RequestRecord
-from ferry.bench.workload import Request, Workload, prompt_ids
+from ferry.measure.metrics import RequestRecord
+from ferry.measure.workload import Request, Workload, prompt_ids
 
 _TOKEN_CHUNK = '"finish_reason": null'
 

@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.bench.serving import POLICIES, options_from, run_serving, serving_options
 from ferry.machine import write_json
 
@@ -102,7 +102,7 @@ def compare(policies, json_path, plots_dir, **kw) -> None:
                                "policies": summaries, "runs": runs})
         click.echo(f"wrote {json_path}")
     if plots_dir:
-        from ferry.bench import plots
+        from ferry.measure import plots
 
         for p in plots.write_all(runs, plots_dir):
             click.echo(f"wrote {p}")

@@ -39,11 +39,11 @@ import grpc
 import psutil
 
 from ferry.cluster import ferry_command, free_port, grpc_healthy
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import meta_store_pb2 as mpb
-from ferry.pb import meta_store_pb2_grpc as mpb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import meta_store_pb2 as mpb
+from libs.pb import meta_store_pb2_grpc as mpb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 
 TOTAL_BLOCKS = 4096
 HOLD_S = 1.0  # a dispatched request is listed as running in its instance's reports this long

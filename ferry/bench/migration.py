@@ -19,9 +19,9 @@ import httpx
 
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from ferry.machine import write_json
 

@@ -8,10 +8,10 @@
    uncached request taking turns (who goes first alternates) for --repeats
    rounds; medians and the median of the rounds' ratios. TTFT here is the
    engine's: from adding the request to its first token (no network).
-2. The hit rate of a workload (ferry/bench/prefixes.py: --prefix, --arrivals,
+2. The hit rate of a workload (ferry/measure/prefixes.py: --prefix, --arrivals,
    --lengths, -n) replayed on the same kind of engine at its arrival times,
    against its upper bound: one unbounded cache that sees every request in
-   order (ferry/bench/hit_rate.py). --workload-engine fake replays it without
+   order (ferry/measure/hit_rate.py). --workload-engine fake replays it without
    the model (the hit rate depends on the cache's size and what runs at once,
    not on the model's speed; the fake engine steps every --token-delay-ms).
 """
@@ -87,8 +87,8 @@ def replay_hit_rate(engine, work, seed: int, token_range: tuple[int, int]) -> di
     """Replay the workload on one engine at its arrival times (a session's
     next turn after its previous answer and think time); the engine's hit
     rate and the upper bound of the same requests."""
-    from ferry.bench import hit_rate
-    from ferry.bench import workload as wl
+    from ferry.measure import hit_rate
+    from ferry.measure import workload as wl
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
 
@@ -163,7 +163,7 @@ def prefix(model, dtype, prefix_lens, new_tokens, repeats, num_blocks, max_num_b
     """TTFT with a cached prefix vs uncached, and a workload's hit rate vs its upper bound."""
     import torch
 
-    from ferry.bench import prefixes
+    from ferry.measure import prefixes
     from ferry.cluster import usable_cores
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import click
 import httpx
 
-from ferry.bench import client, hit_rate, metrics, prefixes
-from ferry.bench import workload as wl
+from ferry.bench import client
+from ferry.measure import hit_rate, metrics, prefixes
+from ferry.measure import workload as wl
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
 from ferry.machine import write_json
@@ -45,7 +46,7 @@ ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer
 class ServingOptions:
     arrivals: str = "poisson:2"
     lengths: str = "M-M"
-    prefix: str = "none"  # prefix structure (ferry/bench/prefixes.py)
+    prefix: str = "none"  # prefix structure (ferry/measure/prefixes.py)
     num_requests: int = 100
     seed: int = 0
     time_scale: float = 1.0
@@ -156,8 +157,8 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
     """Append a compact GetClusterView snapshot every interval until stopped."""
     import grpc
 
-    from ferry.pb import scheduler_pb2 as pb
-    from ferry.pb import scheduler_pb2_grpc as pb_grpc
+    from libs.pb import scheduler_pb2 as pb
+    from libs.pb import scheduler_pb2_grpc as pb_grpc
 
     async with rpc.channel(address) as ch:
         stub = pb_grpc.SchedulerStub(ch)
@@ -182,10 +183,10 @@ async def prefix_stats(scheduler: str) -> tuple[dict, int | None]:
     (fresher than the view's last report), and the cluster's block size."""
     import grpc
 
-    from ferry.pb import instance_pb2 as ipb
-    from ferry.pb import instance_pb2_grpc as ipb_grpc
-    from ferry.pb import scheduler_pb2 as pb
-    from ferry.pb import scheduler_pb2_grpc as pb_grpc
+    from libs.pb import instance_pb2 as ipb
+    from libs.pb import instance_pb2_grpc as ipb_grpc
+    from libs.pb import scheduler_pb2 as pb
+    from libs.pb import scheduler_pb2_grpc as pb_grpc
     from libs.common import convert
 
     out, block = {}, None
@@ -410,7 +411,7 @@ def serving(dispatch, json_path, plots_dir, **kw) -> None:
         write_json(json_path, run)
         click.echo(f"wrote {json_path}")
     if plots_dir:
-        from ferry.bench import plots
+        from ferry.measure import plots
 
         for p in plots.write_all({run["label"]: run}, plots_dir):
             click.echo(f"wrote {p}")

@@ -22,8 +22,9 @@ import time
 import click
 import httpx
 
-from ferry.bench import client, metrics
-from ferry.bench import workload as wl
+from ferry.bench import client
+from ferry.measure import metrics
+from ferry.measure import workload as wl
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.machine import write_json
 

@@ -29,12 +29,12 @@ import httpx
 import numpy as np
 
 from ferry.bench import client
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.bench.serving import ServingOptions, start_cluster
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from services.instance.engine.sim import SimProfile
 from ferry.machine import write_json
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import click
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.bench.compare import compare_table
 from ferry.bench.serving import (
     POLICIES,
@@ -217,7 +217,7 @@ def compare(policies, seed, seeds, json_path, plots_dir, no_records, jobs, **kw)
         write_json(json_path, result)
         click.echo(f"wrote {json_path}")
     if plots_dir:
-        from ferry.bench import plots
+        from ferry.measure import plots
 
         for p in plots.write_all(result["runs"], plots_dir):
             click.echo(f"wrote {p}")

@@ -15,7 +15,7 @@ import time
 
 import click
 
-from ferry.bench.serving import POLICIES
+from libs.common.policies import POLICY_NAMES as POLICIES
 from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import JOBS_OPTION, parse_seeds, run_compare, sim_options

@@ -24,7 +24,7 @@ from dataclasses import asdict
 
 import click
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import JOBS_OPTION, options_from, parse_seeds, run_parallel, sim_options

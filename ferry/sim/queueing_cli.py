@@ -13,7 +13,7 @@ import time
 
 import click
 
-from ferry.bench.serving import POLICIES
+from libs.common.policies import POLICY_NAMES as POLICIES
 from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import JOBS_OPTION, options_from, parse_seeds, run_parallel, sim_options

@@ -3,8 +3,8 @@ from the engines' token outputs (first token, finish, counters)."""
 
 from __future__ import annotations
 
-from ferry.bench import metrics
-from ferry.bench import workload as wl
+from ferry.measure import metrics
+from ferry.measure import workload as wl
 from libs.common.types import TokenOutput
 
 

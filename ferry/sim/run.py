@@ -1,4 +1,4 @@
-"""One simulated run: a workload (ferry/bench/workload.py, the same specs and
+"""One simulated run: a workload (ferry/measure/workload.py, the same specs and
 seeds as ``ferry bench compare``) replayed against N simulated instances
 under one dispatch policy; returns the run dict ``ferry bench serving``
 returns (options, workload, summary, samples, per-request records).
@@ -16,7 +16,7 @@ prefill instance are handed to a decode instance (ferry/sim/handoff.py).
 ``fake_tokens`` runs the live sim engine's fake model (slower) so that the
 tokens of every request can be checked; the run then also returns them.
 
-Prompts are token ids as the live client sends them (ferry/bench/prefixes.py:
+Prompts are token ids as the live client sends them (ferry/measure/prefixes.py:
 shared system prompts, multi-turn sessions whose later turns carry the
 answers so far, Mooncake-format traces), so that the engines' prefix caches
 hit as live ones do; the run's ``summary.prefix_cache`` holds the hit rates.
@@ -33,8 +33,8 @@ from typing import Any
 
 import click
 
-from ferry.bench import hit_rate, metrics, prefixes
-from ferry.bench import workload as wl
+from ferry.measure import hit_rate, metrics, prefixes
+from ferry.measure import workload as wl
 from ferry.bench.serving import slowed_intervals
 from ferry.sim.autoscaler import SimAutoscaler
 from ferry.sim.handoff import HandoffModel
@@ -62,7 +62,7 @@ WARMUP_S = 1.0  # the cluster is up and has reported before the first request
 class SimOptions:
     arrivals: str = "poisson:2"
     lengths: str = "M-M"
-    prefix: str = "none"  # prefix structure (ferry/bench/prefixes.py)
+    prefix: str = "none"  # prefix structure (ferry/measure/prefixes.py)
     num_requests: int = 100
     seed: int = 0
     time_scale: float = 1.0

@@ -14,7 +14,7 @@ import time
 import click
 import numpy as np
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.machine import write_json
 from ferry.sim import stats
 from ferry.sim.cli import parse_seeds

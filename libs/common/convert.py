@@ -3,8 +3,8 @@ Generated types stay at the service edge; cores see dataclasses."""
 
 from __future__ import annotations
 
-from ferry.pb import common_pb2 as pb
-from ferry.pb import instance_pb2 as ipb
+from libs.pb import common_pb2 as pb
+from libs.pb import instance_pb2 as ipb
 from libs.common.errors import InvalidArgument
 from libs.common.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 from libs.common.types import (

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import grpc
 
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import convert, rpc
 from libs.common.logging import get_logger
 

@@ -16,8 +16,8 @@ import asyncio
 
 import grpc
 
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common.errors import Code, FerryError, is_unavailable
 from libs.common.logging import get_logger
 

@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from ferry.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2 as ipb
 from libs.common import convert
 from libs.common.errors import Code, FerryError, InvalidArgument, ResourceExhausted, Unavailable
 from libs.common.logging import get_logger

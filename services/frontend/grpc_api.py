@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from ferry.pb import frontend_pb2 as pb
-from ferry.pb import frontend_pb2_grpc as pb_grpc
+from libs.pb import frontend_pb2 as pb
+from libs.pb import frontend_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.errors import InvalidArgument
 from libs.common.validation import MAX_CLIENT_REQUEST_ID, sampling_problem, stops_problem

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import grpc
 
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common import rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable

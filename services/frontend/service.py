@@ -12,7 +12,7 @@ import signal
 
 import uvicorn
 
-from ferry.pb import frontend_pb2_grpc
+from libs.pb import frontend_pb2_grpc
 from libs.common.logging import get_logger
 from libs.common.server import Service, freeze_startup_heap, serve
 from services.frontend.admission import Admission

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from ferry.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2 as ipb
 from libs.common.logging import get_logger
 from services.frontend import metrics
 

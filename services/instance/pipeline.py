@@ -29,8 +29,8 @@ import time
 import grpc
 from prometheus_client import Counter
 
-from ferry.pb import instance_pb2 as pb
-from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.pb import instance_pb2 as pb
+from libs.pb import instance_pb2_grpc as pb_grpc
 from libs.common import rpc
 from libs.common.errors import FailedPrecondition, InvalidArgument
 from libs.common.logging import get_logger

@@ -12,8 +12,8 @@ from typing import Callable
 
 import grpc
 
-from ferry.pb import meta_store_pb2 as mpb
-from ferry.pb import meta_store_pb2_grpc as mpb_grpc
+from libs.pb import meta_store_pb2 as mpb
+from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import convert, rpc
 from libs.common.logging import get_logger
 from libs.common.types import InstanceInfo, InstanceStatus

@@ -10,8 +10,8 @@ import uuid
 
 import grpc
 
-from ferry.pb import instance_pb2 as pb
-from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.pb import instance_pb2 as pb
+from libs.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert, failpoints
 from libs.common.config import CommonConfig, ConfigError, opt
 from libs.common.cpus import parse_cpus

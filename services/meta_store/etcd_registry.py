@@ -34,7 +34,7 @@ from typing import Callable
 
 import grpc
 
-from ferry.pb import common_pb2 as cpb
+from libs.pb import common_pb2 as cpb
 from libs.common import convert
 from libs.common import etcd as etcdlib
 from libs.common.logging import get_logger

@@ -9,9 +9,9 @@ import time
 
 import grpc
 
-from ferry.pb import common_pb2 as pb_common
-from ferry.pb import meta_store_pb2 as pb
-from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.pb import common_pb2 as pb_common
+from libs.pb import meta_store_pb2 as pb
+from libs.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import FailedPrecondition, InvalidArgument

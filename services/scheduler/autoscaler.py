@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.backoff import RestartBackoff
 from libs.common.load import is_finite

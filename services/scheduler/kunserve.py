@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client import Counter, Gauge
 
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.logging import get_logger
 from libs.common.policies.kunserve import (

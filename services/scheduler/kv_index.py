@@ -15,8 +15,8 @@ import asyncio
 
 import grpc
 
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import convert, rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.logging import get_logger

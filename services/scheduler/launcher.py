@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ferry.cluster import OWNER_PID_ENV, ferry_command, free_port
+from libs.common.procs import OWNER_PID_ENV, ferry_command, free_port
 from libs.common import rpc
 from libs.common.logging import get_logger
 from services.scheduler.state import LeaderState, MemoryState

@@ -14,10 +14,10 @@ import dataclasses
 
 import grpc
 
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import scheduler_pb2 as pb
-from ferry.pb import scheduler_pb2_grpc as pb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import scheduler_pb2 as pb
+from libs.pb import scheduler_pb2_grpc as pb_grpc
 from libs.common import convert, rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferry.bench.metrics import RequestRecord, stats_ms, summarize, ttft_cdf
+from ferry.measure.metrics import RequestRecord, stats_ms, summarize, ttft_cdf
 
 
 def rec(i, prio, sent, first, last, done, tokens, **kw) -> RequestRecord:

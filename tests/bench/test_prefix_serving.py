@@ -5,7 +5,7 @@ the bench JSON carries the cluster's hit rate and its upper bound."""
 
 from __future__ import annotations
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.bench.serving import ServingOptions, run_serving
 from services.instance.engine.fake import fake_generate
 
@@ -24,7 +24,8 @@ def test_sessions_carry_the_answers_and_hit_the_cache():
 
 
 def test_records_hold_each_turn_after_the_previous_answer():
-    from ferry.bench import client, prefixes
+    from ferry.bench import client
+    from ferry.measure import prefixes
     from ferry.cluster import ClusterSpec, LocalCluster, free_port
     import asyncio
 

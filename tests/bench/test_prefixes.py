@@ -1,5 +1,5 @@
-"""Workloads with prefix structure (ferry/bench/prefixes.py) and the hit-rate
-upper bound (ferry/bench/hit_rate.py): pure, seeded, and the block hashes of
+"""Workloads with prefix structure (ferry/measure/prefixes.py) and the hit-rate
+upper bound (ferry/measure/hit_rate.py): pure, seeded, and the block hashes of
 the prompts they make follow the structure."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from ferry.bench import hit_rate, prefixes
-from ferry.bench import workload as wl
+from ferry.measure import hit_rate, prefixes
+from ferry.measure import workload as wl
 from libs.common.prefix_hash import block_hashes
 
 LO, HI = 97, 123

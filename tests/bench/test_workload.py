@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 
 
 def gaps(w: wl.Workload) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 import asyncio
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import meta_store_pb2 as pb
-from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import meta_store_pb2 as pb
+from libs.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common.cluster_view import ClusterView
 from libs.common.server import serve
 from services.meta_store.service import MetaStoreConfig, MetaStoreService

@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import meta_store_pb2 as pb
-from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import meta_store_pb2 as pb
+from libs.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common.cluster_view import ClusterView
 from tests.common.test_cluster_view import start_store
 

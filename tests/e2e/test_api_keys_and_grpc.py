@@ -6,9 +6,9 @@ import openai
 import pytest
 
 from ferry.cluster import free_port
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import frontend_pb2 as fpb
-from ferry.pb import frontend_pb2_grpc as fpb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import frontend_pb2 as fpb
+from libs.pb import frontend_pb2_grpc as fpb_grpc
 from tests.conftest import start_fake_cluster
 from tests.helpers import expected_fake_text
 

@@ -15,13 +15,13 @@ import httpx
 import pytest
 
 from ferry.cluster import free_port
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import frontend_pb2 as fpb
-from ferry.pb import frontend_pb2_grpc as fpb_grpc
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import frontend_pb2 as fpb
+from libs.pb import frontend_pb2_grpc as fpb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
 from tests.helpers import expected_fake_text, stream_completion, wait_idle_and_check
 

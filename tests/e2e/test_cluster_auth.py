@@ -13,13 +13,13 @@ import httpx
 import pytest
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port, grpc_healthy
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import meta_store_pb2 as mpb
-from ferry.pb import meta_store_pb2_grpc as mpb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import meta_store_pb2 as mpb
+from libs.pb import meta_store_pb2_grpc as mpb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common import rpc
 from tests.helpers import expected_fake_text, stream_completion
 

@@ -19,8 +19,8 @@ import pytest
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.etcd_local import binary
-from ferry.pb import meta_store_pb2 as mpb
-from ferry.pb import meta_store_pb2_grpc as mpb_grpc
+from libs.pb import meta_store_pb2 as mpb
+from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import etcd as etcdlib
 from libs.common import rpc
 from tests.helpers import expected_fake_text

@@ -10,10 +10,10 @@ import time
 import grpc
 import httpx
 
-from ferry.pb import meta_store_pb2 as mpb
-from ferry.pb import meta_store_pb2_grpc as mpb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import meta_store_pb2 as mpb
+from libs.pb import meta_store_pb2_grpc as mpb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
 from tests.helpers import (
     expected_fake_text,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import frontend_pb2 as fpb
+from libs.pb import common_pb2 as cpb
+from libs.pb import frontend_pb2 as fpb
 from tests.conftest import start_fake_cluster
 from tests.e2e.fuzz_values import EDGE_TEXT, FLOATS32, TEXT
 from tests.helpers import expected_fake_text, wait_idle_and_check

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
 from tests.helpers import find_instance_of, stream_completion
 
 pytestmark = pytest.mark.model

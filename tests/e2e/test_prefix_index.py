@@ -9,10 +9,10 @@ import asyncio
 import grpc
 import httpx
 
-from ferry.pb import instance_pb2 as ipb
-from ferry.pb import instance_pb2_grpc as ipb_grpc
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
 from tests.e2e.test_faults import wait_for
 from tests.helpers import expected_fake_text, stream_completion

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
 from tests.helpers import expected_fake_text, instance_status, stream_completion, wait_idle_and_check
 

@@ -12,8 +12,8 @@ import asyncio
 import grpc
 import pytest
 
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common.errors import Code, FerryError, Unavailable
 from libs.common.types import Priority
 from services.frontend.dispatch_stream import DispatchStream, StreamBroken

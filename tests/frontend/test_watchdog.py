@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 
-from ferry.pb import common_pb2 as cpb
+from libs.pb import common_pb2 as cpb
 from services.frontend.watchdog import StallWatchdog
 
 

@@ -92,9 +92,9 @@ async def test_flush_interval_sends_the_same_tokens_in_fewer_events(cluster, flu
     without one, every token is its own event."""
     import grpc
 
-    from ferry.pb import common_pb2 as cpb
-    from ferry.pb import instance_pb2 as ipb
-    from ferry.pb import instance_pb2_grpc as ipb_grpc
+    from libs.pb import common_pb2 as cpb
+    from libs.pb import instance_pb2 as ipb
+    from libs.pb import instance_pb2_grpc as ipb_grpc
     from tests.helpers import expected_fake_tokens
 
     prompt, n = list(b"flush interval"), 60  # 60 steps of 8 ms: about 0.5 s

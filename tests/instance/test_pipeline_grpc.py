@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import instance_pb2 as pb
-from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import instance_pb2 as pb
+from libs.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.server import serve
 from libs.common.types import SamplingParams

@@ -5,9 +5,9 @@ import asyncio
 import grpc
 import pytest
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import meta_store_pb2 as pb
-from ferry.pb import meta_store_pb2_grpc as pb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import meta_store_pb2 as pb
+from libs.pb import meta_store_pb2_grpc as pb_grpc
 from libs.common.server import serve
 from libs.common.types import InstanceInfo, InstanceStatus
 from services.instance.reporter import StatusReporter

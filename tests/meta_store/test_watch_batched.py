@@ -2,8 +2,8 @@
 
 import asyncio
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import meta_store_pb2 as pb
+from libs.pb import common_pb2 as cpb
+from libs.pb import meta_store_pb2 as pb
 from tests.meta_store.test_service import _info, store, store_address  # noqa: F401 - fixtures
 
 

@@ -8,9 +8,9 @@ import asyncio
 import grpc
 import pytest
 
-from ferry.pb import common_pb2 as cpb
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import common_pb2 as cpb
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
 
 

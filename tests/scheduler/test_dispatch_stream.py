@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import grpc
 
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common.errors import Code, Unavailable
 from services.scheduler.service import SchedulerServicer
 

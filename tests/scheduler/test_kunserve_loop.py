@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ferry.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2 as ipb
 from libs.common.policies.kunserve import buddy_group
 from libs.common.types import InstanceStatus
 from services.scheduler.kunserve import KunServeConfig, KunServeLoop, dropped_ranges, holders

@@ -9,8 +9,8 @@ import time
 import grpc
 import httpx
 
-from ferry.pb import scheduler_pb2 as spb
-from ferry.pb import scheduler_pb2_grpc as spb_grpc
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 from tests.conftest import start_fake_cluster
 from tests.helpers import expected_fake_text, stream_completion, wait_idle_and_check
 

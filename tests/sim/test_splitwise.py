@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from ferry.sim.params import Delays
 from ferry.sim.pools import PoolError, parse_pools
 from ferry.sim.provision import DESIGNS, Config, configs_within, profile, unloaded

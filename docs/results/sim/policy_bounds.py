@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from ferry.bench import workload as wl
+from ferry.measure import workload as wl
 from services.instance.engine.sim import SimProfile
 
 prof = SimProfile.load("llama-7b-a10")

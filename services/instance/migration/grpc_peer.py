@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ferry.pb import instance_pb2 as pb
-from ferry.pb import instance_pb2_grpc as pb_grpc
+from libs.pb import instance_pb2 as pb
+from libs.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.types import RequestState
 from services.instance.engine.base import KvLayout

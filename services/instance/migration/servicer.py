@@ -4,7 +4,7 @@ failpoints (tests of lost replies and killed processes) live here too."""
 
 from __future__ import annotations
 
-from ferry.pb import instance_pb2 as pb
+from libs.pb import instance_pb2 as pb
 from libs.common import convert, failpoints
 from libs.common.errors import Unavailable
 from libs.common.logging import get_logger

@@ -298,7 +298,7 @@ async def test_handoff_over_grpc(two, mode):
     loopback server (KvChunk.layer on the wire)."""
     import grpc
 
-    from ferry.pb import instance_pb2_grpc as pb_grpc
+    from libs.pb import instance_pb2_grpc as pb_grpc
     from services.instance.migration.grpc_peer import GrpcPeer
     from services.instance.migration.servicer import MigrationRpcs
 

@@ -1,4 +1,4 @@
-from ferry.pb import common_pb2 as _common_pb2
+from libs.pb import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from ferry.pb import common_pb2 as ferry_dot_pb_dot_common__pb2
-from ferry.pb import meta_store_pb2 as ferry_dot_pb_dot_meta__store__pb2
+from libs.pb import common_pb2 as libs_dot_pb_dot_common__pb2
+from libs.pb import meta_store_pb2 as libs_dot_pb_dot_meta__store__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ferry/pb/meta_store_pb2_grpc.py depends on'
+        + ' but the generated code in libs/pb/meta_store_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -40,38 +40,38 @@ class MetaStoreStub:
         """
         self.Register = channel.unary_unary(
                 '/ferry.v1.MetaStore/Register',
-                request_serializer=ferry_dot_pb_dot_meta__store__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.RegisterReply.FromString,
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/ferry.v1.MetaStore/Deregister',
-                request_serializer=ferry_dot_pb_dot_meta__store__pb2.DeregisterRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.DeregisterReply.FromString,
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.DeregisterReply.FromString,
                 _registered_method=True)
         self.ReportStatus = channel.unary_unary(
                 '/ferry.v1.MetaStore/ReportStatus',
-                request_serializer=ferry_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
+                request_serializer=libs_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
                 _registered_method=True)
         self.StreamStatus = channel.stream_stream(
                 '/ferry.v1.MetaStore/StreamStatus',
-                request_serializer=ferry_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
+                request_serializer=libs_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
                 _registered_method=True)
         self.List = channel.unary_unary(
                 '/ferry.v1.MetaStore/List',
-                request_serializer=ferry_dot_pb_dot_meta__store__pb2.ListRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.ListReply.FromString,
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.ListRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.ListReply.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/ferry.v1.MetaStore/Watch',
-                request_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvent.FromString,
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.WatchEvent.FromString,
                 _registered_method=True)
         self.WatchBatched = channel.unary_stream(
                 '/ferry.v1.MetaStore/WatchBatched',
-                request_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
                 _registered_method=True)
 
 
@@ -137,38 +137,38 @@ def add_MetaStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=ferry_dot_pb_dot_meta__store__pb2.RegisterRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.RegisterRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.RegisterReply.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
-                    request_deserializer=ferry_dot_pb_dot_meta__store__pb2.DeregisterRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.DeregisterReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.DeregisterRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.DeregisterReply.SerializeToString,
             ),
             'ReportStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStatus,
-                    request_deserializer=ferry_dot_pb_dot_common__pb2.InstanceStatus.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.ReportReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_common__pb2.InstanceStatus.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.ReportReply.SerializeToString,
             ),
             'StreamStatus': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamStatus,
-                    request_deserializer=ferry_dot_pb_dot_common__pb2.InstanceStatus.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.ReportReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_common__pb2.InstanceStatus.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.ReportReply.SerializeToString,
             ),
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=ferry_dot_pb_dot_meta__store__pb2.ListRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.ListReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.ListRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.ListReply.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvent.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.WatchEvent.SerializeToString,
             ),
             'WatchBatched': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchBatched,
-                    request_deserializer=ferry_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_meta__store__pb2.WatchEvents.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.WatchEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -199,8 +199,8 @@ class MetaStore:
             request,
             target,
             '/ferry.v1.MetaStore/Register',
-            ferry_dot_pb_dot_meta__store__pb2.RegisterRequest.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.RegisterReply.FromString,
+            libs_dot_pb_dot_meta__store__pb2.RegisterRequest.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -226,8 +226,8 @@ class MetaStore:
             request,
             target,
             '/ferry.v1.MetaStore/Deregister',
-            ferry_dot_pb_dot_meta__store__pb2.DeregisterRequest.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.DeregisterReply.FromString,
+            libs_dot_pb_dot_meta__store__pb2.DeregisterRequest.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.DeregisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -253,8 +253,8 @@ class MetaStore:
             request,
             target,
             '/ferry.v1.MetaStore/ReportStatus',
-            ferry_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
+            libs_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,8 +280,8 @@ class MetaStore:
             request_iterator,
             target,
             '/ferry.v1.MetaStore/StreamStatus',
-            ferry_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
+            libs_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.ReportReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -307,8 +307,8 @@ class MetaStore:
             request,
             target,
             '/ferry.v1.MetaStore/List',
-            ferry_dot_pb_dot_meta__store__pb2.ListRequest.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.ListReply.FromString,
+            libs_dot_pb_dot_meta__store__pb2.ListRequest.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.ListReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -334,8 +334,8 @@ class MetaStore:
             request,
             target,
             '/ferry.v1.MetaStore/Watch',
-            ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.WatchEvent.FromString,
+            libs_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -361,8 +361,8 @@ class MetaStore:
             request,
             target,
             '/ferry.v1.MetaStore/WatchBatched',
-            ferry_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
-            ferry_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
+            libs_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
             options,
             channel_credentials,
             insecure,

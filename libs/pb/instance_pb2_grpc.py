@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from ferry.pb import common_pb2 as ferry_dot_pb_dot_common__pb2
-from ferry.pb import instance_pb2 as ferry_dot_pb_dot_instance__pb2
+from libs.pb import common_pb2 as libs_dot_pb_dot_common__pb2
+from libs.pb import instance_pb2 as libs_dot_pb_dot_instance__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ferry/pb/instance_pb2_grpc.py depends on'
+        + ' but the generated code in libs/pb/instance_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,103 +39,103 @@ class InstanceStub:
         """
         self.Generate = channel.unary_stream(
                 '/ferry.v1.Instance/Generate',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.TokenEvent.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.TokenEvent.FromString,
                 _registered_method=True)
         self.Attach = channel.unary_stream(
                 '/ferry.v1.Instance/Attach',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.AttachRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.TokenEvent.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.AttachRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.TokenEvent.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/ferry.v1.Instance/Abort',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.AbortRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.AbortReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.AbortRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.AbortReply.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/ferry.v1.Instance/GetStatus',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.GetStatusRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_common__pb2.InstanceStatus.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_common__pb2.InstanceStatus.FromString,
                 _registered_method=True)
         self.SetTerminating = channel.unary_unary(
                 '/ferry.v1.Instance/SetTerminating',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.FromString,
                 _registered_method=True)
         self.SetRole = channel.unary_unary(
                 '/ferry.v1.Instance/SetRole',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.SetRoleRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.SetRoleReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.SetRoleReply.FromString,
                 _registered_method=True)
         self.CheckIntegrity = channel.unary_unary(
                 '/ferry.v1.Instance/CheckIntegrity',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.CheckIntegrityReply.FromString,
                 _registered_method=True)
         self.WatchKvEvents = channel.unary_stream(
                 '/ferry.v1.Instance/WatchKvEvents',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.WatchKvEventsRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.KvEventsMessage.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.KvEventsMessage.FromString,
                 _registered_method=True)
         self.MigrateOut = channel.unary_unary(
                 '/ferry.v1.Instance/MigrateOut',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.MigrateOutRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.MigrateOutReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.MigrateOutReply.FromString,
                 _registered_method=True)
         self.PreAllocate = channel.unary_unary(
                 '/ferry.v1.Instance/PreAllocate',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.PreAllocateRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.PreAllocateReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.PreAllocateRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.PreAllocateReply.FromString,
                 _registered_method=True)
         self.TransferKv = channel.stream_unary(
                 '/ferry.v1.Instance/TransferKv',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.KvChunk.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.TransferKvReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.KvChunk.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.TransferKvReply.FromString,
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/ferry.v1.Instance/Commit',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.CommitRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.CommitReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.CommitRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.CommitReply.FromString,
                 _registered_method=True)
         self.ExpectCommit = channel.unary_unary(
                 '/ferry.v1.Instance/ExpectCommit',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.ExpectCommitRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.ExpectCommitReply.FromString,
                 _registered_method=True)
         self.AbortMigration = channel.unary_unary(
                 '/ferry.v1.Instance/AbortMigration',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.AbortMigrationReply.FromString,
                 _registered_method=True)
         self.MigrationSettled = channel.unary_unary(
                 '/ferry.v1.Instance/MigrationSettled',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
                 _registered_method=True)
         self.DropLayers = channel.unary_unary(
                 '/ferry.v1.Instance/DropLayers',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.DropLayersRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.DropLayersReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.DropLayersRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.DropLayersReply.FromString,
                 _registered_method=True)
         self.SetPipeline = channel.unary_unary(
                 '/ferry.v1.Instance/SetPipeline',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
                 _registered_method=True)
         self.RestoreLayers = channel.unary_unary(
                 '/ferry.v1.Instance/RestoreLayers',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.RestoreLayersRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.RestoreLayersReply.FromString,
                 _registered_method=True)
         self.FetchLayers = channel.unary_stream(
                 '/ferry.v1.Instance/FetchLayers',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.LayerRange.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.LayerTensor.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.LayerRange.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.LayerTensor.FromString,
                 _registered_method=True)
         self.ForwardLayers = channel.stream_stream(
                 '/ferry.v1.Instance/ForwardLayers',
-                request_serializer=ferry_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_instance__pb2.LayerStepReply.FromString,
+                request_serializer=libs_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_instance__pb2.LayerStepReply.FromString,
                 _registered_method=True)
 
 
@@ -292,103 +292,103 @@ def add_InstanceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.GenerateRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.TokenEvent.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.GenerateRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.TokenEvent.SerializeToString,
             ),
             'Attach': grpc.unary_stream_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.AttachRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.TokenEvent.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.AttachRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.TokenEvent.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.AbortRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.AbortReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.AbortRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.AbortReply.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.GetStatusRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.GetStatusRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_common__pb2.InstanceStatus.SerializeToString,
             ),
             'SetTerminating': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTerminating,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.SerializeToString,
             ),
             'SetRole': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRole,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.SetRoleRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.SetRoleReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.SetRoleRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.SetRoleReply.SerializeToString,
             ),
             'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckIntegrity,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.CheckIntegrityReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.CheckIntegrityRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.CheckIntegrityReply.SerializeToString,
             ),
             'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchKvEvents,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.WatchKvEventsRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.KvEventsMessage.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.KvEventsMessage.SerializeToString,
             ),
             'MigrateOut': grpc.unary_unary_rpc_method_handler(
                     servicer.MigrateOut,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.MigrateOutRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.MigrateOutReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.MigrateOutRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.MigrateOutReply.SerializeToString,
             ),
             'PreAllocate': grpc.unary_unary_rpc_method_handler(
                     servicer.PreAllocate,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.PreAllocateRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.PreAllocateReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.PreAllocateRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.PreAllocateReply.SerializeToString,
             ),
             'TransferKv': grpc.stream_unary_rpc_method_handler(
                     servicer.TransferKv,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.KvChunk.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.TransferKvReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.KvChunk.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.TransferKvReply.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.CommitRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.CommitReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.CommitRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.CommitReply.SerializeToString,
             ),
             'ExpectCommit': grpc.unary_unary_rpc_method_handler(
                     servicer.ExpectCommit,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.ExpectCommitReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.ExpectCommitRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.ExpectCommitReply.SerializeToString,
             ),
             'AbortMigration': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortMigration,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.AbortMigrationReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.AbortMigrationRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.AbortMigrationReply.SerializeToString,
             ),
             'MigrationSettled': grpc.unary_unary_rpc_method_handler(
                     servicer.MigrationSettled,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.MigrationSettledRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.MigrationSettledReply.SerializeToString,
             ),
             'DropLayers': grpc.unary_unary_rpc_method_handler(
                     servicer.DropLayers,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.DropLayersRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.DropLayersReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.DropLayersRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.DropLayersReply.SerializeToString,
             ),
             'SetPipeline': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPipeline,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.SetPipelineReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.SetPipelineRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.SetPipelineReply.SerializeToString,
             ),
             'RestoreLayers': grpc.unary_unary_rpc_method_handler(
                     servicer.RestoreLayers,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.RestoreLayersReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.RestoreLayersRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.RestoreLayersReply.SerializeToString,
             ),
             'FetchLayers': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchLayers,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.LayerRange.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.LayerTensor.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.LayerRange.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.LayerTensor.SerializeToString,
             ),
             'ForwardLayers': grpc.stream_stream_rpc_method_handler(
                     servicer.ForwardLayers,
-                    request_deserializer=ferry_dot_pb_dot_instance__pb2.LayerStep.FromString,
-                    response_serializer=ferry_dot_pb_dot_instance__pb2.LayerStepReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_instance__pb2.LayerStep.FromString,
+                    response_serializer=libs_dot_pb_dot_instance__pb2.LayerStepReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -418,8 +418,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/Generate',
-            ferry_dot_pb_dot_instance__pb2.GenerateRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.TokenEvent.FromString,
+            libs_dot_pb_dot_instance__pb2.GenerateRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.TokenEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -445,8 +445,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/Attach',
-            ferry_dot_pb_dot_instance__pb2.AttachRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.TokenEvent.FromString,
+            libs_dot_pb_dot_instance__pb2.AttachRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.TokenEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -472,8 +472,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/Abort',
-            ferry_dot_pb_dot_instance__pb2.AbortRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.AbortReply.FromString,
+            libs_dot_pb_dot_instance__pb2.AbortRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.AbortReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -499,8 +499,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/GetStatus',
-            ferry_dot_pb_dot_instance__pb2.GetStatusRequest.SerializeToString,
-            ferry_dot_pb_dot_common__pb2.InstanceStatus.FromString,
+            libs_dot_pb_dot_instance__pb2.GetStatusRequest.SerializeToString,
+            libs_dot_pb_dot_common__pb2.InstanceStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -526,8 +526,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/SetTerminating',
-            ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.FromString,
+            libs_dot_pb_dot_instance__pb2.SetInstanceTerminatingRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.SetInstanceTerminatingReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -553,8 +553,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/SetRole',
-            ferry_dot_pb_dot_instance__pb2.SetRoleRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.SetRoleReply.FromString,
+            libs_dot_pb_dot_instance__pb2.SetRoleRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.SetRoleReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -580,8 +580,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/CheckIntegrity',
-            ferry_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.CheckIntegrityReply.FromString,
+            libs_dot_pb_dot_instance__pb2.CheckIntegrityRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.CheckIntegrityReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -607,8 +607,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/WatchKvEvents',
-            ferry_dot_pb_dot_instance__pb2.WatchKvEventsRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.KvEventsMessage.FromString,
+            libs_dot_pb_dot_instance__pb2.WatchKvEventsRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.KvEventsMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -634,8 +634,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/MigrateOut',
-            ferry_dot_pb_dot_instance__pb2.MigrateOutRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.MigrateOutReply.FromString,
+            libs_dot_pb_dot_instance__pb2.MigrateOutRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.MigrateOutReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -661,8 +661,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/PreAllocate',
-            ferry_dot_pb_dot_instance__pb2.PreAllocateRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.PreAllocateReply.FromString,
+            libs_dot_pb_dot_instance__pb2.PreAllocateRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.PreAllocateReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -688,8 +688,8 @@ class Instance:
             request_iterator,
             target,
             '/ferry.v1.Instance/TransferKv',
-            ferry_dot_pb_dot_instance__pb2.KvChunk.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.TransferKvReply.FromString,
+            libs_dot_pb_dot_instance__pb2.KvChunk.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.TransferKvReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -715,8 +715,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/Commit',
-            ferry_dot_pb_dot_instance__pb2.CommitRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.CommitReply.FromString,
+            libs_dot_pb_dot_instance__pb2.CommitRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -742,8 +742,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/ExpectCommit',
-            ferry_dot_pb_dot_instance__pb2.ExpectCommitRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.ExpectCommitReply.FromString,
+            libs_dot_pb_dot_instance__pb2.ExpectCommitRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.ExpectCommitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -769,8 +769,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/AbortMigration',
-            ferry_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.AbortMigrationReply.FromString,
+            libs_dot_pb_dot_instance__pb2.AbortMigrationRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.AbortMigrationReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -796,8 +796,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/MigrationSettled',
-            ferry_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
+            libs_dot_pb_dot_instance__pb2.MigrationSettledRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.MigrationSettledReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -823,8 +823,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/DropLayers',
-            ferry_dot_pb_dot_instance__pb2.DropLayersRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.DropLayersReply.FromString,
+            libs_dot_pb_dot_instance__pb2.DropLayersRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.DropLayersReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -850,8 +850,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/SetPipeline',
-            ferry_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
+            libs_dot_pb_dot_instance__pb2.SetPipelineRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.SetPipelineReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -877,8 +877,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/RestoreLayers',
-            ferry_dot_pb_dot_instance__pb2.RestoreLayersRequest.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.RestoreLayersReply.FromString,
+            libs_dot_pb_dot_instance__pb2.RestoreLayersRequest.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.RestoreLayersReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -904,8 +904,8 @@ class Instance:
             request,
             target,
             '/ferry.v1.Instance/FetchLayers',
-            ferry_dot_pb_dot_instance__pb2.LayerRange.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.LayerTensor.FromString,
+            libs_dot_pb_dot_instance__pb2.LayerRange.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.LayerTensor.FromString,
             options,
             channel_credentials,
             insecure,
@@ -931,8 +931,8 @@ class Instance:
             request_iterator,
             target,
             '/ferry.v1.Instance/ForwardLayers',
-            ferry_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
-            ferry_dot_pb_dot_instance__pb2.LayerStepReply.FromString,
+            libs_dot_pb_dot_instance__pb2.LayerStep.SerializeToString,
+            libs_dot_pb_dot_instance__pb2.LayerStepReply.FromString,
             options,
             channel_credentials,
             insecure,

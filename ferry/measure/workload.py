@@ -373,7 +373,7 @@ def prompt_ids(req: Request, seed: int, lo: int, hi: int) -> list[int]:
     """Token ids in [lo, hi) for the request's prompt (deterministic): its
     segments' (prefixes.py; a session turn: its new message), else random."""
     if req.segments:
-        from ferry.bench.prefixes import tokens_of
+        from ferry.measure.prefixes import tokens_of
 
         return tokens_of(req.segments, seed, lo, hi)
     rng = np.random.default_rng([seed, req.index])

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ferry.pb import frontend_pb2 as ferry_dot_pb_dot_frontend__pb2
+from libs.pb import frontend_pb2 as libs_dot_pb_dot_frontend__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ferry/pb/frontend_pb2_grpc.py depends on'
+        + ' but the generated code in libs/pb/frontend_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class FrontendStub:
         """
         self.Generate = channel.unary_stream(
                 '/ferry.v1.Frontend/Generate',
-                request_serializer=ferry_dot_pb_dot_frontend__pb2.TextGenerateRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_frontend__pb2.TextGenerateResponse.FromString,
+                request_serializer=libs_dot_pb_dot_frontend__pb2.TextGenerateRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_frontend__pb2.TextGenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -57,8 +57,8 @@ def add_FrontendServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=ferry_dot_pb_dot_frontend__pb2.TextGenerateRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_frontend__pb2.TextGenerateResponse.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_frontend__pb2.TextGenerateRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_frontend__pb2.TextGenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,8 +87,8 @@ class Frontend:
             request,
             target,
             '/ferry.v1.Frontend/Generate',
-            ferry_dot_pb_dot_frontend__pb2.TextGenerateRequest.SerializeToString,
-            ferry_dot_pb_dot_frontend__pb2.TextGenerateResponse.FromString,
+            libs_dot_pb_dot_frontend__pb2.TextGenerateRequest.SerializeToString,
+            libs_dot_pb_dot_frontend__pb2.TextGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

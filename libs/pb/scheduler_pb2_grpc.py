@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from ferry.pb import scheduler_pb2 as ferry_dot_pb_dot_scheduler__pb2
+from libs.pb import scheduler_pb2 as libs_dot_pb_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in ferry/pb/scheduler_pb2_grpc.py depends on'
+        + ' but the generated code in libs/pb/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,33 +37,33 @@ class SchedulerStub:
         """
         self.Dispatch = channel.unary_unary(
                 '/ferry.v1.Scheduler/Dispatch',
-                request_serializer=ferry_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
+                request_serializer=libs_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
                 _registered_method=True)
         self.DispatchStream = channel.stream_stream(
                 '/ferry.v1.Scheduler/DispatchStream',
-                request_serializer=ferry_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
+                request_serializer=libs_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
                 _registered_method=True)
         self.GetClusterView = channel.unary_unary(
                 '/ferry.v1.Scheduler/GetClusterView',
-                request_serializer=ferry_dot_pb_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.ClusterViewReply.FromString,
+                request_serializer=libs_dot_pb_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_scheduler__pb2.ClusterViewReply.FromString,
                 _registered_method=True)
         self.SetTerminating = channel.unary_unary(
                 '/ferry.v1.Scheduler/SetTerminating',
-                request_serializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingReply.FromString,
+                request_serializer=libs_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_scheduler__pb2.SetTerminatingReply.FromString,
                 _registered_method=True)
         self.SetRole = channel.unary_unary(
                 '/ferry.v1.Scheduler/SetRole',
-                request_serializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
+                request_serializer=libs_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
                 _registered_method=True)
         self.GetPrefixIndex = channel.unary_unary(
                 '/ferry.v1.Scheduler/GetPrefixIndex',
-                request_serializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.SerializeToString,
-                response_deserializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexReply.FromString,
+                request_serializer=libs_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_scheduler__pb2.PrefixIndexReply.FromString,
                 _registered_method=True)
 
 
@@ -125,33 +125,33 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Dispatch': grpc.unary_unary_rpc_method_handler(
                     servicer.Dispatch,
-                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.DispatchRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.DispatchReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_scheduler__pb2.DispatchRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_scheduler__pb2.DispatchReply.SerializeToString,
             ),
             'DispatchStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DispatchStream,
-                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.DispatchRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.DispatchReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_scheduler__pb2.DispatchRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_scheduler__pb2.DispatchReply.SerializeToString,
             ),
             'GetClusterView': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClusterView,
-                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.ClusterViewRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.ClusterViewReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_scheduler__pb2.ClusterViewRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_scheduler__pb2.ClusterViewReply.SerializeToString,
             ),
             'SetTerminating': grpc.unary_unary_rpc_method_handler(
                     servicer.SetTerminating,
-                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.SetTerminatingReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_scheduler__pb2.SetTerminatingReply.SerializeToString,
             ),
             'SetRole': grpc.unary_unary_rpc_method_handler(
                     servicer.SetRole,
-                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.SerializeToString,
             ),
             'GetPrefixIndex': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPrefixIndex,
-                    request_deserializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.FromString,
-                    response_serializer=ferry_dot_pb_dot_scheduler__pb2.PrefixIndexReply.SerializeToString,
+                    request_deserializer=libs_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_scheduler__pb2.PrefixIndexReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,8 +180,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/Dispatch',
-            ferry_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
-            ferry_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
+            libs_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
+            libs_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -207,8 +207,8 @@ class Scheduler:
             request_iterator,
             target,
             '/ferry.v1.Scheduler/DispatchStream',
-            ferry_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
-            ferry_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
+            libs_dot_pb_dot_scheduler__pb2.DispatchRequest.SerializeToString,
+            libs_dot_pb_dot_scheduler__pb2.DispatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -234,8 +234,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/GetClusterView',
-            ferry_dot_pb_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
-            ferry_dot_pb_dot_scheduler__pb2.ClusterViewReply.FromString,
+            libs_dot_pb_dot_scheduler__pb2.ClusterViewRequest.SerializeToString,
+            libs_dot_pb_dot_scheduler__pb2.ClusterViewReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -261,8 +261,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/SetTerminating',
-            ferry_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.SerializeToString,
-            ferry_dot_pb_dot_scheduler__pb2.SetTerminatingReply.FromString,
+            libs_dot_pb_dot_scheduler__pb2.SetTerminatingRequest.SerializeToString,
+            libs_dot_pb_dot_scheduler__pb2.SetTerminatingReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -288,8 +288,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/SetRole',
-            ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
-            ferry_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
+            libs_dot_pb_dot_scheduler__pb2.SetInstanceRoleRequest.SerializeToString,
+            libs_dot_pb_dot_scheduler__pb2.SetInstanceRoleReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -315,8 +315,8 @@ class Scheduler:
             request,
             target,
             '/ferry.v1.Scheduler/GetPrefixIndex',
-            ferry_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.SerializeToString,
-            ferry_dot_pb_dot_scheduler__pb2.PrefixIndexReply.FromString,
+            libs_dot_pb_dot_scheduler__pb2.PrefixIndexRequest.SerializeToString,
+            libs_dot_pb_dot_scheduler__pb2.PrefixIndexReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,8 +32,8 @@ import json
 
 import numpy as np
 
-from ferry.bench import workload as wl
-from ferry.bench.workload import Request, Segment, Workload, WorkloadError
+from ferry.measure import workload as wl
+from ferry.measure.workload import Request, Segment, Workload, WorkloadError
 
 THINK_S = 5.0
 TRACE_BLOCK = 512

@@ -1,0 +1,1 @@
+"""What the benchmarks (ferry/bench) and the simulator (ferry/sim) share: workloads (arrivals, lengths, prompts with prefix structure), per-request metrics and their summaries, the hit-rate bound of a workload, plots."""

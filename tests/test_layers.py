@@ -1,0 +1,84 @@
+"""Imports point down: libs/ (generated protobuf included) imports nothing of
+the project above it, services/ nothing of the command-line package, and the
+code the benchmarks and the simulator share (ferry/measure) neither of them.
+Every import is read from the source (functions' lazy imports too)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Layer (a path prefix) -> top-level project packages it must not import.
+FORBIDDEN = {
+    "libs/": ("ferry", "services", "tests"),
+    "services/": ("ferry", "tests"),
+    "ferry/measure/": ("ferry.bench", "ferry.sim", "tests"),
+    "ferry/": ("tests",),
+}
+# The simulator's live modes drive a real cluster through the benchmark's
+# driver (calibration against a live run; the shared CLI options): named here,
+# so that a new one is a decision.
+SIM_USES_BENCH = {
+    "ferry/sim/calibrate.py": {"ferry.bench", "ferry.bench.serving"},
+    "ferry/sim/cli.py": {"ferry.bench.compare", "ferry.bench.serving"},
+    "ferry/sim/run.py": {"ferry.bench.serving"},
+}
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def _sources() -> list[pathlib.Path]:
+    return sorted(p for top in ("libs", "services", "ferry") for p in (ROOT / top).rglob("*.py")
+                  if ".venv" not in p.parts)
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def upward_imports(rel: str, modules: set[str]) -> list[str]:
+    bad = []
+    for prefix, banned in FORBIDDEN.items():
+        if rel.startswith(prefix):
+            bad += [m for m in modules if any(_under(m, b) for b in banned)]
+    if rel.startswith("ferry/sim/"):
+        allowed = SIM_USES_BENCH.get(rel, set())
+        bad += [m for m in modules if _under(m, "ferry.bench") and m not in allowed]
+    return sorted(set(bad))
+
+
+def test_no_module_imports_a_layer_above_it():
+    found = {}
+    for p in _sources():
+        rel = p.relative_to(ROOT).as_posix()
+        bad = upward_imports(rel, imports_of(p))
+        if bad:
+            found[rel] = bad
+    assert not found, f"upward imports: {found}"
+
+
+@pytest.mark.parametrize(("rel", "source", "bad"), [
+    ("libs/common/x.py", "from ferry.cluster import free_port", ["ferry.cluster"]),
+    ("services/instance/x.py", "def f():\n    from ferry.pb import common_pb2", ["ferry.pb"]),
+    ("services/instance/x.py", "import ferry", ["ferry"]),
+    ("ferry/measure/x.py", "from ferry.bench import serving", ["ferry.bench"]),
+    ("ferry/sim/x.py", "from ferry.bench.serving import POLICIES", ["ferry.bench.serving"]),
+    ("services/instance/x.py", "from libs.pb import common_pb2\nfrom ferrying import x", []),
+])
+def test_the_check_sees_an_upward_import(tmp_path, rel, source, bad):
+    p = tmp_path / "m.py"
+    p.write_text(source)
+    assert upward_imports(rel, imports_of(p)) == bad
