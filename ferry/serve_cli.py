@@ -12,7 +12,7 @@ from libs.common.logging import get_logger, setup_logging
 from libs.common.server import freeze_startup_heap, run
 from libs.common.server import serve as serve_grpc
 from services.frontend.config import FrontendConfig
-from services.instance.service import InstanceConfig
+from services.instance.config import InstanceConfig
 from services.meta_store.service import MetaStoreConfig
 from services.scheduler.service import SchedulerConfig
 

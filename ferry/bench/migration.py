@@ -370,7 +370,7 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
     lens = [int(x) for x in lengths.split(",")]
     if num_blocks is None:
-        from services.instance.service import default_block_size
+        from services.instance.config import default_block_size
 
         num_blocks = _KV_TOKENS // default_block_size(engine, device, dtype)
     args = ["--num-blocks", str(num_blocks), "--device", device, "--dtype", dtype,

@@ -114,7 +114,7 @@ def slowed_intervals(factor: float) -> tuple[list[str], list[str]]:
     the machine (say so with the results)."""
     if factor <= 1:
         return [], []
-    from services.instance.service import InstanceConfig
+    from services.instance.config import InstanceConfig
     from services.scheduler.service import SchedulerConfig
 
     report = InstanceConfig.__dataclass_fields__["report_interval_s"].default * factor

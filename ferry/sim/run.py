@@ -51,7 +51,7 @@ from libs.common.types import Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
 from services.instance.engine.fake import VOCAB_HI, VOCAB_LO
 from services.instance.engine.sim import SimProfile
-from services.instance.service import InstanceConfig
+from services.instance.config import InstanceConfig
 from services.instance.status import high_priority_headroom
 from services.scheduler.service import SchedulerConfig
 

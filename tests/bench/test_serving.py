@@ -36,7 +36,7 @@ def test_scaled_profile_keeps_the_format(tmp_path):
 def test_slowed_intervals():
     assert slowed_intervals(1) == ([], [])
     assert slowed_intervals(0.5) == ([], [])  # compression keeps the wall-time intervals
-    from services.instance.service import InstanceConfig
+    from services.instance.config import InstanceConfig
 
     inst, sched = slowed_intervals(5)
     report = InstanceConfig.__dataclass_fields__["report_interval_s"].default

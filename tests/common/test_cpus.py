@@ -14,7 +14,7 @@ from ferry.cluster import ClusterSpec, LocalCluster
 from ferry.serve_cli import serve
 from libs.common.config import ConfigError
 from libs.common.cpus import available_cores, cores_for, parse_cpus
-from services.instance.service import InstanceConfig
+from services.instance.config import InstanceConfig
 
 
 def test_parse_cpus_takes_ids_and_ranges():

@@ -31,7 +31,7 @@ async def held(cluster) -> list:
     return [(r.request_id, r.state) for r in st.requests]
 
 
-async def until(pred, timeout_s: float = 5.0):
+async def until(pred, timeout_s: float = 15.0):  # a liveness wait: generous for a loaded machine
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
         if await pred():

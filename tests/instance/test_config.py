@@ -1,6 +1,6 @@
 """Instance options reach the engine they configure."""
 
-from services.instance.service import InstanceConfig
+from services.instance.config import InstanceConfig
 
 
 def test_torch_threads_reaches_the_native_engine_config():

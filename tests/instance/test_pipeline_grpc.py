@@ -20,7 +20,8 @@ from libs.common.server import serve
 from libs.common.types import SamplingParams
 from services.instance.engine import create_engine
 from services.instance.engine.base import EngineConfig
-from services.instance.service import InstanceConfig, InstanceService
+from services.instance.config import InstanceConfig
+from services.instance.service import InstanceService
 from tests.instance.engine.helpers import req, run
 
 N = 20

@@ -3,7 +3,8 @@ migration read (blocks, queue, request states), not on every token."""
 
 from libs.common.types import Priority, SamplingParams
 from services.instance.engine.base import EngineRequest
-from services.instance.service import InstanceConfig, InstanceService
+from services.instance.config import InstanceConfig
+from services.instance.service import InstanceService
 
 
 class CountingReporter:
