@@ -1,4 +1,4 @@
-"""Splitwise's prefill -> decode handoff on the virtual clock (DESIGN §8).
+"""Splitwise's prefill -> decode handoff on the virtual clock (docs/design.md §8.1).
 
 A request dispatched to a ``prefill`` instance runs its prompt there; the step
 that computes the prompt's last chunk samples the first token (TTFT is the

@@ -93,7 +93,7 @@ class ClusterView:
                     async for ev in self._events(stub):
                         backoff = 0.05
                         if ev.type == mpb.WatchEvent.SYNCED:
-                            # NOTE: keep the last view (DESIGN §7): instances the
+                            # NOTE: keep the last view (docs/design.md §7): instances the
                             # fresh snapshot lacks stay for a grace period.
                             until = time.monotonic() + self.carry_over_s
                             self._carried = {i: until for i in self.records if i not in fresh}

@@ -1,4 +1,4 @@
-"""A cluster view's liveness while the meta store cannot be reached (DESIGN
+"""A cluster view's liveness while the meta store cannot be reached (docs/design.md
 §7 keeps the last view then): without it nothing would expire, and an
 instance that died during the outage would stay a dispatch target.
 

@@ -1,4 +1,4 @@
-"""Virtual usage and freeness (DESIGN §4, Llumnix Algorithm 1), as pure
+"""Virtual usage and freeness (docs/design.md §4, Llumnix Algorithm 1), as pure
 functions. Instances compute these and report them with the raw numbers."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def summarize(total_blocks: int, requests: tuple[RequestLoad, ...], head_of_line
               reserved_blocks: int = 0, shared_blocks: int = 0) -> LoadSummary:
     """reserved_blocks: blocks held for incoming migrations. They are spoken
     for, so they count in the usage; otherwise a destination looks freer than
-    it is and is filled past what it can hold (DESIGN §4).
+    it is and is filled past what it can hold (docs/design.md §4).
 
     Prefix caching: a request's physical blocks are those it holds alone;
     ``shared_blocks`` (in use by several requests) count once, here. Cached

@@ -27,7 +27,7 @@ class Priority(enum.IntEnum):
 
 
 class Role(str, enum.Enum):
-    """What an instance runs (Splitwise, DESIGN §5): ``mixed`` runs a request
+    """What an instance runs (Splitwise, docs/design.md §8.1): ``mixed`` runs a request
     from prompt to end; ``prefill`` runs prompts and hands each request's KV to
     a ``decode`` instance on the migration path once its first token is out."""
 

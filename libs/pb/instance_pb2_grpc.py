@@ -28,7 +28,7 @@ if _version_not_supported:
 
 class InstanceStub:
     """The instance agent ("llumlet"): serving, status, and both sides of live
-    migration (DESIGN §6).
+    migration (docs/design.md §6).
     """
 
     def __init__(self, channel):
@@ -141,7 +141,7 @@ class InstanceStub:
 
 class InstanceServicer:
     """The instance agent ("llumlet"): serving, status, and both sides of live
-    migration (DESIGN §6).
+    migration (docs/design.md §6).
     """
 
     def Generate(self, request, context):
@@ -400,7 +400,7 @@ def add_InstanceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Instance:
     """The instance agent ("llumlet"): serving, status, and both sides of live
-    migration (DESIGN §6).
+    migration (docs/design.md §6).
     """
 
     @staticmethod

@@ -9,7 +9,7 @@ side of services/instance/engine/native/pipeline.py.
   two instances that are each other's peers never wait on each other. A
   peer that cannot be reached raises EngineBroken: this instance has dropped
   layers that nobody runs, so it stops and its requests resume elsewhere
-  (DESIGN §7).
+  (docs/design.md §7).
 - ``PipelineHost`` serves ``DropLayers``, ``SetPipeline`` and the peers'
   ``ForwardLayers`` streams (their steps run on the engine thread via
   ``EngineRunner.guest_call``).

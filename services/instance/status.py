@@ -1,5 +1,5 @@
 """An instance's status report as a pure function of the engine's published
-load and the agent's own marks (DESIGN §4): what the live agent reports to
+load and the agent's own marks (docs/design.md §4): what the live agent reports to
 the meta store and what the discrete-event simulator reports for it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Auto-scaling (DESIGN §5, Llumnix §4.4.3): keep the mean normal-priority
+"""Auto-scaling (docs/design.md §5, Llumnix §4.4.3): keep the mean normal-priority
 freeness of the live, non-terminating instances within [x, y] over a window.
 
 - below x for the window (and fewer than max instances): launch one instance,

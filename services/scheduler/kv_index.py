@@ -6,7 +6,7 @@ Never stale: an instance whose stream breaks, or whose batches skip a
 number, is dropped from the index until a new snapshot comes; an instance
 that leaves the view is dropped. A restarted scheduler rebuilds everything
 from snapshots; a meta store restart does not touch the streams (the view
-keeps its instances meanwhile, DESIGN §7).
+keeps its instances meanwhile, docs/design.md §7).
 """
 
 from __future__ import annotations

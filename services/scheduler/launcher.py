@@ -1,4 +1,4 @@
-"""Starting and stopping instances for the scheduler (DESIGN §5 auto-scaling).
+"""Starting and stopping instances for the scheduler (docs/design.md §5 auto-scaling).
 
 ``Launcher`` is the interface the autoscaler uses; ``LocalProcessLauncher``
 runs ``python -m ferry serve instance <launch_args> --port P --instance-id I

@@ -1,4 +1,4 @@
-"""The scheduler's side of the policies (DESIGN §5): pairing migration
+"""The scheduler's side of the policies (docs/design.md §5): pairing migration
 sources with destinations. Dispatch scoring and the policies themselves are
 pure code in libs/common/policies (the frontend's bypass uses them too);
 their names are re-exported here for the scheduler's modules."""

@@ -1,4 +1,4 @@
-"""The rescheduling loop (DESIGN §5): every interval, pair migration sources
+"""The rescheduling loop (docs/design.md §5): every interval, pair migration sources
 with destinations by the pure policy and order each source's llumlet to
 migrate out. The llumlet chooses the requests and stops when it is no longer
 a source or its blocked head of line is admitted. Pairs are made afresh every

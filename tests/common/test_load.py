@@ -1,4 +1,4 @@
-"""Virtual usage and freeness (Llumnix Algorithm 1, DESIGN §4)."""
+"""Virtual usage and freeness (Llumnix Algorithm 1, docs/design.md §4)."""
 
 import math
 

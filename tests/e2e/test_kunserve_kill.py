@@ -2,7 +2,7 @@
 killed while both members serve pipelined requests. The group dissolves the
 only way it can, since the survivor's dropped layers now have no holder: the
 survivor's engine breaks and it stops. Every request resumes on the instance
-outside the group by recompute (DESIGN §7), and each client gets its whole
+outside the group by recompute (docs/design.md §7), and each client gets its whole
 answer, exactly the text of an undisturbed run."""
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def test_llumnix_dispatch_sees_the_whole_queue_not_only_its_head():
         assert Dispatcher(policy).choose(views, REQ) == "steady", policy
 
 
-# --- Dispatch when memory is short (DESIGN §8, issue 16) -------------------------------------
+# --- Dispatch when memory is short (docs/design.md §5, issue 16) -------------------------------------
 
 def short_view(iid, total, used, running, waiting=0, waiting_demand=0):
     """An instance with ``waiting`` queued requests of ``waiting_demand`` blocks in all."""

@@ -1,4 +1,4 @@
-"""What a dispatch policy is and what it sees (DESIGN §5, §8): pure code over
+"""What a dispatch policy is and what it sees (docs/design.md §5): pure code over
 snapshots, shared by the scheduler, the frontend's bypass and the simulator.
 No I/O, no threads, no imports from services/."""
 
@@ -40,7 +40,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def fit_key(total_blocks: float, usage: float, batch: int) -> tuple[int, float]:
-    """Dispatch order once ``usage`` counts the new request (DESIGN §8):
+    """Dispatch order once ``usage`` counts the new request (docs/design.md §5):
     where it fits now (usage <= total), the highest freeness; where it fits
     nowhere, the smallest shortfall in blocks. The shortfall is never divided
     by a load: a negative count divided by a larger batch moves towards zero

@@ -1,4 +1,4 @@
-"""Splitwise's two-step dispatch (DESIGN §5): pure code over snapshots, shared
+"""Splitwise's two-step dispatch (docs/design.md §8.1): pure code over snapshots, shared
 by the scheduler and the simulator.
 
 A new request goes to an instance that prefills (role ``prefill`` or

@@ -1,4 +1,4 @@
-"""The engine interface (DESIGN §3).
+"""The engine interface (docs/design.md §3).
 
 An engine is step-based and single-threaded: the instance agent runs it in its
 own thread and calls every method from that thread, between steps, except where
@@ -99,7 +99,7 @@ LayerTap = Callable[[LayerKv], None]
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """A snapshot of the engine's load, for status reports (DESIGN §4).
+    """A snapshot of the engine's load, for status reports (docs/design.md §4).
 
     ``requests`` lists waiting and running requests (not suspended ones) with
     their physical blocks (with prefix caching: the blocks each holds alone;

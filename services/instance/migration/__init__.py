@@ -1,4 +1,4 @@
-"""Live migration of running requests (DESIGN §6)."""
+"""Live migration of running requests (docs/design.md §6)."""
 
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.manager import MigrationManager

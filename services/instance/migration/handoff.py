@@ -1,5 +1,5 @@
 """Splitwise's prefill->decode handoff on the instance that prefills
-(DESIGN §8): the request's KV moves to a decode instance on the migration
+(docs/design.md §8.1): the request's KV moves to a decode instance on the migration
 protocol once its prompt is done, and its client stream follows it with a
 `moved` event exactly as across a migration.
 

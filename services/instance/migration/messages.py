@@ -1,4 +1,4 @@
-"""The migration protocol's messages as plain dataclasses (DESIGN §6). The
+"""The migration protocol's messages as plain dataclasses (docs/design.md §6). The
 state machines speak these; protobuf stays at the gRPC edge (grpc_peer.py,
 and the servicer in manager.py)."""
 

@@ -1,4 +1,4 @@
-"""The source side of one migration (DESIGN §6): multi-stage pre-copy of
+"""The source side of one migration (docs/design.md §6): multi-stage pre-copy of
 full blocks while the request keeps decoding, pre-allocate before and verify
 after every stage, suspend at a step boundary, last stage, commit with the
 full request state. Any failure aborts: the request goes on at the source as

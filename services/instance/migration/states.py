@@ -1,4 +1,4 @@
-"""The migration state machines (DESIGN §6): enumerated states, one
+"""The migration state machines (docs/design.md §6): enumerated states, one
 transition function each; illegal transitions raise. Every transition is
 logged with the migration id, request id, stage, blocks, bytes and time."""
 
