@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.common import rpc
 from libs.common.cpus import available_cores, cores_for, format_cpus
+from services.instance.engine import spec as engine_spec
 from libs.common.procs import _BOOTSTRAP_OWNED, OWNER_PID_ENV, ferry_command, free_port  # noqa: F401  (free_port: for callers)
 
 class StartupError(RuntimeError):
@@ -124,7 +125,7 @@ class ClusterSpec:
 
     def instance_threads(self) -> int | None:
         """The --torch-threads this cluster gives its instances, or None."""
-        if self.engine != "native" or any(a.startswith("--torch-threads") for a in self.instance_args):
+        if not engine_spec(self.engine).torch_threads or any(a.startswith("--torch-threads") for a in self.instance_args):
             return None
         return self.torch_threads or threads_per_instance(self.instances)
 
@@ -242,7 +243,7 @@ class LocalCluster:
                       *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
     def frontend_child(self) -> Child:
-        model = self.spec.model if self.spec.engine in ("native", "vllm") else "fake"
+        model = self.spec.model if engine_spec(self.spec.engine).real_model else "fake"
         return Child("frontend", "frontend",
                      ["--host", self.spec.host, "--port", str(self.spec.port), "--scheduler", self.scheduler,
                       "--meta-store", self.meta_store, "--model", model, "--grpc-port", str(self.spec.grpc_port),

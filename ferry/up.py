@@ -14,6 +14,7 @@ from ferry.supervise import Supervisor
 from libs.common import cpu_features, rpc
 from libs.common.policies import POLICY_NAMES
 from services.instance.engine import ENGINES
+from services.instance.engine import spec as engine_spec
 
 
 def _check_machine(engine: str) -> None:
@@ -21,13 +22,13 @@ def _check_machine(engine: str) -> None:
     here, before any process loads a model, where vLLM cannot run. For the
     native engine this also probes vLLM's kernels once, so the instances read
     the cached answer."""
-    if engine not in ("native", "vllm"):
+    if engine_spec(engine).native_code is None:
         click.echo(f"ferry up: CPU {cpu_features.summary()}", err=True)
         return
     from ferry import machine
     from services.instance.engine import vllm_kernels
 
-    if engine == "vllm":
+    if engine_spec(engine).native_code == "required":
         try:
             vllm_kernels.require_vllm()
         except RuntimeError as e:
@@ -104,12 +105,12 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
 
         if binary() is None:
             raise click.UsageError("--etcd needs the etcd binary on PATH (Debian: apt-get install etcd-server)")
-    real = engine in ("native", "vllm")
+    real = engine_spec(engine).real_model
     _check_machine(engine)
     if real:
         from libs.common.models import KNOWN_MODELS, ensure_model
 
-        if engine == "native" or model in KNOWN_MODELS:  # vLLM also takes hub names and loads them itself
+        if not engine_spec(engine).prepares_any_model or model in KNOWN_MODELS:  # vLLM loads hub names itself
             click.echo(f"ferry up: preparing model {model} …", err=True)
             ensure_model(model)
     threads = spec.instance_threads()

@@ -9,7 +9,7 @@ import dataclasses
 from libs.common.config import CommonConfig, ConfigError, opt
 from libs.common.cpus import parse_cpus
 from libs.common.types import Role
-from services.instance.engine import ENGINES
+from services.instance.engine import ENGINES, spec
 from services.instance.engine.base import EngineConfig
 
 
@@ -139,7 +139,7 @@ class InstanceConfig(CommonConfig):
 
     def _engine_extra(self) -> dict:
         extra: dict = {"num_threads": self.torch_threads} if self.torch_threads else {}
-        if self.engine == "native":
+        if spec(self.engine).torch_threads:  # KunServe's exchange and KV staging: the torch engine's
             extra["kunserve_exchange_mb"] = self.kunserve_exchange_mb
             extra["kv_staging"] = self.migration_kv_staging
         if self.vllm_args:
@@ -148,12 +148,4 @@ class InstanceConfig(CommonConfig):
 
 
 def default_block_size(engine: str, device: str = "cpu", dtype: str = "auto") -> int:
-    if engine == "vllm":
-        from services.instance.engine.vllm.args import default_block_size as vllm_default
-
-        return vllm_default()
-    if engine == "native":
-        from services.instance.engine.native.engine import default_block_size as native_default
-
-        return native_default(device, dtype)
-    return 16
+    return spec(engine).default_block_size(device, dtype)

@@ -91,9 +91,11 @@ def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple
     return args, migratable
 
 
-def default_block_size() -> int:
+def default_block_size(device: str = "cpu", dtype: str = "auto") -> int:
     """16 (vLLM's own default) except on CPU, whose attention kernel takes
-    multiples of 32 only (CPU_ATTN get_supported_kernel_block_sizes)."""
+    multiples of 32 only (CPU_ATTN get_supported_kernel_block_sizes). vLLM's
+    platform decides, whatever ``device`` and ``dtype`` (the registry's
+    signature)."""
     return 32 if _cpu_platform() else 16
 
 
