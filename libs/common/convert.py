@@ -8,6 +8,9 @@ from libs.pb import instance_pb2 as ipb
 from libs.common.errors import InvalidArgument
 from libs.common.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 from libs.common.types import (
+    GenerateOrder,
+    Moved,
+    StreamEvent,
     InstanceInfo,
     InstanceRecord,
     InstanceStatus,
@@ -200,3 +203,38 @@ def state_from_pb(m: ipb.RequestState) -> RequestState:
         preemption_loss_ms=m.preemption_loss_ms, num_migrations=m.num_migrations,
         num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address,
     )
+
+
+def order_to_pb(o: GenerateOrder) -> ipb.GenerateRequest:
+    m = ipb.GenerateRequest(request_id=o.request_id, prompt_token_ids=o.prompt_token_ids,
+                            sampling=sampling_to_pb(o.sampling), priority=int(o.priority),
+                            resume_token_ids=o.resume_token_ids, flush_interval_ms=o.flush_interval_ms)
+    if o.handoff is not None:
+        m.handoff.instance_id, m.handoff.address = o.handoff
+    return m
+
+
+def order_from_pb(m: ipb.GenerateRequest) -> GenerateOrder:
+    h = m.handoff
+    return GenerateOrder(m.request_id, tuple(m.prompt_token_ids), sampling_from_pb(m.sampling),
+                         priority_from_pb(m.priority), tuple(m.resume_token_ids),
+                         (h.instance_id, h.address) if h.instance_id or h.address else None, m.flush_interval_ms)
+
+
+def stream_event_to_pb(e: StreamEvent) -> ipb.TokenEvent:
+    m = ipb.TokenEvent(index=e.index, token_ids=e.token_ids, finish_reason=e.finish_reason,
+                       num_prompt_tokens=e.num_prompt_tokens, num_preemptions=e.num_preemptions,
+                       preemption_loss_ms=e.preemption_loss_ms, num_migrations=e.num_migrations)
+    if e.moved is not None:
+        m.moved.instance_id, m.moved.address = e.moved.instance_id, e.moved.address
+        m.moved.next_index = e.moved.next_index
+    if e.error is not None:
+        m.error_code, m.error_message = e.error
+    return m
+
+
+def stream_event_from_pb(m: ipb.TokenEvent) -> StreamEvent:
+    moved = Moved(m.moved.instance_id, m.moved.address, m.moved.next_index) if m.HasField("moved") else None
+    error = (m.error_code, m.error_message) if m.error_code or m.error_message else None
+    return StreamEvent(m.index, tuple(m.token_ids), m.finish_reason, moved, error, m.num_prompt_tokens,
+                       m.num_preemptions, m.preemption_loss_ms, m.num_migrations)

@@ -202,3 +202,45 @@ class RequestState:
     num_computed_tokens: int = 0
     frontend_address: str = ""
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerateOrder:
+    """A request for an instance to run. ``resume_token_ids``: tokens already
+    delivered (a resume elsewhere: the prompt is recomputed with them);
+    ``handoff``: (instance, address) of the Splitwise decode instance, or None."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    priority: Priority = Priority.NORMAL
+    resume_token_ids: tuple[int, ...] = ()
+    handoff: tuple[str, str] | None = None
+    flush_interval_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Moved:
+    instance_id: str
+    address: str
+    next_index: int
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What an instance's stream for one request says at once: ``token_ids``
+    at output positions from ``index``; a finish reason; ``moved`` (the
+    request migrated or was handed off: attach there from ``next_index``);
+    ``error`` (code, message) with finish reason "error" when the request
+    failed alone; counters with the final event. The same over gRPC
+    (TokenEvent) and in process."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str = ""
+    moved: Moved | None = None
+    error: tuple[str, str] | None = None
+    num_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    preemption_loss_ms: float = 0.0
+    num_migrations: int = 0

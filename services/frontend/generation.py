@@ -18,14 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import grpc
-
-from libs.pb import instance_pb2 as ipb
-from libs.common import convert
 from libs.common.errors import Code, FerryError, InvalidArgument, ResourceExhausted, Unavailable
 from libs.common.logging import get_logger
-from libs.common.types import Priority, SamplingParams
+from libs.common.types import GenerateOrder, Priority, SamplingParams, StreamEvent
 from services.frontend import metrics
+from services.frontend.peers import PeerError
 from services.frontend.router import Router
 
 log = get_logger(__name__)
@@ -88,20 +85,19 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
             instance_id, address, run_priority = placed.instance_id, placed.address, placed.run_priority
             # Splitwise: the decode instance goes with the request; its stream ends
             # with `moved` there once the prompt is done, followed like a migration.
-            handoff = ipb.Handoff(instance_id=placed.decode_instance_id, address=placed.decode_address) \
-                if placed.decode_instance_id else None
+            handoff = (placed.decode_instance_id, placed.decode_address) if placed.decode_instance_id else None
             metrics.PER_INSTANCE.labels(instance_id).inc()
             gen.instances.append(instance_id)
             attach = False
-        stub = router.instance(address)
-        if attach:
-            call = stub.Attach(ipb.AttachRequest(request_id=gen.request_id, from_index=len(gen.delivered),
-                                                 flush_interval_ms=gen.flush_interval_ms))
-        else:
-            call = stub.Generate(ipb.GenerateRequest(
-                request_id=gen.request_id, prompt_token_ids=gen.prompt_ids,
-                sampling=convert.sampling_to_pb(gen.sampling), priority=int(run_priority),
-                resume_token_ids=gen.delivered, flush_interval_ms=gen.flush_interval_ms, handoff=handoff))
+        order = None if attach else GenerateOrder(
+            gen.request_id, tuple(gen.prompt_ids), gen.sampling, run_priority, tuple(gen.delivered), handoff,
+            gen.flush_interval_ms)
+        try:
+            call = router.peers.attach(address, gen.request_id, len(gen.delivered), gen.flush_interval_ms) \
+                if attach else router.peers.generate(address, order)
+        except PeerError as e:
+            resume_elsewhere(f"instance {instance_id} cannot be reached: {e.code.name}", e)
+            continue
         watched = router.watchdog.watch(gen.request_id, instance_id, address, call)
         moved = None
         failed = None
@@ -139,21 +135,20 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
                     gen.preemption_loss_ms += ev.preemption_loss_ms
                     gen.num_migrations = max(gen.num_migrations, ev.num_migrations)
                     return
-                if ev.HasField("moved"):
+                if ev.moved is not None:
                     moved = ev.moved
                     break
-        except grpc.RpcError as e:
-            code = e.code()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(e.details() or "rejected by the instance") from e
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not gen.delivered:
+        except PeerError as e:
+            if e.code is Code.INVALID_ARGUMENT:
+                raise InvalidArgument(str(e) or "rejected by the instance") from e
+            if e.code is Code.RESOURCE_EXHAUSTED and not gen.delivered:
                 # Refused for load before it started: not a failure; another instance, else 429.
                 exclude.add(instance_id)
                 if len(exclude) >= max(1, len(router.view.records)):
-                    raise ResourceExhausted(f"every instance is full: {e.details()}") from e
+                    raise ResourceExhausted(f"every instance is full: {e}") from e
                 address = None
                 continue
-            resume_elsewhere(f"instance {instance_id} failed: {code.name}", e)
+            resume_elsewhere(f"instance {instance_id} failed: {e.code.name}", e)
             continue
         except asyncio.CancelledError:
             if watched.stalled is None or asyncio.current_task().cancelling():
@@ -184,13 +179,13 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
         gen.instances.append(instance_id)
 
 
-def _request_error(ev, instance_id: str) -> FerryError:
+def _request_error(ev: StreamEvent, instance_id: str) -> FerryError:
     """The error of a request its instance failed on its own (the engine went
     on for the others): not resumed elsewhere, it would fail there too."""
+    code_value, message = ev.error or ("", "")
     try:
-        code = Code(ev.error_code)
+        code = Code(code_value)
     except ValueError:
         code = Code.INTERNAL
     metrics.REQUEST_ERRORS.labels(code.value).inc()
-    return FerryError(f"the request failed on instance {instance_id}: {ev.error_message or 'engine error'}",
-                      code=code)
+    return FerryError(f"the request failed on instance {instance_id}: {message or 'engine error'}", code=code)

@@ -22,6 +22,7 @@ from libs.common.policies.phases import place
 from libs.common.types import Priority
 from services.frontend import metrics
 from services.frontend.dispatch_stream import DispatchStream, StreamBroken
+from services.frontend.peers import GrpcPeers, InstancePeers
 from services.frontend.watchdog import StallWatchdog
 
 log = get_logger(__name__)
@@ -57,6 +58,7 @@ class Router:
         self.bypass = False
         self._bypass_until = 0.0
         self.watchdog = StallWatchdog(self.instance, stall_timeout_s)
+        self.peers: InstancePeers = GrpcPeers(self.instance)  # how generation.py reaches instances
 
     def start(self) -> None:
         self.view.start()

@@ -24,7 +24,7 @@ from libs.common.errors import (
 from libs.common.kv_events import KvEventBatch, KvSnapshot
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from libs.common.types import InstanceInfo, InstanceStatus, Priority, Role, SamplingParams, TokenOutput
+from libs.common.types import GenerateOrder, InstanceInfo, InstanceStatus, Moved, Role, StreamEvent, TokenOutput
 from libs.common.validation import request_id_problem
 from services.instance.admission import QueueBound
 from services.instance.config import InstanceConfig
@@ -46,31 +46,15 @@ EXIT_ENGINE_DIED = 3
 EXIT_ENGINE_HUNG = 4  # a step ran past --hang-stop-s (services/instance/hang.py)
 
 
-@dataclass(frozen=True)
-class GenerateOrder:
-    """A request to run here. ``resume_token_ids``: tokens already delivered
-    (a resume elsewhere: the prompt is recomputed with them); ``handoff``:
-    (instance, address) of the Splitwise decode instance, or None."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    priority: Priority = Priority.NORMAL
-    resume_token_ids: tuple[int, ...] = ()
-    handoff: tuple[str, str] | None = None
-    flush_interval_ms: int = 0
-
-
-@dataclass
-class Flush:
+def flush_event(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> StreamEvent:
     """What goes to the client at once: ``tokens`` (output positions from
-    ``first_index``) and whatever ``event``, the last one they came with,
+    ``first_index``) and whatever ``ev``, the last event they came with,
     says (finished, moved, failed, stats)."""
-
-    event: Event
-    tokens: list[int]
-    first_index: int
-    num_prompt_tokens: int = 0
+    stats = ev.stats or {}
+    return StreamEvent(first_index if tokens else ev.index, tuple(tokens), ev.finish_reason or "",
+                       Moved(ev.moved_to[0], ev.moved_to[1], ev.index) if ev.moved_to is not None else None,
+                       ev.error, num_prompt_tokens, int(stats.get("num_preemptions", 0)),
+                       float(stats.get("preemption_loss_ms", 0.0)), int(stats.get("num_migrations", 0)))
 
 
 @dataclass(frozen=True)
@@ -92,8 +76,13 @@ class Agent(Service):
     name = "instance"
     service_names = ("ferry.v1.Instance",)
 
-    def __init__(self, config: InstanceConfig):
+    def __init__(self, config: InstanceConfig, migration_peers=None, registered=None):
+        """``migration_peers``: address -> migration peer (default: gRPC;
+        agents in one process: services.instance.migration.peer.InProcessPeer);
+        ``registered``: who says which instances the meta store knows, and at
+        which address (default: the meta store)."""
         self.config = config
+        self._migration_peers = migration_peers
         if config.failpoints:  # first: the engine and its thread read theirs when they start
             failpoints.configure(config.failpoints)
         self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
@@ -117,7 +106,7 @@ class Agent(Service):
         self.pipeline = None  # set in start(): services.instance.pipeline.PipelineHost (KunServe)
         self.migration_rpcs = None
         self.queue = QueueBound(config.queued_tokens_bound())
-        self.registered = Registered(config.meta_store)
+        self.registered = registered if registered is not None else Registered(config.meta_store)
         self.hang: HangMonitor | None = None  # set in start()
         self.draining = False  # SIGTERM: handing the requests here over before stopping
         self.kv_events = KvEventPublisher(self.instance_id)
@@ -139,7 +128,7 @@ class Agent(Service):
         host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
                              load=lambda: self.load, headroom=self.headroom, changed=self._poke,
                              decodes=lambda: self.role.decodes)
-        self.migration = MigrationManager(host, self.config.migration_config())
+        self.migration = MigrationManager(host, self.config.migration_config(), peers=self._migration_peers)
         self.migration_rpcs = MigrationRpcs(self.migration)
         from services.instance.pipeline import PipelineHost
 
@@ -267,7 +256,7 @@ class Agent(Service):
             self.streams.close(request_id)
 
     # --- serving ----------------------------------------------------------------
-    async def generate(self, order: GenerateOrder) -> AsyncIterator[Flush]:
+    async def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]:
         """Run a request here and stream what it produces (``Flush`` items);
         a bad order, a full queue or a dead engine raise FerryErrors."""
         if self.dead:
@@ -332,7 +321,7 @@ class Agent(Service):
             self.migration.handoffs.forget(ereq.request_id)
             raise
 
-    async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[Flush]:
+    async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]:
         """The stream of a request that migrated in, from ``from_index``."""
         stream = self.streams.get(request_id)
         if stream is None or stream.attached:
@@ -341,7 +330,7 @@ class Agent(Service):
             yield f
 
     async def _follow(self, stream, rid: str, from_index: int, num_prompt_tokens: int,
-                      flush_interval_ms: int) -> AsyncIterator[Flush]:
+                      flush_interval_ms: int) -> AsyncIterator[StreamEvent]:
         """The stream's events. With a flush interval, tokens after the first
         are held and sent together at most that often; a final event
         (finished, or moved away) always goes at once with what is held."""
@@ -356,7 +345,7 @@ class Agent(Service):
                 final = ev.final
                 if ev.error is not None and ev.finish_reason is None:
                     if held:  # what the client has not seen yet goes first
-                        yield Flush(Event(held_from), held, held_from)
+                        yield flush_event(Event(held_from), held, held_from)
                     raise FerryError(ev.error[1], code=Code(ev.error[0]))
                 if ev.token_id is not None:
                     if not held:
@@ -364,7 +353,7 @@ class Agent(Service):
                     held.append(ev.token_id)
                 now = time.monotonic()
                 if final or last_sent is None or now - last_sent >= interval_s:
-                    f = Flush(ev, held, held_from, num_prompt_tokens)
+                    f = flush_event(ev, held, held_from, num_prompt_tokens)
                     held, last_sent = [], now
                     yield f
         finally:

@@ -10,38 +10,7 @@ from libs.common import convert
 from libs.common.kv_events import KvSnapshot
 from libs.pb import instance_pb2 as pb
 from libs.pb import instance_pb2_grpc as pb_grpc
-from services.instance.agent import Agent, Flush, GenerateOrder
-from services.instance.streams import Event
-
-
-def event_to_pb(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> pb.TokenEvent:
-    """One TokenEvent for ``tokens`` (output positions from ``first_index``)
-    and whatever else ``ev``, the last event they came with, says."""
-    m = pb.TokenEvent(index=first_index if tokens else ev.index, token_ids=tokens,
-                      finish_reason=ev.finish_reason or "", num_prompt_tokens=num_prompt_tokens)
-    if ev.moved_to is not None:
-        m.moved.instance_id, m.moved.address = ev.moved_to
-        m.moved.next_index = ev.index
-    if ev.error is not None:
-        m.error_code, m.error_message = ev.error
-    if ev.stats:
-        m.num_preemptions = int(ev.stats.get("num_preemptions", 0))
-        m.preemption_loss_ms = float(ev.stats.get("preemption_loss_ms", 0.0))
-        m.num_migrations = int(ev.stats.get("num_migrations", 0))
-    return m
-
-
-def _flush_to_pb(f: Flush) -> pb.TokenEvent:
-    return event_to_pb(f.event, f.tokens, f.first_index, f.num_prompt_tokens)
-
-
-def order_from_pb(request) -> GenerateOrder:
-    h = request.handoff
-    return GenerateOrder(request.request_id, tuple(request.prompt_token_ids),
-                         convert.sampling_from_pb(request.sampling), convert.priority_from_pb(request.priority),
-                         tuple(request.resume_token_ids),
-                         (h.instance_id, h.address) if h.instance_id or h.address else None,
-                         request.flush_interval_ms)
+from services.instance.agent import Agent
 
 
 class InstanceServicer(pb_grpc.InstanceServicer):
@@ -52,12 +21,12 @@ class InstanceServicer(pb_grpc.InstanceServicer):
         self.agent = agent
 
     async def Generate(self, request, context):
-        async for f in self.agent.generate(order_from_pb(request)):
-            yield _flush_to_pb(f)
+        async for f in self.agent.generate(convert.order_from_pb(request)):
+            yield convert.stream_event_to_pb(f)
 
     async def Attach(self, request, context):
         async for f in self.agent.attach(request.request_id, request.from_index, request.flush_interval_ms):
-            yield _flush_to_pb(f)
+            yield convert.stream_event_to_pb(f)
 
     async def Abort(self, request, context):
         return pb.AbortReply(found=await self.agent.abort(request.request_id))

@@ -1,0 +1,132 @@
+"""How the frontend reaches an instance, whatever the transport: a call that
+yields StreamEvents and can be cancelled (which aborts the request there),
+over gRPC (``GrpcPeers``) or straight into agents of this process
+(``InProcessPeers``: the exactly-once tests of services/frontend/generation.py
+run there without sockets). A call that fails raises ``PeerError``, a
+FerryError with the instance's status code."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import grpc
+
+from libs.common import convert
+from libs.common.errors import Code, FerryError, from_grpc
+from libs.common.types import GenerateOrder, StreamEvent
+from libs.pb import instance_pb2 as ipb
+
+
+class PeerError(FerryError):
+    """The instance call failed (its status): not an error the frontend's own
+    loop raised."""
+
+
+class InstanceCall(Protocol):
+    def __aiter__(self) -> AsyncIterator[StreamEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class InstancePeers(Protocol):
+    def generate(self, address: str, order: GenerateOrder) -> InstanceCall: ...
+
+    def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall: ...
+
+
+class _GrpcCall:
+    def __init__(self, call):
+        self._call = call
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aiter__(self):
+        try:
+            async for m in self._call:
+                yield convert.stream_event_from_pb(m)
+        except grpc.RpcError as e:
+            err = from_grpc(e)
+            raise PeerError(str(err), code=err.code) from e
+
+
+class GrpcPeers:
+    """Instances over gRPC; ``stub_for(address)`` gives the (pooled) stub."""
+
+    def __init__(self, stub_for: Callable[[str], object]):
+        self._stub = stub_for
+
+    def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
+        return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)))
+
+    def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
+        return _GrpcCall(self._stub(address).Attach(ipb.AttachRequest(
+            request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)))
+
+
+_DONE = object()
+
+
+class _LocalCall:
+    """An agent's stream run on a task of its own, as a gRPC call runs on the
+    server: cancel() cancels that task (the agent sees its client go away and
+    aborts the request) and ends the iteration with CancelledError, as a
+    cancelled gRPC call does."""
+
+    def __init__(self, events: AsyncIterator[StreamEvent]):
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._pump(events))
+        self._cancelled = False
+
+    async def _pump(self, events: AsyncIterator[StreamEvent]) -> None:
+        try:
+            async for e in events:
+                self._q.put_nowait(e)
+        except FerryError as e:
+            self._q.put_nowait(PeerError(str(e), code=e.code))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a transport ends a call on any server error
+            self._q.put_nowait(PeerError(repr(e), code=Code.INTERNAL))
+        finally:
+            await events.aclose()
+            self._q.put_nowait(_DONE)
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._cancelled = True
+            self._task.cancel()
+            self._q.put_nowait(asyncio.CancelledError())
+
+    async def __aiter__(self):
+        try:
+            while True:
+                item = await self._q.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancel()
+
+
+class InProcessPeers:
+    """Agents of this process by address (services/instance/agent.py)."""
+
+    def __init__(self, agents: dict[str, object] | None = None):
+        self.agents: dict = agents if agents is not None else {}
+
+    def _agent(self, address: str):
+        agent = self.agents.get(address)
+        if agent is None:
+            raise PeerError(f"no instance at {address}", code=Code.UNAVAILABLE)
+        return agent
+
+    def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
+        return _LocalCall(self._agent(address).generate(order))
+
+    def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
+        return _LocalCall(self._agent(address).attach(request_id, from_index, flush_interval_ms))
