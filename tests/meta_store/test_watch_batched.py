@@ -16,7 +16,7 @@ async def test_a_burst_arrives_in_order_in_fewer_messages(store):  # noqa: F811
     await asyncio.gather(*(store.ReportStatus(cpb.InstanceStatus(instance_id="b0", seq=s)) for s in range(1, 201)))
     seqs, messages = [], 0
     while len(seqs) < 200:
-        msg = await asyncio.wait_for(batched.__anext__(), 5)
+        msg = await asyncio.wait_for(batched.__anext__(), 30)  # a liveness wait: 5 s ran out under CI-like load
         messages += 1
         seqs += [e.record.status.seq for e in msg.events]
     assert sorted(seqs) == list(range(1, 201)) and messages < 200
