@@ -3,7 +3,7 @@ picks every child's port before any of them binds."""
 
 import itertools
 
-from ferry import cluster
+from libs.common import procs as cluster
 
 
 def test_a_port_is_handed_out_once(monkeypatch):

@@ -76,7 +76,7 @@ def test_frontend_exits_zero_on_sigterm(grpc_api):
 def test_free_port_is_bindable_and_outside_the_ephemeral_range():
     import socket
 
-    from ferry.cluster import _PORT_RANGE
+    from libs.common.procs import _PORT_RANGE
 
     for _ in range(20):
         port = free_port()
