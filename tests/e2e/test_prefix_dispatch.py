@@ -31,6 +31,15 @@ async def cached(address: str) -> set[int]:
     return set(r.cached_block_hashes)
 
 
+async def idle_in_view(scheduler: str) -> bool:
+    """The scheduler's view shows every instance with nothing running or queued
+    (no stale report of the warm-up request skews the load)."""
+    async with grpc.aio.insecure_channel(scheduler) as ch:
+        r = await spb_grpc.SchedulerStub(ch).GetClusterView(spb.ClusterViewRequest(), timeout=5)
+    return len(r.instances) == 2 and all(i.HasField("status") and i.status.num_running == 0
+                                         and i.status.num_waiting == 0 for i in r.instances)
+
+
 async def indexed(scheduler: str, instance_id: str, hashes: set[int]) -> bool:
     async with grpc.aio.insecure_channel(scheduler) as ch:
         r = await spb_grpc.SchedulerStub(ch).GetPrefixIndex(spb.PrefixIndexRequest(with_hashes=True), timeout=5)
@@ -54,6 +63,7 @@ async def test_a_repeated_prompt_goes_where_its_prefix_is(tmp_path_factory, poli
         prefix = set(block_hashes(PROMPT, 16))
         assert prefix <= await cached(insts["instance-1"].address)
         assert await wait_for(lambda: indexed(c.scheduler, "instance-1", prefix), timeout=20)
+        assert await wait_for(lambda: idle_in_view(c.scheduler), timeout=20)
         assert not prefix & await cached(insts["instance-0"].address)
 
         async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
