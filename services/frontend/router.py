@@ -19,7 +19,7 @@ from libs.common import rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable
 from libs.common.logging import get_logger
-from libs.common.policies import Dispatcher, DispatchRequest, blocks_for, get
+from libs.common.policies import POLICIES, Dispatcher, DispatchRequest, blocks_for, get
 from libs.common.policies.phases import place
 from libs.common.prefix_hash import block_hashes
 from libs.common.types import Priority
@@ -59,6 +59,10 @@ class Router:
         self._stream = DispatchStream(self._sched, enabled=dispatch_stream)
         self.bypass = False
         self._bypass_until = 0.0
+        # Hash the prompt for Dispatch until the scheduler's replies name a
+        # prefix-blind policy (hashing a 2,048-token prompt costs ~0.3 ms
+        # here); a policy this frontend does not know gets the hashes.
+        self._send_hashes = True
         self.watchdog = StallWatchdog(self.instance, stall_timeout_s)
 
     def start(self) -> None:
@@ -129,12 +133,13 @@ class Router:
         if time.monotonic() >= self._bypass_until:
             req = spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                       priority=int(priority), exclude_instance_ids=sorted(exclude))
-            bs = self.block_size() if token_ids else 0
+            bs = self.block_size() if token_ids and self._send_hashes else 0
             if bs:
                 req.block_size = bs
                 req.block_hashes.extend(block_hashes(token_ids, bs))
             reply, down = await self._ask_scheduler(req)
             if reply is not None:
+                self._send_hashes = self._policy_uses_prefix(reply.policy)
                 if self.bypass:
                     log.info("scheduler is back; leaving bypass mode")
                     self.bypass = False
@@ -147,6 +152,11 @@ class Router:
             metrics.BYPASS.set(1)
             self._bypass_until = time.monotonic() + self.bypass_retry_s
         return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude)
+
+    @staticmethod
+    def _policy_uses_prefix(name: str) -> bool:
+        p = POLICIES.get(name)
+        return p is None or p.uses_prefix
 
     async def _ask_scheduler(self, req: spb.DispatchRequest) -> tuple[spb.DispatchReply | None, str]:
         """The scheduler's reply, or (None, why) when it is unavailable (the

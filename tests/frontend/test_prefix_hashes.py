@@ -1,7 +1,8 @@
 """The frontend sends the prompt's block hashes with Dispatch
 (services/frontend/router.py): at the cluster's block size (the one most
 instances report), equal to the engine's own hashes of the same tokens;
-a resumed request's hashes cover its delivered tokens too."""
+a resumed request's hashes cover its delivered tokens too; none once the
+scheduler's replies name a prefix-blind policy."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from services.instance.engine.core.request import Request
 class Recording(spb_grpc.SchedulerServicer):
     def __init__(self):
         self.requests: list[spb.DispatchRequest] = []
+        self.policy = "llumnix-prefix"
 
     async def Dispatch(self, request, context):
         self.requests.append(request)
-        return spb.DispatchReply(instance_id="i0", address="127.0.0.1:1")
+        return spb.DispatchReply(instance_id="i0", address="127.0.0.1:1", policy=self.policy)
 
 
 @pytest.fixture
@@ -59,3 +61,16 @@ async def test_no_tokens_no_hashes(recorded):
     router, sched = recorded
     await router.dispatch("r2", 100, Priority.NORMAL)
     assert not sched.requests[-1].block_hashes and sched.requests[-1].block_size == 0
+
+
+async def test_no_hashes_for_a_prefix_blind_scheduler(recorded):
+    router, sched = recorded
+    tokens = list(range(100, 164))
+    sched.policy = "llumnix"
+    await router.dispatch("a", 64, Priority.NORMAL, token_ids=tokens)  # sent before the policy was known
+    await router.dispatch("b", 64, Priority.NORMAL, token_ids=tokens)
+    assert len(sched.requests[0].block_hashes) == 4 and not sched.requests[1].block_hashes
+    sched.policy = "some-newer-policy"  # unknown here: hashes again
+    await router.dispatch("c", 64, Priority.NORMAL, token_ids=tokens)
+    await router.dispatch("d", 64, Priority.NORMAL, token_ids=tokens)
+    assert len(sched.requests[3].block_hashes) == 4
