@@ -108,3 +108,19 @@ def test_prefix_blind_policies_ignore_hits():
     for name in ("llumnix", "llumnix_base", "infaas++"):
         d = Dispatcher(get(name))
         assert d.choose(CLUSTER, request(HITS)) == d.choose(CLUSTER, request({}))
+
+
+def test_splitwise_decode_choice_is_prefix_blind():
+    from dataclasses import replace
+
+    from libs.common.policies.phases import place
+    from libs.common.types import Role
+
+    def role(v, r):
+        return replace(v, status=replace(v.status, role=r))
+
+    p = role(view("P"), Role.PREFILL)
+    d1, d2 = role(view("D1", used=100, running=2), Role.DECODE), role(view("D2", used=100, running=2), Role.DECODE)
+    # D2 holds the prompt, but the handoff copies every block: the tie goes to D1
+    placed = place(Dispatcher(get("llumnix-prefix")), [p, d1, d2], request({"D2": 90}))
+    assert placed.prefill == "P" and placed.decode == "D1"
