@@ -256,7 +256,9 @@ class Cluster:
 
     def _dispatch(self, i: int) -> None:
         req = self.work.requests[i]
-        picked = self.scheduler.dispatch(f"req-{i}", req.prompt_len, Priority.parse(req.priority))
+        # Prefix-aware policies get the prompt's block hashes, as the live frontend sends them.
+        prompt = self.prompt(i) if self.scheduler.policy.uses_prefix else None
+        picked = self.scheduler.dispatch(f"req-{i}", req.prompt_len, Priority.parse(req.priority), prompt)
         if picked is None:
             self.recorder.fail(i, self.k.now, "no live instance to dispatch to")
             return

@@ -14,11 +14,16 @@ cluster of mixed instances the first step is the live Dispatch exactly."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel
 from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
 from libs.common.policies.phases import Phase, choose_for_phase
+from libs.common.prefix_hash import block_hashes
 from libs.common.types import InstanceStatus, Priority
 from services.scheduler.policies import (
     Dispatcher,
@@ -65,17 +70,43 @@ class SimScheduler:
 
     # --- Dispatch (service.py) ----------------------------------------------------------------
     def choose(self, request_id: str, num_tokens: int, priority: Priority, phase: Phase,
-               exclude: frozenset[str] = frozenset()) -> str | None:
+               exclude: frozenset[str] = frozenset(), token_ids: Sequence[int] | None = None) -> str | None:
         """The instance for ``phase`` of a request holding ``num_tokens``
-        (counted as pending there until a report lists the request)."""
-        iid = choose_for_phase(self.dispatcher, self.views(),
-                               DispatchRequest(request_id, num_tokens, priority, exclude), phase)
+        (counted as pending there until a report lists the request, net of
+        its hit there where the policy scores prefixes)."""
+        req = DispatchRequest(request_id, num_tokens, priority, exclude)
+        if token_ids is not None and self.policy.uses_prefix:
+            req = replace(req, **self.prefix_hits(token_ids))
+        iid = choose_for_phase(self.dispatcher, self.views(), req, phase)
         if iid is not None:
-            self.pending.add(iid, request_id, blocks_for(num_tokens, self.statuses[iid].block_size), self.k.now)
+            demand = blocks_for(num_tokens, self.statuses[iid].block_size) - req.hits.get(iid, 0)
+            self.pending.add(iid, request_id, max(1, demand), self.k.now)
         return iid
 
-    def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority) -> tuple[str, Priority] | None:
-        iid = self.choose(request_id, num_prompt_tokens, priority, Phase.PREFILL)
+    def prefix_hits(self, token_ids: Sequence[int]) -> dict:
+        """DispatchRequest's prefix fields for a prompt: the live scheduler's
+        (services/scheduler/service.py ``prefix_hits``: each instance's
+        longest held prefix of the prompt's full blocks at the cluster's block
+        size), read from the engines' caches at the moment of dispatch. So
+        the simulated index is exact and instant, where the live one lags the
+        engines by their KV event stream (a step and a message)."""
+        sizes = Counter(self.statuses[i].block_size for i in self.statuses)
+        if not sizes:
+            return {}
+        bs = min(sizes, key=lambda b: (-sizes[b], b))
+        hashes = block_hashes(token_ids, bs)
+        hits = {}
+        for iid, st in self.statuses.items():
+            inst = self.instances[iid]
+            if st.block_size == bs and not inst.stopped:
+                n = len(inst.engine.pool.lookup(hashes))
+                if n:
+                    hits[iid] = n
+        return {"prefix_blocks": len(hashes), "hits": hits}
+
+    def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
+                 token_ids: Sequence[int] | None = None) -> tuple[str, Priority] | None:
+        iid = self.choose(request_id, num_prompt_tokens, priority, Phase.PREFILL, token_ids=token_ids)
         if iid is None:
             return None
         return iid, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)

@@ -81,7 +81,8 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
     while True:
         if address is None:
             placed = await router.dispatch(
-                gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude))
+                gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude),
+                token_ids=list(gen.prompt_ids) + list(gen.delivered))
             instance_id, address, run_priority = placed.instance_id, placed.address, placed.run_priority
             # Splitwise: the decode instance goes with the request; its stream ends
             # with `moved` there once the prompt is done, followed like a migration.

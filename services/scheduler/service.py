@@ -135,11 +135,16 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids))
+        if self.svc.dispatcher.policy.uses_prefix and request.block_hashes:
+            req = dataclasses.replace(req, prefix_blocks=len(request.block_hashes),
+                                      hits=self.svc.prefix_hits(list(request.block_hashes), request.block_size))
         placed = self.svc.place(req)
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
         rec = view.records[placed.prefill]
-        view.add_pending(placed.prefill, request.request_id, blocks_for(request.num_prompt_tokens, rec.info.block_size))
+        hit = req.hits.get(placed.prefill, 0) if rec.info.block_size == request.block_size else 0
+        view.add_pending(placed.prefill, request.request_id,
+                         max(1, blocks_for(request.num_prompt_tokens, rec.info.block_size) - hit))
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
         reply = pb.DispatchReply(instance_id=placed.prefill, address=rec.info.address,
                                  policy=self.svc.dispatcher.name, run_priority=int(run))
@@ -225,6 +230,7 @@ class SchedulerService(Service):
         self.launcher = None
         self.autoscaler = None
         self.kunserve = None
+        self.kv_index = None  # services/scheduler/kv_index.py: the prefix index and its streams (every scheduler)
         # Every scheduler dispatches; the leader alone runs the loops below
         # (services/scheduler/leader.py), with a previous leader's state.
         self.leadership = None
@@ -249,7 +255,17 @@ class SchedulerService(Service):
                 iid = self.index.choose(req)
                 return None if iid is None else Placement(iid)
         return place(self.dispatcher, self.view.views(), req)
-        self.kv_index = None  # services/scheduler/kv_index.py: the prefix index and its streams (every scheduler)
+
+    def prefix_hits(self, block_hashes: list[int], block_size: int) -> dict[str, int]:
+        """Per instance, how many of the first ``block_hashes`` (hashed at
+        ``block_size`` tokens a block) its prefix cache holds, from the
+        prefix index (instances whose stream is not synced are not in it;
+        instances of another block size hold none of these hashes)."""
+        if self.kv_index is None or block_size <= 0:
+            return {}
+        recs = self.view.records
+        return {iid: n for iid, n in self.kv_index.index.match(block_hashes).items()
+                if iid in recs and recs[iid].info.block_size == block_size}
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)

@@ -13,20 +13,26 @@ from services.instance.status import high_priority_headroom
 
 
 def test_registry_keeps_the_cli_names_in_order():
-    assert policies.POLICY_NAMES == ("round_robin", "infaas++", "llumnix_base", "llumnix")
+    assert policies.POLICY_NAMES == ("round_robin", "infaas++", "llumnix_base", "llumnix", "llumnix-prefix",
+                                     "llmd-prefix", "dynamo-kv", "sglang-cache-aware")
     assert all(policies.get(n).name == n for n in policies.POLICY_NAMES)
     with pytest.raises(ValueError, match="supported: round_robin"):
         policies.get("best")
 
 
 def test_each_policy_says_how_it_dispatches_migrates_and_uses_priorities():
-    rr, inf, base, full = (policies.get(n) for n in policies.POLICY_NAMES)
+    rr, inf, base, full = (policies.get(n) for n in policies.POLICY_NAMES[:4])
     assert rr.score is None and not rr.migrates
     assert inf.score is not None and not inf.migrates and not inf.uses_priorities
     assert base.migrates and not base.uses_priorities and base.migration_freeness is not None
     assert full.migrates and full.uses_priorities and full.migration_freeness is not None
     for p in (base, full):
         assert p.migrate_out_threshold < p.migrate_in_threshold
+    assert not any(policies.get(n).uses_prefix for n in policies.POLICY_NAMES[:4])  # the prefix-blind ones
+    for n in policies.POLICY_NAMES[4:]:
+        p = policies.get(n)
+        assert p.uses_prefix and p.select is not None
+        assert p.migrates == (n == "llumnix-prefix") and p.uses_priorities == (n == "llumnix-prefix")
 
 
 def test_every_reader_lists_the_registry():

@@ -45,7 +45,7 @@ async def test_adopts_live_recorded_instances_and_stops_them():
 def test_survivors_are_not_tied_to_the_scheduler(monkeypatch):
     """With survive_scheduler the command has no parent-death signal: the owner
     bootstrap, with the cluster owner's pid (0: none)."""
-    from ferry.cluster import _BOOTSTRAP, _BOOTSTRAP_OWNED, OWNER_PID_ENV
+    from libs.common.procs import _BOOTSTRAP, _BOOTSTRAP_OWNED, OWNER_PID_ENV
 
     monkeypatch.delenv(OWNER_PID_ENV, raising=False)
     sole = LocalProcessLauncher("127.0.0.1:0", "--engine fake").command("i", 1)

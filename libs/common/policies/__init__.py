@@ -5,7 +5,8 @@ names and the Policy objects from here and nowhere else."""
 
 from __future__ import annotations
 
-from libs.common.policies import infaas, llumnix, llumnix_base, round_robin
+from libs.common.policies import (dynamo_kv, infaas, llmd_prefix, llumnix, llumnix_base, llumnix_prefix,
+                                  round_robin, sglang_cache_aware)
 from libs.common.policies.base import (
     Dispatcher,
     DispatchRequest,
@@ -13,9 +14,11 @@ from libs.common.policies.base import (
     Policy,
     blocks_for,
     fit_key,
+    hit_blocks,
 )
 
-_MODULES = (round_robin, infaas, llumnix_base, llumnix)  # the order tables and CLIs list them in
+# The order tables and CLIs list them in; the prefix-aware ones (Policy.uses_prefix) last.
+_MODULES = (round_robin, infaas, llumnix_base, llumnix, llumnix_prefix, llmd_prefix, dynamo_kv, sglang_cache_aware)
 POLICIES: dict[str, Policy] = {m.POLICY.name: m.POLICY for m in _MODULES}
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
@@ -28,4 +31,4 @@ def get(name: str) -> Policy:
 
 
 __all__ = ["POLICIES", "POLICY_NAMES", "DispatchRequest", "Dispatcher", "InstanceView", "Policy", "blocks_for",
-           "fit_key", "get"]
+           "fit_key", "get", "hit_blocks"]

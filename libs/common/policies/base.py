@@ -5,7 +5,7 @@ No I/O, no threads, no imports from services/."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from libs.common.types import InstanceStatus, Priority
@@ -33,10 +33,29 @@ class DispatchRequest:
     num_prompt_tokens: int
     priority: Priority = Priority.NORMAL
     exclude: frozenset[str] = field(default_factory=frozenset)
+    # Prefix caching (docs/design.md §9.3), the input of the prefix-aware
+    # policies (Policy.uses_prefix): how many full blocks of the prompt were
+    # hashed (libs/common/prefix_hash) and, per instance, how many of the
+    # first of them it holds (its longest cached prefix; absent: none). The
+    # scheduler fills ``hits`` from its prefix index, the simulator from its
+    # engines' caches; prefix-blind policies ignore both.
+    prefix_blocks: int = 0
+    hits: Mapping[str, int] = field(default_factory=dict)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // max(1, block_size))
+
+
+def hit_blocks(v: InstanceView, req: DispatchRequest) -> int:
+    """The blocks of ``req``'s prompt that ``v`` would not compute: its
+    longest held prefix, at most ``(prompt tokens - 1) // block size`` (an
+    engine computes at least one token of a prompt:
+    services/instance/engine/core/scheduler.py ``prefix_hit``)."""
+    h = req.hits.get(v.instance_id, 0)
+    if h <= 0:
+        return 0
+    return min(h, req.prefix_blocks, max(0, (req.num_prompt_tokens - 1) // max(1, v.status.block_size)))
 
 
 def fit_key(total_blocks: float, usage: float, batch: int) -> tuple[int, float]:
@@ -75,6 +94,9 @@ def fit_terms_key(t: FitTerms, demand_blocks: int) -> tuple:
 Score = Callable[[InstanceView, int], tuple]
 # The rescheduling loop's freeness: an instance as it is, nothing added.
 Freeness = Callable[[InstanceView], float]
+# A whole-cluster choice (policies that compare instances with each other,
+# not each alone): (candidates, request) -> the chosen candidate.
+Select = Callable[[list[InstanceView], DispatchRequest], InstanceView]
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,21 @@ class Policy:
     dispatch_terms: Callable[[InstanceView], FitTerms] | None = None
     migrate_out_threshold: float = 10.0  # freeness below: a migration source
     migrate_in_threshold: float = 20.0  # freeness above: a destination
+    # Set: the policy picks among the candidates itself (``score`` unused).
+    select: Select | None = None
+    # The policy reads DispatchRequest.prefix_blocks and .hits: the scheduler
+    # (and the simulator) look the prompt's hashes up for it, and only then.
+    uses_prefix: bool = False
+
+
+def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:
+    """The candidate with the highest key; of equals, the lowest id."""
+    best, best_key = None, None
+    for v in cands:
+        k = key(v)
+        if best_key is None or k > best_key or (k == best_key and v.instance_id < best.instance_id):
+            best, best_key = v, k
+    return best
 
 
 def candidates(views: list[InstanceView], req: DispatchRequest) -> list[InstanceView]:
@@ -133,6 +170,8 @@ class Dispatcher:
         cands = candidates(views, req)
         if not cands:
             return None
+        if self.policy.select is not None:
+            return self.policy.select(cands, req).instance_id
         score = self.policy.score
         if score is None:
             cands.sort(key=lambda v: v.instance_id)

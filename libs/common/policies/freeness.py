@@ -61,3 +61,19 @@ def memory_load(v: InstanceView) -> float:
     """INFaaS++ load: memory in use (or reserved) including queued demand, as a fraction."""
     s = v.status
     return (s.total_blocks - s.free_blocks + s.waiting_demand_blocks + v.pending_blocks) / max(1, s.total_blocks)
+
+
+def queued_prefill_tokens(v: InstanceView) -> int:
+    """Prompt tokens an instance has yet to compute before a new request's:
+    its waiting requests' demand (reported net of their cached prefixes) and
+    the dispatches not yet in a report, in tokens (blocks x block size).
+    NOTE: a running request whose prompt is still being computed in chunks
+    is not counted (statuses do not report its uncomputed tokens)."""
+    s = v.status
+    return (s.waiting_demand_blocks + v.pending_blocks) * max(1, s.block_size)
+
+
+def active_requests(v: InstanceView) -> int:
+    """Requests an instance serves or queues, dispatches not yet reported included."""
+    s = v.status
+    return s.num_running + s.num_waiting + v.pending_requests
