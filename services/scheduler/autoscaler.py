@@ -207,9 +207,12 @@ class _Drain:
 class Autoscaler:
     """The scheduler's scaling loop: sample the view, decide, act."""
 
-    def __init__(self, svc, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
+    def __init__(self, view, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
                  drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0, state: LeaderState | None = None):
-        self.svc = svc
+        """``view``: the cluster view (libs/common/cluster_view.py);
+        ``launcher``: what starts and stops instances (launcher.py,
+        k8s_launcher.py); ``state``: what a next leader takes over."""
+        self.view = view
         # Drains under way and the last action's time outlive this leader
         # (services/scheduler/state.py): the next one finishes the drains.
         self.state = state or MemoryState()
@@ -260,7 +263,7 @@ class Autoscaler:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            if not self.svc.view.synced.is_set():
+            if not self.view.synced.is_set():
                 continue
             if time.monotonic() - self._started_at < self.startup_grace_s:
                 continue
@@ -272,7 +275,7 @@ class Autoscaler:
                 log.error("autoscaler tick failed", error=repr(e))
 
     def sample(self, now: float) -> Snapshot:
-        return snapshot(now, self.svc.view.views())
+        return snapshot(now, self.view.views())
 
     async def tick(self) -> Decision:
         now = time.monotonic()
@@ -337,7 +340,7 @@ class Autoscaler:
         dr.marked = await self._set_terminating(d.instance_id, True)
 
     async def _set_terminating(self, instance_id: str, value: bool) -> bool:
-        address = self.svc.view.address(instance_id)
+        address = self.view.address(instance_id)
         if address is None:
             return False
         try:
@@ -350,7 +353,7 @@ class Autoscaler:
             return False
 
     async def _check_drains(self, now: float) -> None:
-        views = {v.instance_id: v for v in self.svc.view.views()}
+        views = {v.instance_id: v for v in self.view.views()}
         for iid, dr in list(self.draining.items()):
             v = views.get(iid)
             if iid not in self.launcher.instances():
@@ -379,7 +382,7 @@ class Autoscaler:
 
     async def _empty_now(self, instance_id: str) -> bool:
         """Ask the instance itself (the view may lag a report)."""
-        address = self.svc.view.address(instance_id)
+        address = self.view.address(instance_id)
         if address is None:
             return False
         try:

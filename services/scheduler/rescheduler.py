@@ -11,6 +11,7 @@ does the same."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -24,12 +25,16 @@ log = get_logger(__name__)
 
 
 class Rescheduler:
-    def __init__(self, svc):
-        self.svc = svc
-        self.config = svc.config
+    def __init__(self, view, config, on_order: Callable[[], None] = lambda: None):
+        """``view``: the cluster view (libs/common/cluster_view.py);
+        ``config``: the scheduler's (thresholds, interval, policy);
+        ``on_order``: called for every migrate-out order sent."""
+        self.view = view
+        self.config = config
+        self.on_order = on_order
         self._task: asyncio.Task | None = None
         self._busy: dict[str, asyncio.Task] = {}  # source instance id -> its migrate-out order
-        self.policy = svc.config.policy
+        self.policy = config.policy
         self.freeness_of = self.policy.migration_freeness
 
     def start(self) -> None:
@@ -44,7 +49,7 @@ class Rescheduler:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.migrate_interval_s)
-            if not self.svc.view.synced.is_set():
+            if not self.view.synced.is_set():
                 continue
             try:
                 self.tick()
@@ -53,19 +58,19 @@ class Rescheduler:
 
     def tick(self) -> list[MigrationPair]:
         busy = frozenset(self._busy)
-        pairs = pair_migrations(self.svc.view.views(), self.config.out_threshold,
+        pairs = pair_migrations(self.view.views(), self.config.out_threshold,
                                 self.config.in_threshold, self.freeness_of, busy)
         for p in pairs:
             self._busy[p.source] = asyncio.create_task(self._order(p))
         return pairs
 
     async def _order(self, pair: MigrationPair) -> None:
-        view = self.svc.view
+        view = self.view
         src, dst = view.address(pair.source), view.address(pair.destination)
         try:
             if src is None or dst is None:
                 return
-            self.svc.migrations_ordered += 1
+            self.on_order()
             log.debug("migrate-out order", source=pair.source, destination=pair.destination,
                       source_freeness=round(pair.source_freeness, 2),
                       destination_freeness=round(pair.destination_freeness, 2))

@@ -293,6 +293,9 @@ class SchedulerService(Service):
             self.leadership, self.state = SoleLeader(), MemoryState()
         await self.leadership.start(self._lead, self._follow)
 
+    def _count_order(self) -> None:
+        self.migrations_ordered += 1
+
     def _launcher_kind(self) -> str:
         return self.config.launcher or ("local" if self.config.launch_args else "")
 
@@ -303,7 +306,7 @@ class SchedulerService(Service):
         if c.migration and self.dispatcher.migrates:
             from services.scheduler.rescheduler import Rescheduler
 
-            self.rescheduler = Rescheduler(self)
+            self.rescheduler = Rescheduler(self.view, c, on_order=self._count_order)
             self.rescheduler.start()
         kind = self._launcher_kind()
         if kind == "local":
@@ -320,7 +323,7 @@ class SchedulerService(Service):
         if c.autoscale:
             from services.scheduler.autoscaler import AutoscalePolicy, Autoscaler
 
-            self.autoscaler = Autoscaler(self, self.launcher, AutoscalePolicy(
+            self.autoscaler = Autoscaler(self.view, self.launcher, AutoscalePolicy(
                 c.scale_out_below, c.scale_in_above, c.scale_window_s, c.min_instances, c.max_instances,
                 c.scale_cooldown_s, max_launch=c.scale_out_max_launch), interval_s=c.autoscale_interval_s,
                 state=self.state)

@@ -179,7 +179,7 @@ async def test_a_launched_instance_that_dies_is_replaced_with_back_off():
 
     view = SimpleNamespace(views=lambda: [], synced=asyncio.Event())
     launcher = Launcher()
-    a = Autoscaler(SimpleNamespace(view=view), launcher, AutoscalePolicy(min_instances=0, max_instances=10))
+    a = Autoscaler(view, launcher, AutoscalePolicy(min_instances=0, max_instances=10))
     a.replacing.base_s = 0.05
     launcher.dead = ["auto-1"]
     await a.tick()

@@ -16,7 +16,7 @@ async def test_the_autoscaler_takes_over_drains_and_the_cooldown():
     state = MemoryState()
     await state.put("draining", "auto-1", {"since": time.time() - 5.0})
     await state.put("autoscaler", "last_action", {"t": time.time() - 2.0})
-    a = Autoscaler(svc=None, launcher=None, policy=AutoscalePolicy(), state=state)
+    a = Autoscaler(view=None, launcher=None, policy=AutoscalePolicy(), state=state)
     await a.adopt()
     assert list(a.draining) == ["auto-1"] and a.draining["auto-1"].marked
     assert 4.0 < time.monotonic() - a.draining["auto-1"].since < 7.0
