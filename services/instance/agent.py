@@ -103,7 +103,7 @@ class Agent(Service):
         self.reporter: StatusReporter | None = None
         self.info: InstanceInfo | None = None
         self.migration = None  # set in start(): services.instance.migration.MigrationManager
-        self.pipeline = None  # set in start(): services.instance.pipeline.PipelineHost (KunServe)
+        self.pipeline = None  # set in start(): services.instance.kunserve.PipelineHost (KunServe)
         self.migration_rpcs = None
         self.queue = QueueBound(config.queued_tokens_bound())
         self.registered = registered if registered is not None else Registered(config.meta_store)
@@ -130,7 +130,7 @@ class Agent(Service):
                              decodes=lambda: self.role.decodes)
         self.migration = MigrationManager(host, self.config.migration_config(), peers=self._migration_peers)
         self.migration_rpcs = MigrationRpcs(self.migration)
-        from services.instance.pipeline import PipelineHost
+        from services.instance.kunserve import PipelineHost
 
         self.pipeline = PipelineHost(self.engine, self.runner)
         if self.config.metrics_port >= 0:
@@ -437,7 +437,7 @@ class Agent(Service):
         return self.migration_rpcs
 
     def pipelines(self):
-        """KunServe's pipeline host (services/instance/pipeline.py)."""
+        """KunServe's pipeline host (services/instance/kunserve.py)."""
         if self.pipeline is None:
             raise FailedPrecondition("this instance is not serving yet")
         return self.pipeline

@@ -2,7 +2,7 @@
 loop without blocking either: commands go in through a thread-safe queue and
 run between steps; outputs come back once per step via call_soon_threadsafe.
 
-Pipeline peers' steps (KunServe, services/instance/pipeline.py) come in on a
+Pipeline peers' steps (KunServe, services/instance/kunserve.py) come in on a
 second queue, ``guest_call``: they run between steps like commands, and also
 *inside* a step while that step waits for a peer (``wait_serving_guests``).
 Two instances that are each other's peers would otherwise deadlock, each

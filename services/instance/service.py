@@ -80,7 +80,7 @@ class InstanceServicer(pb_grpc.InstanceServicer):
     async def MigrationSettled(self, request, context):
         return await self.agent.migrations().settled(request)
 
-    # KunServe's pipeline: services/instance/pipeline.py.
+    # KunServe's pipeline: services/instance/kunserve.py.
     async def DropLayers(self, request, context):
         return await self.agent.pipelines().drop_layers(request)
 

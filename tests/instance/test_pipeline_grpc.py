@@ -1,5 +1,5 @@
 """KunServe's pipeline between two instance agents over gRPC on loopback
-(services/instance/pipeline.py): each drops half the layers and runs the
+(services/instance/kunserve.py): each drops half the layers and runs the
 other half on the other, both serving at once. The tokens are the full
 model's; no block or guest is left; bad orders get clear errors."""
 
@@ -264,7 +264,7 @@ async def test_a_request_lives_through_drop_pipeline_and_restore_between_agents(
 
 
 def test_kv_moves_in_as_few_messages_as_fit_the_budget(monkeypatch):
-    from services.instance import pipeline
+    from services.instance import kunserve as pipeline
 
     peer = pipeline.GrpcPeer.__new__(pipeline.GrpcPeer)
     monkeypatch.setattr(pipeline, "KV_MESSAGE_BYTES", 100)

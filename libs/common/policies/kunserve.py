@@ -3,7 +3,7 @@ over snapshots: when to drop parameters (``predict_throttle``), which
 instances drop which layers (``plan_buddy_groups``), and when a group may
 restore (``fits_own_memory``). The simulator's controller (ferry/sim/kunserve.py)
 and the scheduler's loop (services/scheduler/kunserve.py) both call them; the
-engine side is services/instance/engine/native/pipeline.py (docs/kunserve.md)."""
+engine side is services/instance/engine/native/kunserve.py (docs/kunserve.md)."""
 
 from __future__ import annotations
 

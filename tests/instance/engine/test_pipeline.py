@@ -1,4 +1,4 @@
-"""Pipelined execution across two native engines (KunServe; native/pipeline.py):
+"""Pipelined execution across two native engines (KunServe; native/kunserve.py):
 each drops half the layers into its KV pool and runs them on the other. Tokens
 are exactly those of the full model, greedy and seeded; guests' blocks come
 back on finish and preemption; a request with KV on a peer refuses to migrate;
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from services.instance.engine import create_engine
 from services.instance.engine.base import EngineConfig, EngineError
-from services.instance.engine.native.pipeline import LocalPeer, plan_segments
+from services.instance.engine.native.kunserve import LocalPeer, plan_segments
 from tests.instance.engine.helpers import req, run
 
 N = 24

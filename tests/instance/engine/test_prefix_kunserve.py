@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from services.instance.engine.native.pipeline import LocalPeer
+from services.instance.engine.native.kunserve import LocalPeer
 from tests.instance.engine.helpers import req, run, step_collect
 from tests.instance.engine.test_pipeline import _engine
 

@@ -350,7 +350,7 @@ class CoreEngine(PrefixCaching, Engine):
         """The blocks that hold the request's computed tokens (the last one may be partial)."""
         return list(r.block_ids[: cdiv(r.num_computed_tokens, self._block_size)])
 
-    # --- a pipeline peer's requests (KunServe; native/pipeline.py) ------------------------
+    # --- a pipeline peer's requests (KunServe; native/kunserve.py) ------------------------
     def forward_guest(self, layers: range, chunks, hidden, attend=None):
         """Run ``layers`` here for a peer's step (pipeline.GuestChunk's, the
         hidden rows in their order); the guests' KV takes blocks of this

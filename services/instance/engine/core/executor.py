@@ -52,7 +52,7 @@ class Executor(abc.ABC):
         for it, if the executor makes any. Executors that cannot say so."""
         raise EngineError(f"{type(self).__name__} cannot grow its KV cache")
 
-    # --- pipelined execution (KunServe; native/pipeline.py) ---------------------------
+    # --- pipelined execution (KunServe; native/kunserve.py) ---------------------------
     @property
     def remote_requests(self) -> frozenset[str]:
         """Requests whose KV is partly on a pipeline peer (they cannot migrate)."""

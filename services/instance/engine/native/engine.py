@@ -140,7 +140,7 @@ class NativeEngine(CoreEngine):
         return (f"{str(self.dtype).removeprefix('torch.')} on cpu, vLLM kernels {vllm_kernels.loaded_build()} "
                 f"(attention{' in place' if r.paged_kernels else ''}, RMSNorm), projections {proj}")
 
-    # --- KunServe: layers dropped into KV memory, pipelined with peers (pipeline.py) -----
+    # --- KunServe: layers dropped into KV memory, pipelined with peers (kunserve.py) -----
     def _blocks_lent_after(self, dropped: dict[int, int]) -> int:
         return sum(dropped.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
 
@@ -389,7 +389,7 @@ class NativeEngine(CoreEngine):
         return super().has_work()
 
     def set_pipeline(self, own: range, peers: list) -> None:
-        """Layers ``own`` run here, each (range, LayerPeer) there; see pipeline.py."""
+        """Layers ``own`` run here, each (range, LayerPeer) there; see kunserve.py."""
         try:
             self.executor.set_pipeline(own, peers)
         except ValueError as e:

@@ -26,7 +26,7 @@ from services.instance.engine.native.linear import (
     packing_supported,
 )
 
-# Remote attention (KunServe's live KV exchange, pipeline.py): (n, attend) says
+# Remote attention (KunServe's live KV exchange, kunserve.py): (n, attend) says
 # that the step's rows from the n-th on have their KV elsewhere;
 # attend(layer, q, k, v) runs their attention there, writing their new K/V
 # there too, and returns its output [rows, heads*head_dim]. Rows before n attend

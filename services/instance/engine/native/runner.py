@@ -25,7 +25,7 @@ from services.instance.engine.native.attention import (
 from services.instance.engine.native.decode_cache import DecodeCache
 from services.instance.engine.native.kv_staging import CudaKvStaging
 from services.instance.engine.native.model import Attend, LlamaModel
-from services.instance.engine.native.pipeline import GuestChunk, LayerPeer, plan_segments
+from services.instance.engine.native.kunserve import GuestChunk, LayerPeer, plan_segments
 from services.instance.engine.native.sampler import (
     generator_state,
     new_generator,
@@ -85,7 +85,7 @@ class ModelRunner(Executor):
         self.decode_cache = (DecodeCache(self.kv_cache, decode_cache_bytes, k_transposed=self.kernels is not None)
                              if dense else None)
         self._decode_cache_bytes = decode_cache_bytes
-        # Pipelined execution (pipeline.py): which layers run here and which on a peer.
+        # Pipelined execution (kunserve.py): which layers run here and which on a peer.
         self._segments: list[tuple[range, LayerPeer | None]] = [(range(cfg.num_hidden_layers), None)]
         self._remote: set[str] = set()  # requests with KV on a peer
         self._pending: set[str] = set()  # ... whose KV of the peers' layers is still here (live exchange)
@@ -196,7 +196,7 @@ class ModelRunner(Executor):
         by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
         return [by_id[c.request.request_id] if c.samples else None for c in chunks]
 
-    # --- pipelined execution (pipeline.py) ----------------------------------------------
+    # --- pipelined execution (kunserve.py) ----------------------------------------------
     def set_pipeline(self, own: range, peers: list[tuple[range, LayerPeer]]) -> None:
         """Run layers ``own`` here and each peer's range there, from the next
         step; ``own`` = every layer and no peers ends the pipeline. Refused
@@ -260,7 +260,7 @@ class ModelRunner(Executor):
         return y
 
     def _attend_here(self, chunks: list[ScheduledChunk]) -> Attend:
-        """Remote attention for a peer (pipeline.py): ``chunks`` (in step
+        """Remote attention for a peer (kunserve.py): ``chunks`` (in step
         order: decodes first) have their KV of the peer's layers here; the
         peer sends their rows' q, k, v in that order, layer by layer."""
         _, _, meta, _ = self._metadata(chunks, dense=False, with_ids=False)

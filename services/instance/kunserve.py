@@ -1,5 +1,5 @@
 """KunServe's pipeline between instance agents (docs/kunserve.md): the gRPC
-side of services/instance/engine/native/pipeline.py.
+side of services/instance/engine/native/kunserve.py.
 
 - ``GrpcPeer`` is a ``LayerPeer`` for an engine thread: each owner step is one
   ``LayerStep`` on a ``ForwardLayers`` stream to the peer holding the layers,
@@ -349,7 +349,7 @@ class PipelineHost:
     async def _forward(self, step: pb.LayerStep, steps):
         """One peer's step here; while it runs, the attention it asks the
         owner for goes out as replies and the answers come in on ``steps``."""
-        from services.instance.engine.native.pipeline import GuestChunk
+        from services.instance.engine.native.kunserve import GuestChunk
 
         loop = asyncio.get_running_loop()
         asks: asyncio.Queue = asyncio.Queue()
