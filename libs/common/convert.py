@@ -17,13 +17,14 @@ from libs.common.types import (
     PrefixCacheStats,
     Priority,
     RequestLoad,
+    RequestPhase,
     RequestState,
     Role,
     SamplingParams,
 )
 
-_STATES = {"waiting": pb.RequestLoad.WAITING, "running": pb.RequestLoad.RUNNING,
-           "migrating": pb.RequestLoad.MIGRATING}
+_STATES = {RequestPhase.WAITING: pb.RequestLoad.WAITING, RequestPhase.RUNNING: pb.RequestLoad.RUNNING,
+           RequestPhase.MIGRATING: pb.RequestLoad.MIGRATING}
 _STATE_NAMES = {v: k for k, v in _STATES.items()}
 _ROLES = {Role.MIXED: pb.ROLE_MIXED, Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE}
 _ROLE_OF = {v: k for k, v in _ROLES.items()}

@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from libs.common.types import Priority, RequestLoad
+from libs.common.types import Priority, RequestLoad, RequestPhase
 
 # The fake request of a terminating instance: +infinity, clamped so that it
 # survives JSON and protobuf doubles and still dominates any real load.
@@ -32,11 +32,11 @@ def virtual_usages(requests: tuple[RequestLoad, ...], head_of_line_demand: int,
       in ``requests`` order is the head);
     - running: physical blocks + headroom(priority) / running requests of that priority.
     """
-    running_per_prio = Counter(r.priority for r in requests if r.state != "waiting")
+    running_per_prio = Counter(r.priority for r in requests if r.state != RequestPhase.WAITING)
     out = []
     head_seen = False
     for r in requests:
-        if r.state == "waiting":
+        if r.state == RequestPhase.WAITING:
             v = float(head_of_line_demand) if not head_seen else 0.0
             head_seen = True
         else:
@@ -71,8 +71,8 @@ def summarize(total_blocks: int, requests: tuple[RequestLoad, ...], head_of_line
     if terminating:
         usage += TERMINATING_USAGE
         normal_usage += TERMINATING_USAGE
-    running = sum(1 for r in reqs if r.state != "waiting")
-    normal_running = sum(1 for r in reqs if r.state != "waiting" and r.priority == Priority.NORMAL)
+    running = sum(1 for r in reqs if r.state != RequestPhase.WAITING)
+    normal_running = sum(1 for r in reqs if r.state != RequestPhase.WAITING and r.priority == Priority.NORMAL)
     return LoadSummary(
         requests=reqs,
         virtual_usage=usage,

@@ -100,11 +100,22 @@ class TokenOutput:
     error: tuple[str, str] | None = None
 
 
+class RequestPhase(str, enum.Enum):
+    """Where a request is on its instance: queued, in the running batch,
+    leaving by migration, or held (suspended) for a migration's commit. A
+    ``str`` enum: equal to its value, the name on the wire and in JSON."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    MIGRATING = "migrating"
+    SUSPENDED = "suspended"
+
+
 @dataclass(frozen=True)
 class RequestLoad:
     request_id: str
     priority: Priority
-    state: str  # "waiting" | "running" | "migrating"
+    state: RequestPhase  # WAITING, RUNNING or MIGRATING
     physical_blocks: int
     num_tokens: int
     virtual_usage: float = 0.0

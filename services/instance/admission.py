@@ -9,11 +9,12 @@ stream is under way. Pure bookkeeping over the engine's published load."""
 from __future__ import annotations
 
 from services.instance.engine.base import EngineLoad
+from libs.common.types import RequestPhase
 
 
 def queued_tokens(load: EngineLoad) -> int:
     """Tokens of the requests waiting for their first step."""
-    return sum(r.num_tokens for r in load.requests if r.state == "waiting")
+    return sum(r.num_tokens for r in load.requests if r.state == RequestPhase.WAITING)
 
 
 class QueueBound:

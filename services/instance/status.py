@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from libs.common.load import summarize
 from libs.common.policies.headroom import profile_headroom
-from libs.common.types import InstanceStatus, Priority, Role
+from libs.common.types import InstanceStatus, Priority, RequestPhase, Role
 from services.instance.engine.base import EngineLoad
 
 
@@ -16,7 +16,7 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
                     unschedulable: bool = False) -> InstanceStatus:
     summary = summarize(load.total_blocks, load.requests, load.head_of_line_demand_blocks, headroom, terminating,
                         reserved_blocks=load.reserved_blocks, shared_blocks=load.shared_blocks)
-    waiting = sum(1 for r in load.requests if r.state == "waiting")
+    waiting = sum(1 for r in load.requests if r.state == RequestPhase.WAITING)
     return InstanceStatus(
         instance_id=instance_id, seq=seq, timestamp=timestamp,
         total_blocks=load.total_blocks, free_blocks=load.free_blocks, block_size=load.block_size,

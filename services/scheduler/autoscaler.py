@@ -33,7 +33,7 @@ from libs.common import rpc
 from libs.common.backoff import RestartBackoff
 from libs.common.load import is_finite
 from libs.common.logging import get_logger
-from libs.common.types import Priority
+from libs.common.types import Priority, RequestPhase
 from services.scheduler.state import LeaderState, MemoryState
 
 log = get_logger(__name__)
@@ -168,7 +168,7 @@ def snapshot(now: float, views) -> Snapshot:
     return Snapshot(now, tuple(
         InstanceSample(v.instance_id, v.status.normal_freeness, v.status.num_running,
                        v.status.num_waiting, v.status.terminating, v.pending_requests, v.status.total_blocks,
-                       sum(1 for r in v.status.requests if r.priority == Priority.NORMAL and r.state != "waiting"))
+                       sum(1 for r in v.status.requests if r.priority == Priority.NORMAL and r.state != RequestPhase.WAITING))
         for v in views))
 
 

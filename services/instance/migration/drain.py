@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
+from libs.common.types import RequestPhase
 
 log = get_logger("migration")
 
@@ -32,7 +33,7 @@ def decoding_here(manager) -> tuple[list[str], int]:
     load = manager.host.current_load()
     mine = [r for r in load.requests
             if r.request_id not in manager.outgoing and r.request_id not in manager.handoffs.plans]
-    return [r.request_id for r in mine if r.state == "running"], sum(1 for r in mine if r.state == "waiting")
+    return [r.request_id for r in mine if r.state == RequestPhase.RUNNING], sum(1 for r in mine if r.state == RequestPhase.WAITING)
 
 
 async def drain(manager, targets: list[tuple[str, str]], still: Callable[[], bool] = lambda: True,

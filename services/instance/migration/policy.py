@@ -10,20 +10,20 @@ count, then the shorter sequence."""
 
 from __future__ import annotations
 
-from libs.common.types import InstanceStatus, RequestLoad
+from libs.common.types import InstanceStatus, RequestLoad, RequestPhase
 
 
 def head_of_line_shortfall(status: InstanceStatus) -> int:
     """Blocks the head of the waiting queue lacks to be admitted now (0: no
     queue, or the head fits)."""
-    if not status.num_waiting and not any(r.state == "waiting" for r in status.requests):
+    if not status.num_waiting and not any(r.state == RequestPhase.WAITING for r in status.requests):
         return 0
     return max(0, status.head_of_line_demand_blocks - status.free_blocks)
 
 
 def _running(requests: tuple[RequestLoad, ...], use_priorities: bool,
              exclude: frozenset[str]) -> list[RequestLoad]:
-    cands = [r for r in requests if r.state == "running" and r.request_id not in exclude]
+    cands = [r for r in requests if r.state == RequestPhase.RUNNING and r.request_id not in exclude]
     if use_priorities:  # high-priority requests move only when nothing else is left
         low = min((int(r.priority) for r in cands), default=0)
         cands = [r for r in cands if int(r.priority) == low]
@@ -33,7 +33,7 @@ def _running(requests: tuple[RequestLoad, ...], use_priorities: bool,
 def migration_order(requests: tuple[RequestLoad, ...], use_priorities: bool,
                     exclude: frozenset[str] = frozenset()) -> list[str]:
     """The load-balancing order: lower priority first, then the shorter sequence."""
-    cands = [r for r in requests if r.state == "running" and r.request_id not in exclude]
+    cands = [r for r in requests if r.state == RequestPhase.RUNNING and r.request_id not in exclude]
     key = (lambda r: (int(r.priority), r.num_tokens)) if use_priorities else (lambda r: r.num_tokens)
     return [r.request_id for r in sorted(cands, key=key)]
 

@@ -40,6 +40,7 @@ from services.instance.migration.messages import (
 from services.instance.migration.peer import DestinationPeer
 from services.instance.migration.states import Machine, SourceState
 from services.instance.streams import Event
+from libs.common.types import RequestPhase
 
 log = get_logger("migration")
 S = SourceState
@@ -189,7 +190,7 @@ class SourceMigration:
         if phase is None:
             raise MigrationAborted("request finished or was aborted at the source")
         status, preemptions = phase
-        if preemptions != self.preemptions or status != "running":
+        if preemptions != self.preemptions or status != RequestPhase.RUNNING:
             raise MigrationAborted(f"request was preempted at the source ({status})")
 
     # --- the protocol ------------------------------------------------------------
@@ -222,7 +223,7 @@ class SourceMigration:
             await self._last_stage(0)
             return
         phase = await self.runner.call(self.engine.request_phase, self.request_id)
-        if phase is None or phase[0] != "running":
+        if phase is None or phase[0] != RequestPhase.RUNNING:
             raise MigrationAborted("request is not running")
         self.preemptions = phase[1]
         stage = 0
@@ -336,7 +337,7 @@ class SourceMigration:
         A handoff's request may be suspended already: held by the engine
         after its prompt, for this handoff."""
         phase = self.engine.request_phase(self.request_id)
-        held = self.handoff and phase is not None and phase[0] == "suspended"
+        held = self.handoff and phase is not None and phase[0] == RequestPhase.SUSPENDED
         if not held and not self.engine.suspend_request(self.request_id):
             return False, 0.0, None, []
         t = time.perf_counter()
@@ -355,7 +356,7 @@ class SourceMigration:
         queued (commands run in order), so a suspend whose caller was
         cancelled is undone too. Only this migration suspends its request."""
         phase = self.engine.request_phase(self.request_id)
-        if phase is not None and phase[0] == "suspended":
+        if phase is not None and phase[0] == RequestPhase.SUSPENDED:
             self.engine.resume_request(self.request_id)
             return True
         return False

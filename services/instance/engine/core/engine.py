@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from libs.common import failpoints
 from libs.common.validation import out_of_vocab_message, sampling_problem
-from libs.common.types import FinishReason, RequestLoad, RequestState, SamplingParams, TokenOutput
+from libs.common.types import FinishReason, RequestLoad, RequestPhase, RequestState, SamplingParams, TokenOutput
 from services.instance.engine.base import (
     Engine,
     EngineBroken,
@@ -284,7 +284,7 @@ class CoreEngine(PrefixCaching, Engine):
         s = self.scheduler
         shared: set[int] = set()
         reqs = [RequestLoad(r.request_id, r.priority, state, self._own_blocks(r, shared), r.num_tokens)
-                for state, queue in (("running", s.running), ("waiting", s.waiting)) for r in queue]
+                for state, queue in ((RequestPhase.RUNNING, s.running), (RequestPhase.WAITING, s.waiting)) for r in queue]
         demands = [s.demand_blocks(r) for r in s.waiting]
         return EngineLoad(
             total_blocks=self.pool.capacity,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from libs.common import cpu_features
 from libs.common.logging import get_logger
-from libs.common.types import FinishReason, Priority, RequestLoad, RequestState, SamplingParams, TokenOutput
+from libs.common.types import FinishReason, Priority, RequestLoad, RequestPhase, RequestState, SamplingParams, TokenOutput
 from services.instance.engine.base import (
     Engine,
     EngineConfig,
@@ -285,7 +285,7 @@ class VllmEngine(Engine):
         demands: list[tuple[tuple, int]] = []
         shared: set[int] = set()
         blocks = self.pool.blocks
-        for state, queue in (("running", s.running), ("waiting", list(s.waiting) + list(s.kv_holding_waiting))):
+        for state, queue in ((RequestPhase.RUNNING, s.running), (RequestPhase.WAITING, list(s.waiting) + list(s.kv_holding_waiting))):
             for v in queue:
                 rid = self.by_iid.get(v.request_id)
                 if rid is None:
@@ -298,7 +298,7 @@ class VllmEngine(Engine):
                         shared.add(b)
                         mine -= 1
                 reqs.append(RequestLoad(rid, self.reqs[rid].priority, state, mine, v.num_tokens))
-                if state == "waiting":
+                if state == RequestPhase.WAITING:
                     need = max(0, cdiv(v.num_tokens + 1, self._block_size) - len(ids))
                     if not ids:
                         need -= self._hit_saves(v)
@@ -373,7 +373,7 @@ class VllmEngine(Engine):
             return "suspended", r.preemptions
         v = self._vreq(r)
         running = v is not None and v.status == RequestStatus.RUNNING
-        return ("running" if running else "waiting"), r.preemptions + self._vreq_preemptions(r)
+        return (RequestPhase.RUNNING if running else RequestPhase.WAITING), r.preemptions + self._vreq_preemptions(r)
 
     def _blocks(self, r: _Req, n_tokens_of) -> list[int]:
         self._need_migration()
