@@ -326,13 +326,16 @@ def test_killing_an_instance_loses_no_streaming_request(stack):
 
     def stream(i: int) -> None:
         out = results[i]
-        out["text"], out["finish"], out["chunks"] = "", None, 0
+        out["text"], out["finish"], out["chunks"], out["tokens"] = "", None, 0, None
         try:
             s = client.chat.completions.create(
                 model="smollm2", max_tokens=STREAM_TOKENS, temperature=0.7, stream=True,
+                stream_options={"include_usage": True},
                 messages=[{"role": "user", "content": f"Tell story number {i} about a ship."}],
                 extra_body={"ignore_eos": True})
             for chunk in s:
+                if chunk.usage:
+                    out["tokens"] = chunk.usage.completion_tokens
                 if not chunk.choices:
                     continue
                 c = chunk.choices[0]
@@ -366,7 +369,8 @@ def test_killing_an_instance_loses_no_streaming_request(stack):
 
     errors = [r for r in results if "error" in r or r["finish"] is None]
     assert not errors, errors
-    assert all(r["finish"] == "length" for r in results), results
+    # Each ran to its max_tokens (ignore_eos), the killed instance's ones too.
+    assert all(r["finish"] == "length" and r["tokens"] == STREAM_TOKENS for r in results), results
     assert stack.services()[victim]["State"] == "exited", "the killed instance came back: not a real kill"
     resumed = stack.metrics().get("ferry_resumes_total", 0.0) - resumes_before
     log(f"resumed {resumed:.0f} of {STREAMS} streams")
