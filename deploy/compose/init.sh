@@ -1,6 +1,11 @@
 #!/bin/sh
 # One-time set-up of this folder before `docker compose up`:
-#  - cluster-token: the secret every internal gRPC call carries (made if absent);
+#  - cluster-token: the secret every internal gRPC call carries (made if absent).
+#    Compose mounts a file secret as it is on the host (its uid/mode options
+#    apply to Swarm only), and the containers run as uid 10001: the file must
+#    be readable by that uid. As root: owned by 10001, mode 0400; otherwise
+#    mode 0644 (readable by other users of this host: `sudo ./init.sh` once,
+#    or `sudo chown 10001 cluster-token && sudo chmod 400 cluster-token`);
 #  - .env: copied from .env.example if absent, and given an API key when
 #    FERRY_API_KEY is empty (the frontend refuses to start without one).
 # Safe to run again: it never replaces what is already there.
@@ -16,9 +21,15 @@ random() {
     fi
 }
 
+FERRY_UID="${FERRY_UID:-10001}"   # the images' user (deploy/docker/Dockerfile*)
 if [ ! -s cluster-token ]; then
     (umask 077 && random > cluster-token)
     echo "init: wrote cluster-token"
+fi
+if [ "$(id -u)" = 0 ]; then
+    chown "$FERRY_UID:$FERRY_UID" cluster-token && chmod 0400 cluster-token
+else
+    chmod 0644 cluster-token
 fi
 
 [ -f .env ] || cp .env.example .env

@@ -30,6 +30,8 @@ import click
 import pytest
 import yaml
 
+from tests.docker_env import compose_cmd
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
@@ -491,30 +493,10 @@ def test_health_check_commands_work(fake_cluster):
 
 
 # ------------------------------------------- docker compose itself, where it is installed
-def _compose_cmd() -> list[str] | None:
-    """A Docker Compose v2 CLI: $FERRY_COMPOSE_BIN, `docker compose` or a
-    standalone `docker-compose` v2 (`config` needs no Docker engine)."""
-    candidates = []
-    if os.environ.get("FERRY_COMPOSE_BIN"):
-        candidates.append([os.environ["FERRY_COMPOSE_BIN"]])
-    if shutil.which("docker"):
-        candidates.append(["docker", "compose"])
-    if shutil.which("docker-compose"):
-        candidates.append(["docker-compose"])
-    for cmd in candidates:
-        try:
-            r = subprocess.run([*cmd, "version"], check=False, capture_output=True, text=True, timeout=30)
-        except OSError:
-            continue
-        if r.returncode == 0 and re.search(r"version v?2\.", r.stdout):
-            return cmd
-    return None
-
-
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 @pytest.mark.parametrize("env_file", [None, ".env.example"])
 def test_docker_compose_config(profile, env_file):
-    cmd = _compose_cmd()
+    cmd = compose_cmd()
     if cmd is None:
         pytest.skip("no Docker Compose v2 CLI (set FERRY_COMPOSE_BIN to a docker-compose v2 binary)")
     args = [*cmd, "-f", str(COMPOSE_FILE), "--project-directory", str(COMPOSE_DIR)]
@@ -627,6 +609,11 @@ def test_init_script_writes_a_token_and_an_api_key_once(tmp_path):
     subprocess.run(["sh", str(folder / "init.sh")], check=True, capture_output=True, timeout=30)
     assert load_env_file(folder / ".env")["FERRY_API_KEY"] == key  # kept, not replaced
     assert (folder / "cluster-token").read_text().strip() == token
+    # The containers (uid 10001) can read the token compose mounts as it is:
+    # owned by 10001 where init.sh ran as root, else readable by all.
+    st = (folder / "cluster-token").stat()
+    assert (st.st_uid == 10001 and st.st_mode & 0o400) or st.st_mode & 0o004, oct(st.st_mode)
+    assert (folder / ".env").stat().st_mode & 0o077 == 0  # the API key stays private
 
 
 def test_grpc_health_checks_are_tls_aware():
