@@ -271,8 +271,11 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
     summary = metrics.summarize(records, opts.scale)
     summary["wall_s"] = wall
     summary["dead_processes"] = dead
-    if samples and "prefix_cache" in samples[-1]:
-        summary["prefix_cache"] = samples.pop()["prefix_cache"]
+    # NOTE: the sampler may add a sample after the prefix one (it stops a
+    # moment later): found by its key, not its place.
+    at = [i for i, x in enumerate(samples) if "prefix_cache" in x]
+    if at:
+        summary["prefix_cache"] = samples.pop(at[-1])["prefix_cache"]
     if samples:
         summary["migrations_ordered"] = samples[-1]["migrations_ordered"] - samples[0]["migrations_ordered"]
     return {"label": label, "dispatch": dispatch, "options": dataclasses.asdict(opts), "time_scale": opts.scale,
