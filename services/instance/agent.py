@@ -257,7 +257,7 @@ class Agent(Service):
 
     # --- serving ----------------------------------------------------------------
     async def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]:
-        """Run a request here and stream what it produces (``Flush`` items);
+        """Run a request here and stream what it produces (StreamEvents);
         a bad order, a full queue or a dead engine raise FerryErrors."""
         if self.dead:
             raise Unavailable(f"the engine of instance {self.instance_id} is not running")
