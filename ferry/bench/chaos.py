@@ -89,6 +89,25 @@ def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None) -
         stats.migrations += final.get("migrations", 0)
 
 
+async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event, tag: str, k: int,
+                        seed: int) -> None:
+    """Client ``k``: one stream after another until ``stop`` (seeded prompts
+    of 1-4 repeats, 20-120 tokens), each outcome counted in ``stats``."""
+    i = 0
+    crng = random.Random(seed * 1000 + k)
+    while not stop.is_set():
+        prompt, n = f"{tag} {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
+        i += 1
+        stats.requests += 1
+        try:
+            text, final = await _stream(http, prompt, n)
+        except Exception as e:  # noqa: BLE001 - every failure is counted by kind
+            stats.lost += 1
+            stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
+            continue
+        _account(stats, prompt, n, text, final)
+
+
 async def _scheduler_view(address: str, timeout: float = 1.0) -> spb.ClusterViewReply:
     async with rpc.channel(address) as ch:
         return await spb_grpc.SchedulerStub(ch).GetClusterView(spb.ClusterViewRequest(), timeout=timeout)
@@ -283,22 +302,8 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
     every = fault_every_s or max(3.0, duration_s / (len(kinds) + 1))
     try:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-            async def client(k: int) -> None:
-                i = 0
-                crng = random.Random(seed * 1000 + k)
-                while not stop.is_set():
-                    prompt, n = f"chaos {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
-                    i += 1
-                    stats.requests += 1
-                    try:
-                        text, final = await _stream(http, prompt, n)
-                    except Exception as e:  # noqa: BLE001 - every failure is counted by kind
-                        stats.lost += 1
-                        stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
-                        continue
-                    _account(stats, prompt, n, text, final)
-
-            clients = [asyncio.create_task(client(k)) for k in range(concurrency)]
+            clients = [asyncio.create_task(steady_client(http, stats, stop, "chaos", k, seed))
+                       for k in range(concurrency)]
             if migration_load:
                 clients.append(asyncio.create_task(chaos.migration_load(stop)))
             chaos.t0 = time.monotonic()

@@ -15,7 +15,6 @@ cluster): it must survive every takeover, adopted, never launched twice."""
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import tempfile
 import time
@@ -24,8 +23,7 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import Chaos, Stats, _account, _leaks, _scheduler_view, _stream
-from ferry.bench.sse import StreamError
+from ferry.bench.chaos import Chaos, Stats, _leaks, _scheduler_view, steady_client
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.common import etcd as etcdlib
 
@@ -85,21 +83,6 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
     launched_before = cluster.launched_pids()
     try:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-            async def client(k: int) -> None:
-                i = 0
-                crng = random.Random(seed * 1000 + k)
-                while not stop.is_set():
-                    prompt, n = f"failover {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
-                    i += 1
-                    stats.requests += 1
-                    try:
-                        text, final = await _stream(http, prompt, n)
-                    except Exception as e:  # noqa: BLE001 - every failure is counted by kind
-                        stats.lost += 1
-                        stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
-                        continue
-                    _account(stats, prompt, n, text, final)
-
             async def kill_leaders() -> None:
                 t_next = chaos.t0 + leader_every_s
                 while not stop.is_set():
@@ -145,7 +128,8 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
                           flush=True)
 
             chaos.t0 = time.monotonic()
-            tasks = [asyncio.create_task(client(k)) for k in range(concurrency)]
+            tasks = [asyncio.create_task(steady_client(http, stats, stop, "failover", k, seed))
+                     for k in range(concurrency)]
             tasks.append(asyncio.create_task(chaos.migration_load(stop)))
             faults = [asyncio.create_task(kill_leaders()), asyncio.create_task(kill_meta_stores())]
             await asyncio.sleep(duration_s)
