@@ -86,9 +86,63 @@ def freeness_timeline(runs: dict[str, dict], path: str) -> str | None:
     return path
 
 
+def hit_rate_timeline(runs: dict[str, dict], path: str, window: int = 10) -> str | None:
+    """The cluster's prefix-cache hit rate over time per policy (hits /
+    lookups over the last ``window`` samples), from the samples' cumulative
+    ``prefix_hits`` and ``prefix_queries`` (the simulator's)."""
+    series = {label: run["samples"] for label, run in runs.items()
+              if run.get("samples") and "prefix_queries" in run["samples"][0]}
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, samples in series.items():
+        t = np.array([s["t"] for s in samples])
+        q = np.array([s["prefix_queries"] for s in samples], dtype=float)
+        h = np.array([s["prefix_hits"] for s in samples], dtype=float)
+        dq, dh = q[window:] - q[:-window], h[window:] - h[:-window]
+        ok = dq > 0
+        ax.plot(t[window:][ok], dh[ok] / dq[ok], label=label)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("hit rate (blocks)")
+    ax.set_ylim(0, 1)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"prefix-cache hit rate over the last {window} samples")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def migration_blocks(runs: dict[str, dict], path: str) -> str | None:
+    """KV blocks moved by committed migrations per policy: sent, and linked
+    at the destination from its prefix cache instead (what a prefix-blind
+    migration of the same requests would have sent on top)."""
+    rows = [(label, run["sim"]["migration_blocks_sent"], run["sim"]["migration_blocks_linked"])
+            for label, run in runs.items() if "migration_blocks_sent" in run.get("sim", {})]
+    if not rows or not any(s + k for _, s, k in rows):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(rows))
+    sent = np.array([s for _, s, _ in rows])
+    linked = np.array([k for _, _, k in rows])
+    ax.bar(x, sent, label="sent")
+    ax.bar(x, linked, bottom=sent, label="linked (not sent)")
+    ax.set_xticks(x, [r[0] for r in rows], rotation=20, fontsize=8)
+    ax.set_ylabel("KV blocks of committed migrations")
+    ax.legend()
+    ax.set_title("blocks migrated per policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_all(runs: dict[str, dict], folder: str) -> list[str]:
     os.makedirs(folder, exist_ok=True)
     out = [ttft_cdf(runs, os.path.join(folder, "ttft_cdf.png")),
            latency_bars(runs, os.path.join(folder, "latency.png")),
-           freeness_timeline(runs, os.path.join(folder, "freeness.png"))]
+           freeness_timeline(runs, os.path.join(folder, "freeness.png")),
+           hit_rate_timeline(runs, os.path.join(folder, "hit_rate.png")),
+           migration_blocks(runs, os.path.join(folder, "migration_blocks.png"))]
     return [p for p in out if p]

@@ -69,7 +69,8 @@ class HandoffRecord:
     destination: str = ""
     prompt_tokens: int = 0
     blocks: int = 0
-    transfer_s: float = 0.0  # the whole prompt KV over the link (bytes / bandwidth)
+    linked: int = 0  # of blocks, those the decode instance's prefix cache held: linked there, not sent
+    transfer_s: float = 0.0  # the prompt KV not linked, over the link (bytes / bandwidth)
     exposed_s: float = 0.0  # the prompt's last step end -> the commit reaches the decode instance
     refusals: int = 0  # pre-allocations refused before one was taken
     fallback: bool = False  # per_layer asked, no reservation by the prompt's end: ran serialized
@@ -194,8 +195,10 @@ class HandoffModel:
             self._unpend(e.dst, rid)
             self.k.spawn(self.migration._rpc(e.dst, self.migration.abort_at_destination(e.dst, e.mid)))
 
-    def _pick(self, src: SimInstance, rid: str, tokens: int) -> SimInstance | None:
-        iid = self.scheduler.choose(rid, tokens, Priority.NORMAL, Phase.DECODE)
+    def _pick(self, src: SimInstance, rid: str, tokens: int, token_ids=None) -> SimInstance | None:
+        """``token_ids``: the prompt, for a policy that scores prefixes (a
+        serialized handoff links the prefix the decode instance holds)."""
+        iid = self.scheduler.choose(rid, tokens, Priority.NORMAL, Phase.DECODE, token_ids=token_ids)
         return None if iid is None else self.instances[iid]
 
     def _unpend(self, dst: SimInstance, rid: str) -> None:
@@ -217,23 +220,30 @@ class HandoffModel:
                 rec.fallback, rec.refusals = True, e.refusals
                 self._abandon(rid, e)
             mid = f"ho-{next(_ids)}"
+            # The prompt's blocks cached at the decode instance are linked there, not sent (PreAllocate.link).
+            link = (tuple(src.engine.block_hashes(rid)[:state.num_computed_tokens // src.profile.block_size])
+                    if self.migration.config.link_cached else ())
             while True:
-                dst = self._pick(src, rid, prompt_tokens)
+                dst = self._pick(src, rid, prompt_tokens, state.prompt_token_ids if link else None)
                 if dst is None or dst is src:
                     rec.in_place = True
                     yield src.call(src.engine.resume_request, rid)
                     self._done(rec, t0)
                     return
                 ok, _ = yield from self.migration._rpc(
-                    dst, self.migration.pre_allocate(dst, mid, rid, 0, len(blocks), 0, None, handoff=True))
+                    dst, self.migration.pre_allocate(dst, mid, rid, 0, len(blocks), 0, None, handoff=True,
+                                                     link=link))
                 if ok:
                     break
                 self._unpend(dst, rid)
                 rec.refusals += 1
                 yield Delay(self.retry_s)
-            yield Delay(rpc + self.transfer(src, dst).seconds(len(blocks)))
+            rec.linked = len(dst.reservations[mid].linked)
+            if rec.linked and kv is not None:
+                kv = memoryview(kv)[rec.linked * len(kv) // len(blocks):]
+            yield Delay(rpc + self.transfer(src, dst).seconds(len(blocks) - rec.linked))
         rec.destination = dst.instance_id
-        rec.transfer_s = self.transfer(src, dst).seconds(len(blocks))
+        rec.transfer_s = self.transfer(src, dst).seconds(len(blocks) - rec.linked)
         yield Delay(rpc / 2)
         self.migration.commit(dst, mid, state, kv)
         rec.exposed_s = self.k.now - t0
@@ -249,6 +259,8 @@ class HandoffModel:
         recs = self.records
         by_mode = {m.value: [r for r in recs if r.mode == m.value and not r.in_place] for m in HandoffMode}
         out = {"handoffs": len(recs), "in_place": sum(r.in_place for r in recs),
+               "blocks": sum(r.blocks for r in recs if not r.in_place),
+               "blocks_linked": sum(r.linked for r in recs),
                "fallbacks": sum(r.fallback for r in recs), "refusals": sum(r.refusals for r in recs)}
         for mode, rs in by_mode.items():
             exp = sorted(r.exposed_s for r in rs)

@@ -11,7 +11,7 @@ decisions (last stage at <= last_stage_max_blocks uncopied or after
 max_stages) and limits (max_migrate_out, max_migrate_in, the destination's
 watermark) are MigrationConfig's, the choice of requests is
 ``next_to_migrate`` and the destination's consent ``accepts_migration``
-(services/instance/migration/policy.py). A migrate-out order runs up to
+(libs/common/policies/migration.py). A migrate-out order runs up to
 ``max_migrate_out`` migrations at once: while some are in flight, the status
 the order chooses from counts their blocks as freed already. Failures (crashes, lost replies, deadlines) are not
 modelled: nothing fails in a simulated run.
@@ -27,7 +27,7 @@ from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel, Wait
 from ferry.sim.params import Delays, TransferModel
 from libs.common.types import InstanceStatus, RequestState
-from services.instance.migration.policy import accepts_migration, next_to_migrate
+from libs.common.policies.migration import accepts_migration, next_to_migrate
 from services.instance.migration.selection import status_without
 from services.instance.migration.source import MigrationConfig
 from services.instance.migration.states import DestState
@@ -74,12 +74,13 @@ class Reservation:
     request_id: str
     handoff: bool = False  # counted against max_handoff_in, as destination.py's
     state: DestState = DestState.NONE
+    linked: list[int] = field(default_factory=list)  # the request's first blocks, from this cache
     stages: dict[int, list[int]] = field(default_factory=dict)
     spare: list[int] = field(default_factory=list)
 
     @property
     def blocks(self) -> list[int]:
-        return [b for s in sorted(self.stages) for b in self.stages[s]]
+        return self.linked + [b for s in sorted(self.stages) for b in self.stages[s]]
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Outcome:
     committed: bool = False
     reason: str = ""
     stages: int = 0
-    blocks: int = 0
+    blocks: int = 0  # sent
+    linked: int = 0  # linked at the destination from its prefix cache, not sent
     downtime_s: float = 0.0
     duration_s: float = 0.0
 
@@ -110,10 +112,15 @@ class MigrationModel:
                    if r.state is DestState.RESERVED and handoff in (None, r.handoff))
 
     def pre_allocate(self, dst: SimInstance, mid: str, rid: str, stage: int, n: int, spare: int,
-                     keep_freeness_above: float | None | bool = False, handoff: bool = False):
+                     keep_freeness_above: float | None | bool = False, handoff: bool = False,
+                     link: tuple = ()):
         """``keep_freeness_above`` False: no consent check (a later stage).
         ``handoff``: a Splitwise handoff (accepts_migration's rule for it,
-        and max_handoff_in instead of max_migrate_in)."""
+        and max_handoff_in instead of max_migrate_in). ``link``: the
+        request's block hashes (first stage, PreAllocate.link): the blocks of
+        their longest prefix cached at ``dst`` are linked (the reservation's
+        ``linked``) and ``n``, counted from the request's first block,
+        shrinks by as many."""
         res = dst.reservations.get(mid)
         if res is None:
             if dst.terminating:
@@ -133,11 +140,24 @@ class MigrationModel:
             return False, f"migration is {res.state.value}"
         if stage in res.stages:
             return False, f"stage {stage} already reserved"
-        from_spare = min(n, len(res.spare))
-        want = n - from_spare + max(0, spare - (len(res.spare) - from_spare))
-        fresh = (yield dst.call(dst.engine.reserve_blocks, want)) if want else []
+
+        def take(spare_now: int):  # one engine call, as the live destination's _take
+            linked = dst.engine.link_cached(list(link)) if link else []
+            m = max(0, n - len(linked))
+            from_spare = min(m, spare_now)
+            want = m - from_spare + max(0, spare - (spare_now - from_spare))
+            fresh = dst.engine.reserve_blocks(want) if want else []
+            if fresh is None and linked:
+                dst.engine.release_blocks(linked)
+            return linked, m, want, fresh
+
+        if link or n + spare > len(res.spare):
+            linked, n, want, fresh = yield dst.call(take, len(res.spare))
+        else:  # from the spare blocks alone: no engine step to wait for
+            linked, n, want, fresh = take(len(res.spare))
         if fresh is None:
             return False, f"{want} blocks do not fit above the watermark"
+        res.linked += linked
         pool = res.spare + fresh
         res.stages[stage], res.spare = pool[:n], pool[n:]
         dst.reservations[mid] = res
@@ -147,8 +167,9 @@ class MigrationModel:
 
     def commit(self, dst: SimInstance, mid: str, state: RequestState, kv: bytes | memoryview | None = None) -> None:
         """Install the request on its reserved blocks at ``dst``'s next step
-        boundary; ``kv`` (the whole KV, gathered at the source) is scattered
-        into them first (a Splitwise handoff sends it in one piece)."""
+        boundary; ``kv`` (the KV of the blocks after the linked ones, gathered
+        at the source) is scattered into them first (a Splitwise handoff
+        sends it in one piece)."""
         res = dst.reservations[mid]
         blocks, spare = res.blocks, res.spare
 
@@ -156,7 +177,7 @@ class MigrationModel:
             if spare:
                 dst.engine.release_blocks(spare)
             if kv is not None:
-                dst.engine.scatter_kv(blocks, kv)
+                dst.engine.scatter_kv(blocks[len(res.linked):], kv)
             dst.engine.install_request(state, blocks)
 
         dst.submit(install)
@@ -206,10 +227,15 @@ class MigrationModel:
                 if last:
                     todo = []
                 spare = cfg.last_stage_max_blocks + 2 if stage == 0 else 0
+                link = tuple(eng.block_hashes(rid)[:len(full)]) if stage == 0 and cfg.link_cached else ()
                 ok, reason = yield from self._rpc(dst, self.pre_allocate(
-                    dst, mid, rid, stage, len(todo), spare, self.dest_keep_freeness_above if stage == 0 else False))
+                    dst, mid, rid, stage, len(todo), spare, self.dest_keep_freeness_above if stage == 0 else False,
+                    link=link))
                 if not ok:
                     raise Aborted(f"destination refused: {reason}")
+                if link:  # linked there, not sent (sent was 0)
+                    out.linked = sent = len(dst.reservations[mid].linked)
+                    todo = todo[sent:]
                 if todo:
                     yield Delay(self.delays.rpc_s + self.transfer.seconds(len(todo)))
                 stages += 1
@@ -267,7 +293,7 @@ class MigrationModel:
 
     # --- a migrate-out order (manager.migrate_out) --------------------------------------
     def migrate_out(self, src: SimInstance, dst: SimInstance, stop_when_freeness_above: float,
-                    use_priorities: bool, max_requests: int = 64):
+                    use_priorities: bool, max_requests: int = 64, linkable: dict | None = None):
         """Returns (started, committed). Up to ``max_migrate_out`` migrations
         run at once; a refusal by the destination ends the order (the
         scheduler pairs again next round)."""
@@ -297,7 +323,8 @@ class MigrationModel:
                     # As the live manager's order_status: the requests already leaving excluded.
                     view = status_without(src.instance_id, load, src.headroom, src.terminating,
                                           frozenset(inflight))
-                    rid = next_to_migrate(view, started, stop_when_freeness_above, use_priorities, frozenset(tried))
+                    rid = next_to_migrate(view, started, stop_when_freeness_above, use_priorities, frozenset(tried),
+                                          linkable)
                     if rid is None or dst.stopped:
                         stop = True
                         break

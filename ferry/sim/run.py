@@ -286,7 +286,14 @@ class Cluster:
 
     # --- cluster samples (serving.sample_cluster) --------------------------------------------
     def _sample(self) -> None:
+        caches = [i.engine.pool.cache.stats for i in self.instances.values()]
+        done = [o for o in self.migration.outcomes if o.committed]
         self.samples.append({"t": self.k.now - self.t0, "migrations_ordered": self.scheduler.migrations_ordered,
+                             # cumulative, over the cluster: prompt blocks looked up / served from cache
+                             "prefix_queries": sum(c.queries for c in caches),
+                             "prefix_hits": sum(c.hits for c in caches),
+                             "migration_blocks_sent": sum(o.blocks for o in done),
+                             "migration_blocks_linked": sum(o.linked for o in done),
                              "instances": {iid: {"freeness": s.freeness, "num_running": s.num_running,
                                                  "num_waiting": s.num_waiting, "free_blocks": s.free_blocks,
                                                  "num_preemptions": s.num_preemptions,
@@ -392,6 +399,10 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     summary["dead_processes"] = []
     summary["migrations_ordered"] = cluster.scheduler.migrations_ordered
     summary["prefix_cache"] = cluster.prefix_summary()
+    done = [o for o in cluster.migration.outcomes if o.committed]
+    # Blocks sent by committed migrations, and those the destinations linked
+    # instead (a prefix-blind migration of the same requests sends both).
+    summary["migration_blocks"] = {"sent": sum(o.blocks for o in done), "linked": sum(o.linked for o in done)}
     sim_s = cluster.end - cluster.t0
     outcomes = cluster.migration.outcomes
     committed = [o for o in outcomes if o.committed]
@@ -401,6 +412,10 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
            "migrations_committed": len(committed), "migrations_aborted": len(outcomes) - len(committed),
            "migration_downtime_ms_mean": (1000 * sum(o.downtime_s for o in committed) / len(committed)
                                           if committed else None),
+           # Of committed migrations: blocks sent, and blocks the destination linked from its cache instead
+           # (a prefix-blind migration of the same requests sends both).
+           "migration_blocks_sent": sum(o.blocks for o in committed),
+           "migration_blocks_linked": sum(o.linked for o in committed),
            "instance_seconds": cluster.instance_seconds(),
            "delays_model_s": dataclasses.asdict(cluster.delays),
            "transfer": dataclasses.asdict(cluster.migration.transfer)}

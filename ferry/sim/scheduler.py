@@ -30,7 +30,10 @@ from services.scheduler.policies import (
     DispatchRequest,
     InstanceView,
     MigrationPair,
+    PromptHashes,
     blocks_for,
+    linkable_blocks,
+    move_cost,
     pair_migrations,
 )
 from services.scheduler.service import SchedulerConfig
@@ -51,6 +54,7 @@ class SimScheduler:
         self.pending = PendingDispatches()
         self.busy: set[str] = set()
         self.migrations_ordered = 0
+        self.prompt_hashes = PromptHashes()  # for pairs_by_move_cost, as the live scheduler's
 
     # --- the cluster view (libs/common/cluster_view.py) ------------------------------------
     def deliver(self, status: InstanceStatus) -> None:
@@ -76,14 +80,14 @@ class SimScheduler:
         its hit there where the policy scores prefixes)."""
         req = DispatchRequest(request_id, num_tokens, priority, exclude)
         if token_ids is not None and self.policy.uses_prefix:
-            req = replace(req, **self.prefix_hits(token_ids))
+            req = replace(req, **self.prefix_hits(token_ids, request_id))
         iid = choose_for_phase(self.dispatcher, self.views(), req, phase)
         if iid is not None:
             demand = blocks_for(num_tokens, self.statuses[iid].block_size) - req.hits.get(iid, 0)
             self.pending.add(iid, request_id, max(1, demand), self.k.now)
         return iid
 
-    def prefix_hits(self, token_ids: Sequence[int]) -> dict:
+    def prefix_hits(self, token_ids: Sequence[int], request_id: str = "") -> dict:
         """DispatchRequest's prefix fields for a prompt: the live scheduler's
         (services/scheduler/service.py ``prefix_hits``: each instance's
         longest held prefix of the prompt's full blocks at the cluster's block
@@ -95,6 +99,8 @@ class SimScheduler:
             return {}
         bs = min(sizes, key=lambda b: (-sizes[b], b))
         hashes = block_hashes(token_ids, bs)
+        if request_id:
+            self.prompt_hashes.put(request_id, hashes)
         hits = {}
         for iid, st in self.statuses.items():
             inst = self.instances[iid]
@@ -116,9 +122,17 @@ class SimScheduler:
         if self.config.migration and self.dispatcher.migrates:
             self.k.after(self.migrate_interval_s, self._tick)
 
+    def held_prefix(self, instance_id: str, hashes: tuple) -> int:
+        """How many of the first ``hashes`` the instance's cache holds now
+        (exact, as ``prefix_hits``)."""
+        inst = self.instances.get(instance_id)
+        return 0 if inst is None or inst.stopped else len(inst.engine.pool.lookup(hashes))
+
     def _tick(self) -> None:
+        cost = (move_cost(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
+                          self.dispatcher.uses_priorities) if self.policy.pairs_by_move_cost else None)
         pairs = pair_migrations(self.views(), self.config.out_threshold, self.config.in_threshold,
-                                self.freeness_of, frozenset(self.busy))
+                                self.freeness_of, frozenset(self.busy), cost)
         for p in pairs:
             self.busy.add(p.source)
             self.migrations_ordered += 1
@@ -128,11 +142,15 @@ class SimScheduler:
     def _order(self, pair: MigrationPair):
         src, dst = self.instances[pair.source], self.instances[pair.destination]
         rpc = self.migration.delays.rpc_s
+        link = None
+        if self.policy.pairs_by_move_cost and pair.source in self.statuses:
+            view = next(v for v in self.views() if v.instance_id == pair.source)
+            link = linkable_blocks(view, pair.destination, self.prompt_hashes, self.held_prefix)
         try:
             yield Delay(rpc / 2)
             if not src.stopped and not dst.stopped:
                 yield from self.migration.migrate_out(src, dst, self.config.out_threshold,
-                                                      self.dispatcher.uses_priorities)
+                                                      self.dispatcher.uses_priorities, linkable=link)
             yield Delay(rpc / 2)
         finally:
             self.busy.discard(pair.source)

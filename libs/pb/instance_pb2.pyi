@@ -312,7 +312,14 @@ class KvEventsMessage(_message.Message):
     def __init__(self, snapshot: _Optional[_Union[_common_pb2.KvSnapshot, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.KvEventBatch, _Mapping]] = ...) -> None: ...
 
 class MigrateOutRequest(_message.Message):
-    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking")
+    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking", "linkable_blocks")
+    class LinkableBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DEST_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DEST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STOP_WHEN_FREENESS_ABOVE_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +327,7 @@ class MigrateOutRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     BLOCKING_FIELD_NUMBER: _ClassVar[int]
+    LINKABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     dest_instance_id: str
     dest_address: str
     stop_when_freeness_above: float
@@ -327,7 +335,8 @@ class MigrateOutRequest(_message.Message):
     request_id: str
     use_priorities: bool
     blocking: bool
-    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ...) -> None: ...
+    linkable_blocks: _containers.ScalarMap[str, int]
+    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ..., linkable_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class MigrateOutReply(_message.Message):
     __slots__ = ("started", "committed", "aborted", "results")
@@ -342,7 +351,7 @@ class MigrateOutReply(_message.Message):
     def __init__(self, started: _Optional[int] = ..., committed: _Optional[int] = ..., aborted: _Optional[int] = ..., results: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms", "commit_ack_ms", "suspended_at", "kv_shared")
+    __slots__ = ("migration_id", "request_id", "outcome", "reason", "stages", "blocks", "bytes", "duration_ms", "downtime_ms", "commit_ack_ms", "suspended_at", "kv_shared", "linked_blocks")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +364,7 @@ class MigrationResult(_message.Message):
     COMMIT_ACK_MS_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_AT_FIELD_NUMBER: _ClassVar[int]
     KV_SHARED_FIELD_NUMBER: _ClassVar[int]
+    LINKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     outcome: str
@@ -367,7 +377,8 @@ class MigrationResult(_message.Message):
     commit_ack_ms: float
     suspended_at: float
     kv_shared: bool
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ..., commit_ack_ms: _Optional[float] = ..., suspended_at: _Optional[float] = ..., kv_shared: _Optional[bool] = ...) -> None: ...
+    linked_blocks: int
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., stages: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., downtime_ms: _Optional[float] = ..., commit_ack_ms: _Optional[float] = ..., suspended_at: _Optional[float] = ..., kv_shared: _Optional[bool] = ..., linked_blocks: _Optional[int] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "k_transposed")
@@ -386,7 +397,7 @@ class KvHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_transposed: _Optional[bool] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share", "block_hashes")
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share", "block_hashes", "link_cached")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +410,7 @@ class PreAllocateRequest(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     KV_SHARE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LINK_CACHED_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     num_blocks: int
@@ -411,7 +423,8 @@ class PreAllocateRequest(_message.Message):
     last: bool
     kv_share: KvShare
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    link_cached: bool
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., link_cached: _Optional[bool] = ...) -> None: ...
 
 class KvShare(_message.Message):
     __slots__ = ("pid", "fd", "name", "size")
@@ -426,16 +439,18 @@ class KvShare(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class PreAllocateReply(_message.Message):
-    __slots__ = ("accepted", "reason", "kv_shared", "held_block_hashes")
+    __slots__ = ("accepted", "reason", "kv_shared", "held_block_hashes", "linked_blocks")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KV_SHARED_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LINKED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     kv_shared: bool
     held_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_shared: _Optional[bool] = ..., held_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    linked_blocks: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., kv_shared: _Optional[bool] = ..., held_block_hashes: _Optional[_Iterable[int]] = ..., linked_blocks: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("migration_id", "stage", "header", "num_blocks", "offset", "data", "total_bytes", "layer", "src_blocks")

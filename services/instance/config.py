@@ -68,6 +68,9 @@ class InstanceConfig(CommonConfig):
     migration_fuse_last_stage: bool = opt(True, "migration: when the destination maps this instance's shared KV "
                                           "cache, send the last stage's block ids with the commit (one round trip "
                                           "after the suspend instead of three)")
+    migration_link_cached: bool = opt(True, "migration: the destination links the request's first blocks that "
+                                      "its prefix cache holds already (the longest held prefix of their hashes) "
+                                      "instead of receiving them; only the rest is sent")
     migration_kv_staging: bool = opt(True, "migration (native on CUDA): copy KV blocks on a side stream through "
                                      "pinned host buffers, beside the engine's steps (else on the engine's stream "
                                      "through pageable memory, queued behind the step in flight)")
@@ -119,7 +122,7 @@ class InstanceConfig(CommonConfig):
             precopy_chunk_bytes=int(self.migration_precopy_chunk_mb * (1 << 20)), max_handoff_in=self.max_handoff_in,
             handoff_per_layer_threshold=self.handoff_per_layer_threshold, join_hold_ms=self.migration_join_hold_ms,
             join_notice=self.migration_join_notice, shared_kv=self.migration_shared_kv,
-            fuse_last_stage=self.migration_fuse_last_stage)
+            fuse_last_stage=self.migration_fuse_last_stage, link_cached=self.migration_link_cached)
 
     def queued_tokens_bound(self) -> int:
         if self.max_queued_tokens is not None:

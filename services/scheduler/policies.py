@@ -5,25 +5,89 @@ their names are re-exported here for the scheduler's modules."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from libs.common.policies import POLICIES, POLICY_NAMES, Dispatcher, DispatchRequest, InstanceView, blocks_for
 from libs.common.policies.freeness import base_freeness, llumnix_freeness, memory_load
+from libs.common.policies.migration import next_to_migrate
+from libs.common.types import RequestPhase
 
 __all__ = [
     "POLICIES",
     "POLICY_NAMES",
     "DispatchRequest",
     "Dispatcher",
+    "HeldPrefix",
     "InstanceView",
     "MigrationPair",
+    "MoveCost",
+    "PromptHashes",
     "base_freeness",
     "blocks_for",
     "llumnix_freeness",
+    "linkable_blocks",
     "memory_load",
+    "move_cost",
     "pair_migrations",
 ]
+
+# (source, destination) -> the blocks a migration between them would send.
+MoveCost = Callable[[InstanceView, InstanceView], float]
+# (instance id, block hashes) -> how many of the first hashes the instance's cache holds.
+HeldPrefix = Callable[[str, tuple], int]
+
+
+class PromptHashes:
+    """The prompt block hashes of recent dispatches (DispatchRequest's), by
+    request id, for counting what a migration of the request would send
+    (``move_cost``). Bounded: the oldest go first."""
+
+    def __init__(self, capacity: int = 65536):
+        self.capacity = capacity
+        self._by_id: OrderedDict[str, tuple] = OrderedDict()
+
+    def put(self, request_id: str, hashes) -> None:
+        self._by_id[request_id] = tuple(hashes)
+        self._by_id.move_to_end(request_id)
+        while len(self._by_id) > self.capacity:
+            self._by_id.popitem(last=False)
+
+    def get(self, request_id: str) -> tuple:
+        return self._by_id.get(request_id, ())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def linkable_blocks(src: InstanceView, dst_id: str, hashes: PromptHashes, held: HeldPrefix) -> dict[str, int]:
+    """Of the source's running requests, those whose prompt's first blocks
+    the destination holds: request id -> how many (MigrateOutOrder.linkable:
+    the order moves the cheapest to send first)."""
+    out = {}
+    for r in src.status.requests:
+        h = hashes.get(r.request_id) if r.state == RequestPhase.RUNNING else ()
+        n = held(dst_id, h) if h else 0
+        if n:
+            out[r.request_id] = n
+    return out
+
+
+def move_cost(hashes: PromptHashes, held: HeldPrefix, out_threshold: float, use_priorities: bool) -> MoveCost:
+    """The cost of a source's first move to a destination: the blocks that
+    the request its migrate-out order would choose first there
+    (libs/common/policies/migration.next_to_migrate on the scheduler's view,
+    with the destination's ``linkable_blocks``) would send: its blocks less
+    the prefix the destination holds (linked there, not sent)."""
+
+    def cost(src: InstanceView, dst: InstanceView) -> float:
+        link = linkable_blocks(src, dst.instance_id, hashes, held)
+        rid = next_to_migrate(src.status, 0, out_threshold, use_priorities, linkable=link)
+        blocks = next((r.physical_blocks for r in src.status.requests if r.request_id == rid), 0)
+        return max(0, blocks - link.get(rid, 0))
+
+    return cost
 
 
 @dataclass(frozen=True)
@@ -36,14 +100,17 @@ class MigrationPair:
 
 def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshold: float,
                     freeness_of: Callable[[InstanceView], float] = llumnix_freeness,
-                    busy: frozenset[str] = frozenset()) -> list[MigrationPair]:
+                    busy: frozenset[str] = frozenset(), cost: MoveCost | None = None) -> list[MigrationPair]:
     """Pair sources (F < out_threshold, or terminating) with destinations
     (F > in_threshold, not terminating, no queue of their own): repeatedly
     lowest-F source with highest-F destination. Called every round on fresh
     views, so a pair lasts one round. Instances in ``busy`` (an order is
     running there) and instances that cannot migrate are left out as sources
     and destinations; a destination's own refusal (below its in-threshold
-    after the migration, a queue, its migrate-in limit) guards the rest."""
+    after the migration, a queue, its migrate-in limit) guards the rest.
+    With ``cost`` (Policy.pairs_by_move_cost), each source in turn (lowest F
+    first) takes the destination left where its move is cheapest, of equal
+    costs the highest F: with no prefix held anywhere, the same pairs."""
     def f(v: InstanceView) -> float:
         return float("-inf") if v.status.terminating else freeness_of(v)
 
@@ -59,6 +126,16 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
                     and v.status.num_waiting == 0 and v.pending_requests == 0 and v.status.role.decodes),
                    key=lambda p: p[0], reverse=True)
     pairs = []
+    if cost is not None:
+        for fs, src in sources:
+            left = [(cost(src, dst), -fd, i) for i, (fd, dst) in enumerate(dests)
+                    if dst.instance_id != src.instance_id]
+            if not left:
+                break
+            _, _, i = min(left)
+            fd, dst = dests.pop(i)
+            pairs.append(MigrationPair(src.instance_id, dst.instance_id, fs, fd))
+        return pairs
     for (fs, src), (fd, dst) in zip(sources, dests):
         if src.instance_id == dst.instance_id:
             break

@@ -19,17 +19,29 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.logging import get_logger
-from services.scheduler.policies import MigrationPair, pair_migrations
+from services.scheduler.policies import (
+    HeldPrefix,
+    MigrationPair,
+    PromptHashes,
+    linkable_blocks,
+    move_cost,
+    pair_migrations,
+)
 
 log = get_logger(__name__)
 
 
 class Rescheduler:
-    def __init__(self, view, config, on_order: Callable[[], None] = lambda: None):
+    def __init__(self, view, config, on_order: Callable[[], None] = lambda: None,
+                 prompt_hashes: PromptHashes | None = None, held_prefix: HeldPrefix | None = None):
         """``view``: the cluster view (libs/common/cluster_view.py);
         ``config``: the scheduler's (thresholds, interval, policy);
-        ``on_order``: called for every migrate-out order sent."""
+        ``on_order``: called for every migrate-out order sent;
+        ``prompt_hashes``, ``held_prefix``: the dispatched prompts' block
+        hashes and the prefix index, for a policy that pairs by move cost."""
         self.view = view
+        self.prompt_hashes = prompt_hashes
+        self.held_prefix = held_prefix
         self.config = config
         self.on_order = on_order
         self._task: asyncio.Task | None = None
@@ -58,8 +70,12 @@ class Rescheduler:
 
     def tick(self) -> list[MigrationPair]:
         busy = frozenset(self._busy)
+        cost = None
+        if self.policy.pairs_by_move_cost and self.prompt_hashes is not None and self.held_prefix is not None:
+            cost = move_cost(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
+                             self.policy.uses_priorities)
         pairs = pair_migrations(self.view.views(), self.config.out_threshold,
-                                self.config.in_threshold, self.freeness_of, busy)
+                                self.config.in_threshold, self.freeness_of, busy, cost)
         for p in pairs:
             self._busy[p.source] = asyncio.create_task(self._order(p))
         return pairs
@@ -67,6 +83,11 @@ class Rescheduler:
     async def _order(self, pair: MigrationPair) -> None:
         view = self.view
         src, dst = view.address(pair.source), view.address(pair.destination)
+        link = {}
+        if self.policy.pairs_by_move_cost and self.prompt_hashes is not None and self.held_prefix is not None:
+            source = next((v for v in view.views() if v.instance_id == pair.source), None)
+            if source is not None:
+                link = linkable_blocks(source, pair.destination, self.prompt_hashes, self.held_prefix)
         try:
             if src is None or dst is None:
                 return
@@ -78,7 +99,7 @@ class Rescheduler:
                 reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
                     dest_instance_id=pair.destination, dest_address=dst,
                     stop_when_freeness_above=self.config.out_threshold,
-                    use_priorities=self.policy.uses_priorities), timeout=60)
+                    use_priorities=self.policy.uses_priorities, linkable_blocks=link), timeout=60)
             if reply.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,
                          committed=reply.committed, aborted=reply.aborted)

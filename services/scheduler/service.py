@@ -28,6 +28,7 @@ from libs.common.policies.index import DispatchIndex
 from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
+from services.scheduler.policies import PromptHashes
 
 log = get_logger(__name__)
 
@@ -138,6 +139,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if self.svc.dispatcher.policy.uses_prefix and request.block_hashes:
             req = dataclasses.replace(req, prefix_blocks=len(request.block_hashes),
                                       hits=self.svc.prefix_hits(list(request.block_hashes), request.block_size))
+            if self.svc.dispatcher.policy.pairs_by_move_cost:
+                self.svc.prompt_hashes.put(request.request_id, request.block_hashes)
         placed = self.svc.place(req)
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
@@ -231,6 +234,7 @@ class SchedulerService(Service):
         self.autoscaler = None
         self.kunserve = None
         self.kv_index = None  # services/scheduler/kv_index.py: the prefix index and its streams (every scheduler)
+        self.prompt_hashes = PromptHashes()  # of recent dispatches, for Policy.pairs_by_move_cost
         # Every scheduler dispatches; the leader alone runs the loops below
         # (services/scheduler/leader.py), with a previous leader's state.
         self.leadership = None
@@ -255,6 +259,13 @@ class SchedulerService(Service):
                 iid = self.index.choose(req)
                 return None if iid is None else Placement(iid)
         return place(self.dispatcher, self.view.views(), req)
+
+    def held_prefix(self, instance_id: str, block_hashes: tuple) -> int:
+        """How many of the first ``block_hashes`` the instance's cache holds
+        (the prefix index; 0 if its stream is not synced)."""
+        if self.kv_index is None:
+            return 0
+        return self.kv_index.index.match(list(block_hashes)).get(instance_id, 0)
 
     def prefix_hits(self, block_hashes: list[int], block_size: int) -> dict[str, int]:
         """Per instance, how many of the first ``block_hashes`` (hashed at
@@ -306,7 +317,8 @@ class SchedulerService(Service):
         if c.migration and self.dispatcher.migrates:
             from services.scheduler.rescheduler import Rescheduler
 
-            self.rescheduler = Rescheduler(self.view, c, on_order=self._count_order)
+            self.rescheduler = Rescheduler(self.view, c, on_order=self._count_order, prompt_hashes=self.prompt_hashes,
+                                           held_prefix=self.held_prefix)
             self.rescheduler.start()
         kind = self._launcher_kind()
         if kind == "local":

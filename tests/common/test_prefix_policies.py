@@ -110,7 +110,7 @@ def test_prefix_blind_policies_ignore_hits():
         assert d.choose(CLUSTER, request(HITS)) == d.choose(CLUSTER, request({}))
 
 
-def test_splitwise_decode_choice_is_prefix_blind():
+def test_splitwise_decode_choice_counts_the_prefix_the_decode_instance_holds():
     from dataclasses import replace
 
     from libs.common.policies.phases import place
@@ -121,6 +121,9 @@ def test_splitwise_decode_choice_is_prefix_blind():
 
     p = role(view("P"), Role.PREFILL)
     d1, d2 = role(view("D1", used=100, running=2), Role.DECODE), role(view("D2", used=100, running=2), Role.DECODE)
-    # D2 holds the prompt, but the handoff copies every block: the tie goes to D1
+    # D2 holds the prompt: the handoff links it there and sends only the rest
     placed = place(Dispatcher(get("llumnix-prefix")), [p, d1, d2], request({"D2": 90}))
+    assert placed.prefill == "P" and placed.decode == "D2"
+    # held nowhere: the tie goes to the lowest id
+    placed = place(Dispatcher(get("llumnix-prefix")), [p, d1, d2], request({}))
     assert placed.prefill == "P" and placed.decode == "D1"

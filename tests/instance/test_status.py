@@ -5,7 +5,7 @@ import pytest
 
 from libs.common.types import InstanceStatus, Priority, RequestLoad
 from services.instance.engine.base import EngineLoad
-from services.instance.migration.policy import accepts_migration, head_of_line_shortfall, next_to_migrate
+from libs.common.policies.migration import accepts_migration, head_of_line_shortfall, next_to_migrate
 from services.instance.status import instance_status, material
 
 LOAD = EngineLoad(total_blocks=100, free_blocks=50, block_size=16, requests=(
@@ -59,6 +59,15 @@ def test_next_to_migrate_moves_the_cheapest_until_no_longer_a_source():
     # ...unless the instance is terminating (it drains).
     assert next_to_migrate(status(12.0, terminating=True), 1, 10.0, False) == "high"
     assert next_to_migrate(status(-2.0), 3, 10.0, False, frozenset({"high", "short", "long"})) is None
+
+
+def test_the_order_moves_the_fewest_tokens_to_send_where_the_destination_holds_prefixes():
+    """``linkable``: request id -> its first blocks the destination holds
+    (linked there, not sent): the cheapest move is the fewest tokens net of them."""
+    # long: 480 tokens, 29 of its 30 blocks held -> 16 to send; short: 20; high: 10
+    assert next_to_migrate(status(2.0), 0, 10.0, False, linkable={"long": 29}) == "high"
+    assert next_to_migrate(status(2.0), 0, 10.0, True, linkable={"long": 29}) == "long"  # normal first: 16 < 20
+    assert next_to_migrate(status(2.0), 0, 10.0, True, linkable={"long": 28}) == "short"  # 32 > 20
 
 
 def blocked(free: int, head: int, freeness: float = 2.0, terminating: bool = False) -> InstanceStatus:

@@ -1,13 +1,17 @@
 """Dispatch and migration policies on hand-made snapshots (no gRPC)."""
 
+import dataclasses
+
 import pytest
 
-from libs.common.types import InstanceStatus, Priority
+from libs.common.types import InstanceStatus, Priority, RequestLoad, RequestPhase
 from services.scheduler.policies import (
     Dispatcher,
     DispatchRequest,
     InstanceView,
+    PromptHashes,
     base_freeness,
+    move_cost,
     pair_migrations,
 )
 
@@ -195,3 +199,48 @@ def test_reserved_blocks_count_in_base_freeness():
     # 20 blocks reserved for an incoming migration: free 50, used 30.
     st = InstanceStatus("a", total_blocks=100, free_blocks=50, used_blocks=30, num_running=2)
     assert base_freeness(InstanceView("a", st)) == (100 - 50) / 2
+
+
+def _running(iid, freeness, *reqs):
+    """A source whose running requests are ``(request id, blocks)``."""
+    v = view(iid, freeness=freeness, running=len(reqs))
+    loads = tuple(RequestLoad(rid, Priority.NORMAL, RequestPhase.RUNNING, blocks, blocks * 16) for rid, blocks in reqs)
+    return InstanceView(iid, dataclasses.replace(v.status, requests=loads))
+
+
+def test_pairing_by_move_cost_sends_a_source_where_its_next_request_links_its_prefix():
+    """llumnix-prefix's pairing: each source (lowest freeness first) takes the
+    destination where the request it would move first sends the fewest
+    blocks; with no prefix held anywhere, llumnix's pairs."""
+    s1 = _running("s1", -5, ("big", 40), ("small", 10))  # moves "small" first (fewest blocks)
+    s2 = _running("s2", 2, ("x", 20))
+    views = [s1, s2, view("d1", freeness=80, running=1), view("d2", freeness=95, running=1)]
+    hashes = PromptHashes()
+    hashes.put("small", (1, 2, 3, 4))
+    hashes.put("x", (7, 8))
+    held = {"d1": {1: 1, 2: 1, 3: 1}, "d2": {7: 1}}  # d1 holds small's first 3 blocks, d2 x's first
+
+    def held_prefix(iid, h):
+        n = 0
+        for x in h:
+            if x not in held.get(iid, {}):
+                break
+            n += 1
+        return n
+
+    cost = move_cost(hashes, held_prefix, out_threshold=10, use_priorities=False)
+    assert cost(s1, views[2]) == 7 and cost(s1, views[3]) == 10 and cost(s2, views[3]) == 19
+    pairs = pair_migrations(views, 10, 60, cost=cost)
+    assert [(p.source, p.destination) for p in pairs] == [("s1", "d1"), ("s2", "d2")]
+    assert [(p.source, p.destination) for p in pair_migrations(views, 10, 60)] == [("s1", "d2"), ("s2", "d1")]
+    held.clear()
+    cost = move_cost(hashes, held_prefix, out_threshold=10, use_priorities=False)
+    assert [(p.source, p.destination) for p in pair_migrations(views, 10, 60, cost=cost)] == \
+        [("s1", "d2"), ("s2", "d1")]
+
+
+def test_prompt_hashes_keep_the_newest():
+    h = PromptHashes(capacity=2)
+    for rid in "abc":
+        h.put(rid, (ord(rid),))
+    assert h.get("a") == () and h.get("c") == (ord("c"),) and len(h) == 2

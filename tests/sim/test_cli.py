@@ -44,7 +44,27 @@ def test_compare_json_is_bench_compare_plus_seed_statistics(tmp_path):
     ratio = data["p99_ttft_ratios"]["llumnix/infaas++"]
     assert ratio["per_seed"] == pytest.approx([a["ttft_ms"]["p99"] / b["ttft_ms"]["p99"] for a, b in
                                                zip(data["per_seed"]["llumnix"], data["per_seed"]["infaas++"])])
-    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"ttft_cdf.png", "latency.png", "freeness.png"}
+    names = {p.name for p in (tmp_path / "plots").iterdir()}
+    assert {"ttft_cdf.png", "latency.png", "freeness.png", "hit_rate.png"} <= names
+    # the blocks migrated: drawn when some migration committed
+    migrated = any(data["runs"][n]["sim"]["migration_blocks_sent"] for n in data["runs"])
+    assert ("migration_blocks.png" in names) == migrated
+
+
+def test_the_plots_of_prefix_reuse(tmp_path):
+    """Hit rate over time from the samples' cumulative counters; blocks
+    migrated, sent and linked, per policy (none: no plot)."""
+    from ferry.measure import plots
+
+    samples = [{"t": float(t), "prefix_queries": 10 * t, "prefix_hits": 5 * t} for t in range(20)]
+    runs = {"a": {"samples": samples, "sim": {"migration_blocks_sent": 30, "migration_blocks_linked": 20}},
+            "b": {"samples": samples, "sim": {"migration_blocks_sent": 0, "migration_blocks_linked": 0}}}
+    assert plots.hit_rate_timeline(runs, str(tmp_path / "h.png")) == str(tmp_path / "h.png")
+    assert plots.migration_blocks(runs, str(tmp_path / "m.png")) == str(tmp_path / "m.png")
+    assert (tmp_path / "h.png").stat().st_size > 0 and (tmp_path / "m.png").stat().st_size > 0
+    runs["a"]["sim"] = {"migration_blocks_sent": 0, "migration_blocks_linked": 0}
+    assert plots.migration_blocks(runs, str(tmp_path / "none.png")) is None
+    assert plots.hit_rate_timeline({"c": {"samples": [{"t": 0.0}]}}, str(tmp_path / "x.png")) is None
 
 
 def test_the_same_command_writes_the_same_bytes(tmp_path):

@@ -120,6 +120,11 @@ class Policy:
     # The policy reads DispatchRequest.prefix_blocks and .hits: the scheduler
     # (and the simulator) look the prompt's hashes up for it, and only then.
     uses_prefix: bool = False
+    # Migration pairing counts a move's cost as the blocks it would send (the
+    # request's blocks net of the prefix the destination holds, which it links):
+    # each source goes to the destination where its next request is cheapest
+    # (services/scheduler/policies.py pair_migrations).
+    pairs_by_move_cost: bool = False
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:

@@ -22,8 +22,11 @@ nowhere ``(0, -shortfall, -prefill cost)``; terminating ``(-1, ...)``. Ties
 go to the lowest id. So with no hit and no queue anywhere it is ``llumnix``'s
 choice; a cached prefix wins unless the holder's queued prefill is longer
 than the prefix saves, or it is short of memory. Memory balance beyond that
-is left to migration (the same rescheduling loop and freeness as
-``llumnix``; its migration does not know prefixes yet).
+is left to migration: the same rescheduling loop, thresholds and freeness
+as ``llumnix``, but each source is paired with the destination where the
+request it would move first is cheapest to move (its blocks net of the
+prefix held there, which the destination links instead of receiving;
+``pairs_by_move_cost``), of equal costs the freest.
 """
 
 from libs.common.policies.base import DispatchRequest, InstanceView, Policy, best_of, blocks_for, fit_key, hit_blocks
@@ -52,4 +55,4 @@ def select(cands: list[InstanceView], req: DispatchRequest) -> InstanceView:
 POLICY = Policy("llumnix-prefix", "llumnix whose dispatch counts each instance's cached prefix (demand net of "
                 "the hit; least missed + queued prefill tokens where roomy); migration; priorities",
                 score=None, select=select, uses_prefix=True, migrates=True, uses_priorities=True,
-                migration_freeness=llumnix_freeness)
+                migration_freeness=llumnix_freeness, pairs_by_move_cost=True)

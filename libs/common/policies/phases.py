@@ -102,10 +102,10 @@ def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchReques
     if not needs_handoff(role):
         return Placement(first)
     decoders = [v for v in views if serves(v.status.role, Phase.DECODE) and v.instance_id != first]
-    # No prefix hits for the decode step: the handoff copies every block
-    # (a decode instance that holds the prefix would still receive it all).
-    then = dataclasses.replace(req, num_prompt_tokens=req.num_prompt_tokens + 1, exclude=req.exclude | {first},
-                               prefix_blocks=0, hits={})
+    # The prefix hits count for the decode step too: a decode instance that
+    # holds the prompt's prefix links it and receives only the rest
+    # (PreAllocate.link; a per-layer handoff still streams every block).
+    then = dataclasses.replace(req, num_prompt_tokens=req.num_prompt_tokens + 1, exclude=req.exclude | {first})
     if not [v for v in decoders if v.instance_id not in then.exclude]:
         return Placement(first)
     return Placement(first, dispatcher.choose(decoders, then))

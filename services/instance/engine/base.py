@@ -311,9 +311,18 @@ class Engine(abc.ABC):
         this engine cannot."""
         return False
 
+    def link_cached(self, hashes: list[BlockHash]) -> list[int]:
+        """An incoming migration's first blocks that this engine's prefix
+        cache holds already: the blocks of the longest cached prefix of
+        ``hashes``, referenced for the migration (nothing is copied into
+        them). They go into ``install_request``'s block list like reserved
+        ones, or back with ``release_blocks``. Engine thread. Default: none
+        (every block is copied)."""
+        return []
+
     @abc.abstractmethod
     def release_blocks(self, block_ids: list[int]) -> None:
-        """Return reserved blocks that were never installed."""
+        """Return reserved (or linked) blocks that were never installed."""
 
     @abc.abstractmethod
     def suspend_request(self, request_id: str) -> bool:

@@ -24,7 +24,7 @@ from services.instance.engine.shared_kv import KvShareError, PeerKv, runs
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.messages import Admission, KvChunk, LastStage, PreAllocate
 from services.instance.migration.metrics import MigrationCounters
-from services.instance.migration.policy import accepts_migration
+from libs.common.policies.migration import accepts_migration
 from services.instance.migration.states import DestState, Machine
 from services.instance.status import instance_status
 
@@ -40,6 +40,8 @@ class Reservation:
     source_instance_id: str
     deadline: float
     deadline_s: float
+    # The request's first blocks, linked from this cache instead of sent (PreAllocate.link).
+    linked: list[int] = field(default_factory=list)
     stages: dict[int, list[int]] = field(default_factory=dict)  # stage -> reserved block ids
     received: dict[int, int] = field(default_factory=dict)  # stage -> blocks written
     # NOTE: stage -> positions written: a chunk sent twice counts once, so a
@@ -67,7 +69,7 @@ class Reservation:
 
     @property
     def blocks(self) -> list[int]:
-        return [b for s in sorted(self.stages) for b in self.stages[s]]
+        return self.linked + [b for s in sorted(self.stages) for b in self.stages[s]]
 
     @property
     def held(self) -> list[int]:
@@ -118,17 +120,26 @@ class Destination:
         from_spare = min(num_blocks, len(res.spare))
         return num_blocks - from_spare + max(0, spare - (len(res.spare) - from_spare))
 
-    def _take(self, res: Reservation, stage: int, num_blocks: int, spare: int) -> bool:
+    def _take(self, res: Reservation, stage: int, num_blocks: int, spare: int, link: tuple = ()) -> bool:
         """Reserve what the stage needs and record it in the reservation, in
         one step. False if it does not fit (or the reservation ended). On the
-        engine thread, or on the loop when no fresh block is needed."""
+        engine thread, or on the loop when no fresh block is needed.
+        ``link``: the request's block hashes (first stage): the blocks of
+        their longest prefix cached here are linked, and the stage's
+        ``num_blocks`` (counted from the request's first block) shrinks by as
+        many."""
         with res.lock:
             if res.closed:
                 return False
+            linked = self.engine.link_cached(list(link)) if link and not res.linked else []
+            num_blocks = max(0, num_blocks - len(linked))
             want = self._want(res, num_blocks, spare)
             fresh = self.engine.reserve_blocks(want) if want else []
             if fresh is None:
+                if linked:
+                    self.engine.release_blocks(linked)
                 return False
+            res.linked += linked
             pool = res.spare + fresh
             res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
             res.received[stage] = 0
@@ -142,7 +153,7 @@ class Destination:
                 return 0
             held = res.held
             res.closed = True
-            res.stages, res.spare = {}, []
+            res.linked, res.stages, res.spare = [], {}, []
             res.peer_kv = None  # unmapped once no copy in flight holds it
         self.engine.release_blocks(held)
         return len(held)
@@ -184,7 +195,8 @@ class Destination:
         res = self.reservations.get(p.migration_id)
         # NOTE: read off the engine thread: a hint (the cache changes between steps)
         held = tuple(self.engine.holds_hashes(list(p.block_hashes))) if p.block_hashes else ()
-        return Admission(True, kv_shared=res is not None and self._map_source_kv(res, p), held=held)
+        return Admission(True, kv_shared=res is not None and self._map_source_kv(res, p), held=held,
+                         linked=len(res.linked) if res is not None and p.stage == 0 else 0)
 
     def _map_source_kv(self, res: Reservation, p: PreAllocate) -> bool:
         """Map the source's shared KV cache when it offers one (again when it
@@ -235,12 +247,13 @@ class Destination:
         if p.stage in res.stages:
             return False, f"stage {p.stage} already reserved"
         res.renew()
-        if self._want(res, p.num_blocks, p.spare_blocks) == 0:
+        link = tuple(p.block_hashes) if p.link and p.stage == 0 else ()
+        if not link and self._want(res, p.num_blocks, p.spare_blocks) == 0:
             # From the spare blocks alone (the last stage, right after the
             # suspend): no engine step to wait for.
             ok = self._take(res, p.stage, p.num_blocks, p.spare_blocks)
         else:
-            ok = await self.runner.call(self._take, res, p.stage, p.num_blocks, p.spare_blocks)
+            ok = await self.runner.call(self._take, res, p.stage, p.num_blocks, p.spare_blocks, link)
         res.renew()
         if res.machine.terminal:  # aborted or expired while we waited: _give_back freed what _take took
             return False, f"migration is {res.machine.state.value}"
@@ -250,8 +263,8 @@ class Destination:
                 self.reservations.pop(p.migration_id, None)
             # else: keep earlier stages until the source aborts (or the deadline)
             return False, f"{p.num_blocks + p.spare_blocks} blocks do not fit above the watermark"
-        res.machine.to(DestState.RESERVED, stage=p.stage, blocks=p.num_blocks, spare=len(res.spare),
-                       total_blocks=len(res.blocks))
+        res.machine.to(DestState.RESERVED, stage=p.stage, blocks=len(res.stages[p.stage]), spare=len(res.spare),
+                       total_blocks=len(res.blocks), linked=len(res.linked))
         if p.stage == 0:  # the request's context is about this long: its first step here need not be slow
             self.engine.expect_context(len(res.held) * self.engine.block_size)
         if p.last and not p.handoff and self.join_hold_s > 0:

@@ -42,6 +42,7 @@ def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:
         migration_id=p.migration_id, request_id=p.request_id, num_blocks=p.num_blocks, stage=p.stage,
         header=header_to_pb(p.layout), deadline_ms=p.deadline_ms, source_instance_id=p.source_instance_id,
         spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last, block_hashes=p.block_hashes,
+        link_cached=p.link,
         kv_share=None if share is None else pb.KvShare(pid=share.pid, fd=share.fd, name=share.name,
                                                       size=share.size))
 
@@ -51,7 +52,7 @@ def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
              if m.HasField("kv_share") else None)
     return PreAllocate(m.migration_id, m.request_id, m.stage, m.num_blocks, layout_from_pb(m.header),
                        m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last, share,
-                       tuple(m.block_hashes))
+                       tuple(m.block_hashes), m.link_cached)
 
 
 def chunk_to_pb(c: KvChunk) -> pb.KvChunk:
@@ -71,7 +72,7 @@ async def chunks_from_pb(stream) -> AsyncIterator[KvChunk]:
 
 def order_from_pb(m: pb.MigrateOutRequest) -> MigrateOutOrder:
     return MigrateOutOrder(m.dest_instance_id, m.dest_address, m.stop_when_freeness_above, m.max_requests,
-                           m.request_id, m.use_priorities, m.blocking)
+                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks))
 
 
 def outcome_to_pb(o: Outcome) -> pb.MigrationResult:
@@ -79,7 +80,7 @@ def outcome_to_pb(o: Outcome) -> pb.MigrationResult:
         migration_id=o.migration_id, request_id=o.request_id, outcome="committed" if o.committed else "aborted",
         reason=o.reason, stages=o.stages, blocks=o.blocks, bytes=o.bytes, duration_ms=o.duration_ms,
         downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms, suspended_at=o.suspended_at,
-        kv_shared=o.kv_shared)
+        kv_shared=o.kv_shared, linked_blocks=o.linked_blocks)
 
 
 def order_result_to_pb(r: OrderResult) -> pb.MigrateOutReply:
@@ -111,7 +112,8 @@ class GrpcPeer:
             reply = await self.stub.PreAllocate(pre_allocate_to_pb(p), timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise PeerError(_reason(e)) from None
-        return Admission(reply.accepted, reply.reason, reply.kv_shared, tuple(reply.held_block_hashes))
+        return Admission(reply.accepted, reply.reason, reply.kv_shared, tuple(reply.held_block_hashes),
+                         reply.linked_blocks)
 
     async def transfer(self, chunks: AsyncIterator[KvChunk]) -> int:
         async def pbs():

@@ -26,7 +26,7 @@ from services.instance.migration.layerwise import LayerwiseHandoff
 from services.instance.migration.messages import MigrateOutOrder, MigrationConfig, OrderResult, Outcome
 from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.peer import DestinationPeer
-from services.instance.migration.policy import next_to_migrate
+from libs.common.policies.migration import next_to_migrate
 from services.instance.migration.selection import status_without
 from services.instance.migration.source import Fault, SourceMigration, failpoint_faults
 
@@ -257,4 +257,4 @@ class MigrationManager:
         if order.request_id:
             return None if order.request_id in tried else order.request_id
         return next_to_migrate(self.order_status(), started, order.stop_when_freeness_above,
-                               order.use_priorities, frozenset(tried))
+                               order.use_priorities, frozenset(tried), order.linkable)

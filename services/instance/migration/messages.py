@@ -58,6 +58,10 @@ class MigrationConfig:
     # the source offers it at the first pre-allocation, the destination maps it
     # if it can, and the stages then send block ids, not bytes.
     shared_kv: bool = True
+    # Prefix-aware migration: the first pre-allocation asks the destination to
+    # link the request's first blocks that its prefix cache holds already
+    # (the longest held prefix of the block hashes); only the rest is sent.
+    link_cached: bool = True
     # When the destination mapped the source's shared cache, the last stage
     # (its block ids) rides on the commit: after the suspend one round trip
     # instead of three (the last pre-allocation, its transfer, the commit).
@@ -78,9 +82,12 @@ class PreAllocate:
     last: bool = False  # the last stage: the request is suspended at the source
     kv_share: KvShare | None = None  # the source's shared KV cache, offered (shared_kv.py)
     # The prefix-cache hashes of the request's full blocks (first stage): the
-    # destination says which it holds (Admission.held). NOTE: a hint today;
-    # a source may later skip sending those blocks.
+    # destination says which it holds (Admission.held).
     block_hashes: tuple[int, ...] = ()
+    # With block_hashes: the destination links the longest prefix of them its
+    # cache holds (Admission.linked) and this stage's num_blocks counts from
+    # the request's first block, the linked ones included: it reserves the rest.
+    link: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,8 @@ class Admission:
     kv_shared: bool = False
     # Those of PreAllocate.block_hashes its prefix cache holds now.
     held: tuple[int, ...] = ()
+    # PreAllocate.link: the request's first blocks linked from its cache (not sent).
+    linked: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,7 @@ class Outcome:
     suspended_at: float = 0.0
     kv_shared: bool = False  # the KV went through the source's shared cache (else bytes)
     held_blocks: int = 0  # of the request's full blocks, how many the destination's prefix cache held
+    linked_blocks: int = 0  # of those, the first ones linked there instead of sent (MigrationConfig.link_cached)
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,8 @@ class MigrateOutOrder:
     request_id: str = ""
     use_priorities: bool = False
     blocking: bool = False
+    # Request id -> its first blocks the destination holds (libs/common/policies/migration.Linkable).
+    linkable: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

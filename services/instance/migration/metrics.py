@@ -12,6 +12,8 @@ STAGES = Histogram("ferry_migration_stages", "Copy stages per migration (last in
                    buckets=(1, 2, 3, 4, 5, 6, 8, 12))
 BLOCKS = Counter("ferry_migration_blocks_total", "KV blocks sent by migrations")
 BYTES = Counter("ferry_migration_bytes_total", "KV bytes sent by migrations")
+LINKED = Counter("ferry_migration_linked_blocks_total",
+                 "KV blocks the destination linked from its prefix cache instead of receiving them")
 DURATION = Histogram("ferry_migration_duration_seconds", "Migration duration (select to done/abort)",
                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 DOWNTIME = Histogram("ferry_migration_downtime_seconds", "Suspend to the first step on the destination",
@@ -34,6 +36,18 @@ class MigrationCounters:
         self.committed_in = 0
         self.handed_off = 0
         self.handoffs_aborted = 0
+        # Of committed migrations and handoffs out: blocks sent, and blocks the
+        # destination linked from its prefix cache instead.
+        self.blocks_sent = 0
+        self.blocks_linked = 0
+
+    def _sent(self, out: Outcome) -> None:
+        BLOCKS.inc(out.blocks)
+        BYTES.inc(out.bytes)
+        LINKED.inc(out.linked_blocks)
+        if out.committed:
+            self.blocks_sent += out.blocks
+            self.blocks_linked += out.linked_blocks
 
     def handoff_done(self, out: Outcome) -> None:
         """A handoff is not a load-balancing migration: counted apart."""
@@ -42,8 +56,7 @@ class MigrationCounters:
         else:
             self.handoffs_aborted += 1
         HANDOFFS.labels("committed" if out.committed else "aborted").inc()
-        BLOCKS.inc(out.blocks)
-        BYTES.inc(out.bytes)
+        self._sent(out)
         if out.committed and out.downtime_ms:
             HANDOFF_DOWNTIME.observe(out.downtime_ms / 1000)
 
@@ -54,8 +67,7 @@ class MigrationCounters:
             self.aborted_out += 1
         MIGRATIONS.labels("source", "committed" if out.committed else "aborted").inc()
         STAGES.observe(out.stages)
-        BLOCKS.inc(out.blocks)
-        BYTES.inc(out.bytes)
+        self._sent(out)
         DURATION.observe(out.duration_ms / 1000)
         if out.committed:
             COMMIT_ACK.observe(out.commit_ack_ms / 1000)

@@ -33,7 +33,7 @@ class MigrationRpcs:
         if not a.accepted:
             log.info("pre-allocate refused", migration_id=req.migration_id, reason=a.reason)
         return pb.PreAllocateReply(accepted=a.accepted, reason=a.reason, kv_shared=a.kv_shared,
-                                   held_block_hashes=a.held)
+                                   held_block_hashes=a.held, linked_blocks=a.linked)
 
     async def transfer_kv(self, chunks) -> pb.TransferKvReply:
         if failpoints.enabled("dest.crash_mid_transfer"):

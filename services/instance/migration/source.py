@@ -116,18 +116,32 @@ class SourceMigration:
         mid-migration (`ferry bench migration`)."""
         return max(self.config.deadline_ms, int(STEPS_PER_DEADLINE * 1000 * self.runner.last_step_s))
 
-    async def _pre_allocate(self, stage: int, n: int, spare: int = 0, last: bool = False) -> None:
+    async def _pre_allocate(self, stage: int, n: int, spare: int = 0, last: bool = False,
+                            full: int = -1) -> int:
+        """Returns how many of the request's first blocks the destination
+        linked from its prefix cache (the first stage, ``full`` >= 0: the
+        request's computed full blocks, the most it may link); those are not
+        sent, and ``n`` counts them."""
         share = self.engine.kv_share() if self.config.shared_kv else None
         hashes = tuple(self.engine.block_hashes(self.request_id)) if stage == 0 else ()
+        link = self.config.link_cached and full > 0
+        if link:
+            hashes = hashes[:full]  # NOTE: never a block whose KV is not computed yet
         a = await self.peer.pre_allocate(PreAllocate(
             self.id, self.request_id, stage, n, self.engine.kv_layout, self.deadline_ms,
-            self.host.instance_id, spare, handoff=self.handoff, last=last, kv_share=share, block_hashes=hashes))
+            self.host.instance_id, spare, handoff=self.handoff, last=last, kv_share=share, block_hashes=hashes,
+            link=link))
         if not a.accepted:
             self.dest_failed = True
             raise MigrationAborted(f"destination refused: {a.reason}")
         self.shared = share if a.kv_shared else None
         if hashes:
             self.out.held_blocks = len(a.held)
+        linked = a.linked if link else 0
+        if linked:
+            self.out.linked_blocks = linked
+            self.sent = linked
+        return linked
 
     async def _copy(self, stage: int, blocks: list[int], paced: bool = False) -> int:
         """Gather the blocks in chunks (off the event loop and the engine
@@ -245,8 +259,9 @@ class SourceMigration:
             if stage == 0 and self.config.max_stages == 0:  # blocking baseline: the last stage is everything
                 spare += len(await self.runner.call(self.engine.all_blocks, self.request_id))
             self._to(S.PRE_ALLOC, stage=stage, blocks=len(todo))
-            await self._pre_allocate(stage, len(todo), spare=spare)
-            self._to(S.COPY, stage=stage, blocks=len(todo))
+            linked = await self._pre_allocate(stage, len(todo), spare=spare, full=len(full) if stage == 0 else -1)
+            todo = todo[linked:]  # NOTE: stage 0 only (sent was 0): linked there, not sent
+            self._to(S.COPY, stage=stage, blocks=len(todo), linked=linked)
             nbytes = await self._copy(stage, todo, paced=True)
             self.out.blocks += len(todo)
             self.out.bytes += nbytes
@@ -272,8 +287,11 @@ class SourceMigration:
             await self._commit_with_last_stage(stage, rest, state, t_suspend)
             return
         self._to(S.PRE_ALLOC_LAST, stage=stage, blocks=len(rest))
-        await self._pre_allocate(stage, len(rest), last=True)
-        self._to(S.COPY_LAST, stage=stage, blocks=len(rest))
+        # A handoff's only stage is its first: the prompt's blocks cached at the destination are linked.
+        full = state.num_computed_tokens // self.engine.block_size if stage == 0 else -1
+        linked = await self._pre_allocate(stage, len(rest), last=True, full=full)
+        rest = rest[linked:]
+        self._to(S.COPY_LAST, stage=stage, blocks=len(rest), linked=linked)
         nbytes = await self._copy(stage, rest)
         self.out.blocks += len(rest)
         self.out.bytes += nbytes

@@ -138,3 +138,49 @@ def test_misuse_raises():
     pool.free(a)
     with pytest.raises(IntegrityError):
         pool.cache_blocks(a, H[:1], None)  # free
+
+
+def test_a_migration_links_the_cached_prefix_and_the_request_adopts_it():
+    """An incoming migration links the longest cached prefix (a reference
+    each, evictable blocks leave the queue); linked blocks are not reserved
+    (nothing is written into them); the installed request adopts them with
+    its reserved ones, and a second migration may link the same blocks."""
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    pool.cache_blocks(a, H[:3], None)
+    pool.free(a[2:])  # block 2 evictable; 0 and 1 in use by a
+    linked = pool.link([H[0], H[1], H[2], 5555])
+    assert linked == [0, 1, 2] and pool.num_evictable == 0 and pool.num_linked == 3
+    assert not any(pool.is_reserved(b) for b in linked)
+    again = pool.link(H[:2])
+    assert again == [0, 1] and pool.ref_count(0) == 3
+    fresh = pool.reserve(2)
+    pool.check_integrity([a[:2]])
+    pool.adopt(linked + fresh)  # the first migration's request is installed
+    pool.check_integrity([a[:2], linked + fresh])
+    pool.release(again)  # the second aborts: its references go
+    assert pool.num_linked == 0 and pool.ref_count(0) == 2
+    pool.check_integrity([a[:2], linked + fresh])
+    with pytest.raises(IntegrityError):
+        pool.adopt(linked)  # linked once, adopted already
+    pool.free(a[:2])
+    pool.free(linked + fresh)
+    assert pool.num_free == 8 and pool.num_evictable == 3
+    pool.check_integrity()
+
+
+def test_a_link_that_is_never_released_is_a_leak():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.cache_blocks(a, H[:2], None)
+    pool.free(a)
+    pool.link(H[:2])
+    pool.check_integrity()  # the links are counted as owners
+    pool._linked.clear()  # lose track of them
+    with pytest.raises(IntegrityError):
+        pool.check_integrity()
+
+
+def test_linking_with_caching_off_links_nothing():
+    pool = BlockPool(4, caching=False)
+    assert pool.link(H[:2]) == [] and pool.num_linked == 0

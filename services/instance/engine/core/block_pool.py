@@ -33,6 +33,9 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))  # free blocks with no name
         self._ref = [0] * num_blocks
         self._reserved: set[int] = set()
+        # Cached blocks an incoming migration linked instead of copying
+        # (``link``): block -> how many reservations hold it (one reference each).
+        self._linked: dict[int, int] = {}
         # Capacity given back (KunServe's restore, ``shrink``): ids out of
         # circulation, and how many more to take out as blocks are freed.
         self._retired: set[int] = set()
@@ -216,13 +219,46 @@ class BlockPool:
     def is_reserved(self, block_id: int) -> bool:
         return block_id in self._reserved
 
-    def adopt(self, block_ids: list[int]) -> None:
-        """Reserved blocks become owned by an installed request."""
+    def link(self, hashes) -> list[int]:
+        """An incoming migration's blocks that this cache holds already: the
+        blocks of the longest cached prefix of ``hashes``, each with a
+        reference taken for the reservation (an evictable one leaves the LRU
+        queue). They are never written (``is_reserved`` is False for them);
+        ``adopt`` hands them to the installed request, ``release`` drops the
+        reference. [] when caching is off."""
+        if not self.caching:
+            return []
         with self._lock:
-            missing = [b for b in block_ids if b not in self._reserved]
+            ids = self.cache.lookup(hashes)
+            for b in ids:
+                if self._ref[b] == 0:
+                    self.cache.unpark(b)
+                self._ref[b] += 1
+                self._linked[b] = self._linked.get(b, 0) + 1
+            return ids
+
+    @property
+    def num_linked(self) -> int:
+        """References held by incoming migrations on cached blocks."""
+        return sum(self._linked.values())
+
+    def adopt(self, block_ids: list[int]) -> None:
+        """Reserved (or linked) blocks become owned by an installed request."""
+        with self._lock:
+            counts: dict[int, int] = {}
+            for b in block_ids:
+                counts[b] = counts.get(b, 0) + 1
+            missing = [b for b, n in counts.items()
+                       if n > (1 if b in self._reserved else 0) + self._linked.get(b, 0)]
             if missing:
                 raise IntegrityError(f"blocks {missing} are not reserved")
-            self._reserved.difference_update(block_ids)
+            for b in block_ids:
+                if b in self._reserved:
+                    self._reserved.discard(b)
+                elif self._linked[b] == 1:
+                    del self._linked[b]
+                else:
+                    self._linked[b] -= 1
 
     def release(self, block_ids: list[int]) -> None:
         """Return reserved blocks that were never installed."""
@@ -247,6 +283,8 @@ class BlockPool:
                     counts[b] += 1
             for b in self._reserved:
                 counts[b] += 1
+            for b, n in self._linked.items():
+                counts[b] += n
             for b in range(self.num_blocks):
                 if self._ref[b] != counts[b]:
                     raise IntegrityError(f"block {b}: refcount {self._ref[b]} but {counts[b]} owners")

@@ -463,6 +463,9 @@ class CoreEngine(PrefixCaching, Engine):
         self.executor.grow_kv(self.pool.ids_after_grow(n), fresh)
         return self.pool.grow(n)
 
+    def link_cached(self, hashes: list) -> list[int]:
+        return self.pool.link(hashes)
+
     def release_blocks(self, block_ids: list[int]) -> None:
         self.pool.release(list(block_ids))
 

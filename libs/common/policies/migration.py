@@ -6,11 +6,18 @@ queue cannot be admitted (its demand exceeds the free blocks), the order
 moves requests whose blocks cover the shortfall: the smallest single
 request that covers it, else the largest first. Otherwise (load balancing,
 draining) it moves the cheapest: lower priority first when priorities
-count, then the shorter sequence."""
+count, then the shorter sequence, or, when the order knows which prefixes
+the destination holds (``linkable``: request id -> its first blocks held
+there, which the destination links instead of receiving), the fewest tokens
+to send."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from libs.common.types import InstanceStatus, RequestLoad, RequestPhase
+
+Linkable = Mapping[str, int]  # request id -> its first blocks the destination holds
 
 
 def head_of_line_shortfall(status: InstanceStatus) -> int:
@@ -31,10 +38,17 @@ def _running(requests: tuple[RequestLoad, ...], use_priorities: bool,
 
 
 def migration_order(requests: tuple[RequestLoad, ...], use_priorities: bool,
-                    exclude: frozenset[str] = frozenset()) -> list[str]:
-    """The load-balancing order: lower priority first, then the shorter sequence."""
+                    exclude: frozenset[str] = frozenset(), linkable: Linkable | None = None,
+                    block_size: int = 16) -> list[str]:
+    """The load-balancing order: lower priority first, then the shorter
+    sequence (net of its ``linkable`` blocks: the tokens a move sends)."""
     cands = [r for r in requests if r.state == RequestPhase.RUNNING and r.request_id not in exclude]
-    key = (lambda r: (int(r.priority), r.num_tokens)) if use_priorities else (lambda r: r.num_tokens)
+    link = linkable or {}
+
+    def tokens(r: RequestLoad) -> int:
+        return r.num_tokens - link.get(r.request_id, 0) * block_size
+
+    key = (lambda r: (int(r.priority), tokens(r))) if use_priorities else tokens
     return [r.request_id for r in sorted(cands, key=key)]
 
 
@@ -53,7 +67,8 @@ def cover_shortfall(requests: tuple[RequestLoad, ...], shortfall: int, use_prior
 
 
 def next_to_migrate(status: InstanceStatus, started: int, stop_when_freeness_above: float,
-                    use_priorities: bool, tried: frozenset[str] = frozenset()) -> str | None:
+                    use_priorities: bool, tried: frozenset[str] = frozenset(),
+                    linkable: Linkable | None = None) -> str | None:
     """The next request a migrate-out order moves, given the source's status
     now and how many migrations the order started; None when the order is
     done. The first always starts. After it, a terminating source drains;
@@ -68,7 +83,7 @@ def next_to_migrate(status: InstanceStatus, started: int, stop_when_freeness_abo
             return None
     if shortfall > 0 and not status.terminating:
         return cover_shortfall(status.requests, shortfall, use_priorities, tried)
-    order = migration_order(status.requests, use_priorities, tried)
+    order = migration_order(status.requests, use_priorities, tried, linkable, max(1, status.block_size))
     return order[0] if order else None
 
 

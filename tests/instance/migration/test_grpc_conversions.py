@@ -1,0 +1,33 @@
+"""The migration messages across the gRPC edge: what prefix-aware migration
+adds (the link request, the linked count, the order's linkable prefixes)
+survives protobuf both ways."""
+
+from __future__ import annotations
+
+from libs.pb import instance_pb2 as pb
+from services.instance.engine.base import KvLayout
+from services.instance.migration.grpc_peer import (
+    order_from_pb,
+    outcome_to_pb,
+    pre_allocate_from_pb,
+    pre_allocate_to_pb,
+)
+from services.instance.migration.messages import Outcome, PreAllocate
+
+LAYOUT = KvLayout("float32", 16, 2, 2, 8)
+
+
+def test_a_first_pre_allocation_asks_to_link_and_keeps_its_hashes():
+    p = PreAllocate("m", "r", 0, 5, LAYOUT, 3000, "src", 3, block_hashes=(11, 12, 13), link=True)
+    assert pre_allocate_from_pb(pre_allocate_to_pb(p)) == p
+    q = PreAllocate("m", "r", 1, 2, LAYOUT, 3000, "src")
+    assert pre_allocate_from_pb(pre_allocate_to_pb(q)) == q and not q.link
+
+
+def test_an_outcome_carries_the_linked_blocks_and_an_order_the_linkable_ones():
+    o = Outcome("m", "r", True, blocks=3, bytes=384, linked_blocks=4)
+    assert outcome_to_pb(o).linked_blocks == 4
+    order = order_from_pb(pb.MigrateOutRequest(dest_instance_id="d", dest_address="a:1",
+                                               linkable_blocks={"r1": 4, "r2": 1}))
+    assert order.linkable == {"r1": 4, "r2": 1}
+    assert order_from_pb(pb.MigrateOutRequest(dest_instance_id="d")).linkable == {}
