@@ -55,6 +55,30 @@ async def test_migrated_tokens_equal_the_unmigrated_run(engines, sampling, trans
             await node.check_clean()
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}])
+async def test_a_migration_that_links_the_destinations_cached_prefix_emits_the_same_tokens(engines, sampling):
+    """b computed the same prompt before (its blocks cached there): the
+    migration links them instead of sending them, and the request goes on
+    over b's own KV of the prefix with exactly the unmigrated run's tokens."""
+    async with cluster_of(engines) as two:
+        ref = Client(two, "ref")
+        want = await asyncio.wait_for(ref.run("a", PROMPT, N, **sampling), 120)
+        at_b = Client(two, "at-b")
+        assert await asyncio.wait_for(at_b.run("b", PROMPT, N, **sampling), 120) == want
+        cl = Client(two, "r")
+        task = asyncio.create_task(cl.run("a", PROMPT, N, **sampling))
+        await cl.wait_tokens(5, timeout_s=60)
+        res = await two.nodes["a"].manager.migrate_out(order("b", "r"))
+        assert res.committed == 1, res
+        out = res.results[0]
+        full = len(PROMPT) // engines[1].block_size
+        assert out.linked_blocks >= full and out.held_blocks >= out.linked_blocks
+        assert await asyncio.wait_for(task, 120) == want
+        assert cl.path == ["a", "b"]
+        for node in two.nodes.values():
+            await node.check_clean()
+
+
 @pytest.mark.parametrize("fuse", [True, False], ids=["last-stage-in-commit", "last-stage-apart"])
 async def test_cancel_after_suspend_resumes_with_the_same_tokens(engines, fuse):
     """Cancelled after the suspend: while the commit's copy of the last
