@@ -210,20 +210,10 @@ class Agent(Service):
     # --- engine outputs (on the event loop) -----------------------------------------
     def _on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
         for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            reason = out.finish_reason.value if out.finish_reason else None
             if out.error is not None:
                 log.warning("request failed; the engine goes on", request_id=out.request_id, code=out.error[0],
                             error=out.error[1])
-            stream.push(Event(out.index, out.token_id, reason, stats=out.stats, error=out.error))
-            if reason and stream.attached:
-                # NOTE: a migrated-in request that finishes before its client
-                # re-attached keeps its stream until Attach drains it.
-                self.streams.close(out.request_id)
-            if self.migration is not None:
-                self.migration.handoffs.on_output(out)  # after the stream has the token: `moved` comes next
+        self.streams.deliver(outputs, self.migration.handoffs.on_output if self.migration is not None else None)
         if load is None:
             self._engine_died()
             return

@@ -69,6 +69,25 @@ class StreamTable:
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    def deliver(self, outputs, on_output=None) -> None:
+        """A step's outputs (TokenOutput) onto their requests' streams: the
+        delivery part of the instance's one step callback (the agent's, and
+        the in-process cluster's of migration/local.py). A finished request's
+        stream closes once its client is attached (NOTE: a migrated-in request
+        that finishes before its client re-attached keeps its stream until
+        Attach drains it). ``on_output(out)`` runs after the stream has the
+        token (a Splitwise handoff's ``moved`` comes next)."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            reason = out.finish_reason.value if out.finish_reason else None
+            stream.push(Event(out.index, out.token_id, reason, stats=out.stats, error=out.error))
+            if reason and stream.attached:
+                self.close(out.request_id)
+            if on_output is not None:
+                on_output(out)
+
     def ids(self) -> list[str]:
         return list(self._streams)
 

@@ -19,7 +19,7 @@ from services.instance.migration.manager import MigrationManager
 from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.peer import InProcessPeer
 from services.instance.runner import EngineRunner
-from services.instance.streams import Event, StreamTable
+from services.instance.streams import StreamTable
 
 
 class Node:
@@ -41,16 +41,8 @@ class Node:
         if action is not None:
             action()
 
-    def _on_step(self, outputs, load) -> None:  # as InstanceService._on_step
-        for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            reason = out.finish_reason.value if out.finish_reason else None
-            stream.push(Event(out.index, out.token_id, reason))
-            if reason and stream.attached:
-                self.streams.close(out.request_id)
-            self.manager.handoffs.on_output(out)
+    def _on_step(self, outputs, load) -> None:  # the agent's step callback, without its status and health
+        self.streams.deliver(outputs, self.manager.handoffs.on_output)
         if load is not None:
             self.load = load
 
