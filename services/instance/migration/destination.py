@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from libs.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from libs.common.logging import get_logger
+from libs.common.prefix_hash import block_hashes
 from libs.common.types import InstanceStatus, RequestState
 from services.instance.engine.shared_kv import KvShareError, PeerKv, runs
 from services.instance.migration.host import MigrationHost
@@ -40,8 +41,9 @@ class Reservation:
     source_instance_id: str
     deadline: float
     deadline_s: float
-    # The request's first blocks, linked from this cache instead of sent (PreAllocate.link).
+    # The request's first blocks, linked from this cache instead of sent (PreAllocate.link), and their hashes.
     linked: list[int] = field(default_factory=list)
+    linked_hashes: tuple = ()
     stages: dict[int, list[int]] = field(default_factory=dict)  # stage -> reserved block ids
     received: dict[int, int] = field(default_factory=dict)  # stage -> blocks written
     # NOTE: stage -> positions written: a chunk sent twice counts once, so a
@@ -140,6 +142,7 @@ class Destination:
                     self.engine.release_blocks(linked)
                 return False
             res.linked += linked
+            res.linked_hashes += tuple(link[:len(linked)])
             pool = res.spare + fresh
             res.stages[stage], res.spare = pool[:num_blocks], pool[num_blocks:]
             res.received[stage] = 0
@@ -433,6 +436,11 @@ class Destination:
         need = -(-state.num_computed_tokens // self.engine.block_size)
         if not 0 <= state.num_computed_tokens < n_tokens or len(res.blocks) != need:
             raise InvalidArgument(f"{len(res.blocks)} blocks for {state.num_computed_tokens} computed tokens")
+        if res.linked_hashes:  # the linked blocks hold this request's prefix, not what the source named
+            bs = self.engine.block_size
+            tokens = (list(state.prompt_token_ids) + list(state.output_token_ids))[:len(res.linked) * bs]
+            if tuple(block_hashes(tokens, bs)) != res.linked_hashes:
+                raise InvalidArgument("the linked blocks' hashes are not those of the request's first tokens")
         # NOTE: a dict lookup from the event loop; the engine thread only adds
         # this id through _install below, which runs after this check.
         if self.engine.request_phase(state.request_id) is not None or state.request_id in self.host.streams:

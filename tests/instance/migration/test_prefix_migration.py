@@ -160,3 +160,48 @@ async def test_a_prefill_instances_cache_serves_later_prompts():
             await node.check_clean()
     finally:
         await c.stop()
+
+
+class _ForeignHashes:
+    """A source (buggy or hostile) that names another prompt's blocks at its first pre-allocation."""
+
+    def __init__(self, inner, hashes):
+        self.inner, self.hashes = inner, hashes
+
+    async def pre_allocate(self, p):
+        if p.block_hashes:
+            p = replace(p, block_hashes=tuple(self.hashes[:len(p.block_hashes)]))
+        return await self.inner.pre_allocate(p)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+async def test_linked_blocks_that_are_not_the_requests_prefix_fail_the_commit():
+    """b links what the source named, then the commit checks the names
+    against the request's own tokens: another prompt's blocks are refused
+    (INVALID_ARGUMENT), the migration aborts, x goes on at a, nothing leaks."""
+    other = [97 + (i * 11) % 26 for i in range(80)]
+    c = Cluster()
+    c.add("a", fake())
+    c.add("b", fake())
+    try:
+        z = Client(c, "z")
+        tz = asyncio.create_task(z.run("b", other, 200))
+        await z.wait_tokens(3)
+        b = c.nodes["b"].engine
+        foreign = await c.nodes["b"].runner.call(lambda: b.block_hashes("z"))
+        c.peer_wrappers["b"] = lambda p: _ForeignHashes(p, foreign)
+        x = Client(c, "x")
+        tx = asyncio.create_task(x.run("a", X, 200))
+        await x.wait_tokens(3)
+        res = await c.nodes["a"].manager.migrate_out(order("b", "x"))
+        out = res.results[0]
+        assert res.committed == 0 and out.linked_blocks == 5 and "linked blocks" in out.reason  # 80 tokens: 5 blocks
+        assert await asyncio.wait_for(tx, 30) == fake_generate(X, 200)
+        assert await asyncio.wait_for(tz, 30) == fake_generate(other, 200)
+        assert x.path == ["a"]
+        for node in c.nodes.values():
+            await node.check_clean()
+    finally:
+        await c.stop()
