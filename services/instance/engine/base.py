@@ -191,8 +191,9 @@ class Engine(abc.ABC):
     @property
     def no_migration(self) -> str:
         """Why this engine cannot live-migrate requests ("" = it can). The
-        instance publishes it so the rescheduler leaves the instance alone."""
-        return ""
+        instance publishes it so the rescheduler leaves the instance alone.
+        Default: it can if it implements ``MigrationHooks``."""
+        return "" if isinstance(self, MigrationHooks) else f"the {self.name} engine has no migration hooks"
 
     # --- serving ------------------------------------------------------------
     @abc.abstractmethod
@@ -252,7 +253,15 @@ class Engine(abc.ABC):
         far ([] if unknown). Any thread: a copy, possibly short."""
         return []
 
-    # --- migration hooks ----------------------------------------------------
+
+class MigrationHooks(abc.ABC):
+    """What live migration (services/instance/migration) needs of an engine,
+    an interface an engine implements besides ``Engine`` (``CoreEngine``,
+    ``VllmEngine``). One that does not cannot migrate: ``Engine.no_migration``
+    says so, the instance publishes it, and the rescheduler, Splitwise roles
+    and drains leave it alone. Called between steps on the engine thread
+    unless a method says otherwise."""
+
     @abc.abstractmethod
     def request_phase(self, request_id: str) -> tuple[str, int] | None:
         """("waiting"|"running"|"suspended", num_preemptions) or None if the

@@ -203,3 +203,20 @@ def test_gather_from_another_thread_while_stepping(make_engine, kind):
     assert copies and all(c == before for c in copies)
     e.abort_request("a")
     e.abort_request("b")
+
+
+def test_an_engine_without_migration_hooks_says_it_cannot_migrate():
+    """MigrationHooks is an interface an engine implements besides Engine:
+    the core engines do; one that does not reports why it cannot migrate."""
+    from services.instance.engine.base import Engine, MigrationHooks
+
+    class Plain(Engine):
+        name = "plain"
+
+    Plain.__abstractmethods__ = frozenset()  # the serving methods are not what this checks
+    assert Plain().no_migration == "the plain engine has no migration hooks"
+    from services.instance.engine import create_engine
+    from services.instance.engine.base import EngineConfig
+
+    fake = create_engine(EngineConfig(engine="fake", num_blocks=8, block_size=16))
+    assert isinstance(fake, MigrationHooks) and fake.no_migration == ""

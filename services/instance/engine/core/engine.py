@@ -18,6 +18,7 @@ from services.instance.engine.base import (
     EngineRequest,
     IntegrityError,
     KvLayout,
+    MigrationHooks,
     PeerShort,
     RequestFailed,
 )
@@ -62,7 +63,7 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
     return n_ctx
 
 
-class CoreEngine(PrefixCaching, Engine):
+class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     name = "core"
 
     def __init__(self, config: EngineConfig, executor: Executor, num_blocks: int, max_model_len: int,

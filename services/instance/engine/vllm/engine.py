@@ -35,6 +35,7 @@ from services.instance.engine.base import (
     EngineRequest,
     IntegrityError,
     KvLayout,
+    MigrationHooks,
 )
 from services.instance.engine import vllm_kernels
 from services.instance.engine.core.engine import check_request, check_token_ids
@@ -66,7 +67,7 @@ class _Req:
     extra: dict = field(default_factory=dict)
 
 
-class VllmEngine(Engine):
+class VllmEngine(Engine, MigrationHooks):
     name = "vllm"
 
     def __init__(self, config: EngineConfig):
