@@ -30,10 +30,9 @@ from services.scheduler.policies import (
     DispatchRequest,
     InstanceView,
     MigrationPair,
+    MoveCosts,
     PromptHashes,
     blocks_for,
-    linkable_blocks,
-    move_cost,
     pair_migrations,
 )
 from services.scheduler.service import SchedulerConfig
@@ -122,30 +121,34 @@ class SimScheduler:
         if self.config.migration and self.dispatcher.migrates:
             self.k.after(self.migrate_interval_s, self._tick)
 
-    def held_prefix(self, instance_id: str, hashes: tuple) -> int:
-        """How many of the first ``hashes`` the instance's cache holds now
-        (exact, as ``prefix_hits``)."""
-        inst = self.instances.get(instance_id)
-        return 0 if inst is None or inst.stopped else len(inst.engine.pool.lookup(hashes))
+    def held_prefix(self, hashes: tuple) -> dict[str, int]:
+        """Per instance, how many of the first ``hashes`` its cache holds
+        now (exact, as ``prefix_hits``)."""
+        out = {}
+        for iid, inst in self.instances.items():
+            n = 0 if inst.stopped else len(inst.engine.pool.lookup(hashes))
+            if n:
+                out[iid] = n
+        return out
 
     def _tick(self) -> None:
-        cost = (move_cost(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
-                          self.dispatcher.uses_priorities) if self.policy.pairs_by_move_cost else None)
-        pairs = pair_migrations(self.views(), self.config.out_threshold, self.config.in_threshold,
-                                self.freeness_of, frozenset(self.busy), cost)
+        costs = (MoveCosts(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
+                           self.dispatcher.uses_priorities) if self.policy.pairs_by_move_cost else None)
+        views = self.views()
+        pairs = pair_migrations(views, self.config.out_threshold, self.config.in_threshold,
+                                self.freeness_of, frozenset(self.busy), costs)
         for p in pairs:
             self.busy.add(p.source)
             self.migrations_ordered += 1
-            self.k.spawn(self._order(p))
+            link = None
+            if costs is not None:  # as the live rescheduler: the order says what the destination holds
+                link = costs.linkable(next(v for v in views if v.instance_id == p.source), p.destination)
+            self.k.spawn(self._order(p, link))
         self.k.after(self.migrate_interval_s, self._tick)
 
-    def _order(self, pair: MigrationPair):
+    def _order(self, pair: MigrationPair, link: dict | None = None):
         src, dst = self.instances[pair.source], self.instances[pair.destination]
         rpc = self.migration.delays.rpc_s
-        link = None
-        if self.policy.pairs_by_move_cost and pair.source in self.statuses:
-            view = next(v for v in self.views() if v.instance_id == pair.source)
-            link = linkable_blocks(view, pair.destination, self.prompt_hashes, self.held_prefix)
         try:
             yield Delay(rpc / 2)
             if not src.stopped and not dst.stopped:

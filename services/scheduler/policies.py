@@ -23,26 +23,25 @@ __all__ = [
     "InstanceView",
     "MigrationPair",
     "MoveCost",
+    "MoveCosts",
     "PromptHashes",
     "base_freeness",
     "blocks_for",
     "llumnix_freeness",
-    "linkable_blocks",
     "memory_load",
-    "move_cost",
     "pair_migrations",
 ]
 
 # (source, destination) -> the blocks a migration between them would send.
 MoveCost = Callable[[InstanceView, InstanceView], float]
-# (instance id, block hashes) -> how many of the first hashes the instance's cache holds.
-HeldPrefix = Callable[[str, tuple], int]
+# block hashes -> per instance, how many of the first hashes its cache holds (the prefix index's match).
+HeldPrefix = Callable[[tuple], dict[str, int]]
 
 
 class PromptHashes:
     """The prompt block hashes of recent dispatches (DispatchRequest's), by
     request id, for counting what a migration of the request would send
-    (``move_cost``). Bounded: the oldest go first."""
+    (``MoveCosts``). Bounded: the oldest go first."""
 
     def __init__(self, capacity: int = 65536):
         self.capacity = capacity
@@ -61,33 +60,46 @@ class PromptHashes:
         return len(self._by_id)
 
 
-def linkable_blocks(src: InstanceView, dst_id: str, hashes: PromptHashes, held: HeldPrefix) -> dict[str, int]:
-    """Of the source's running requests, those whose prompt's first blocks
-    the destination holds: request id -> how many (MigrateOutOrder.linkable:
-    the order moves the cheapest to send first)."""
-    out = {}
-    for r in src.status.requests:
-        h = hashes.get(r.request_id) if r.state == RequestPhase.RUNNING else ()
-        n = held(dst_id, h) if h else 0
-        if n:
-            out[r.request_id] = n
-    return out
+class MoveCosts:
+    """What moving a source's requests to a destination would send, for one
+    pairing round (Policy.pairs_by_move_cost): each running request's
+    prompt is looked up in the prefix index once (``held``: every instance's
+    held prefix of it at once), then ``linkable`` and the cost of a pair are
+    lookups."""
 
+    def __init__(self, hashes: PromptHashes, held: HeldPrefix, out_threshold: float, use_priorities: bool):
+        self.hashes, self.held = hashes, held
+        self.out_threshold, self.use_priorities = out_threshold, use_priorities
+        self._holders: dict[str, dict[str, int]] = {}  # request id -> instance id -> blocks held
 
-def move_cost(hashes: PromptHashes, held: HeldPrefix, out_threshold: float, use_priorities: bool) -> MoveCost:
-    """The cost of a source's first move to a destination: the blocks that
-    the request its migrate-out order would choose first there
-    (libs/common/policies/migration.next_to_migrate on the scheduler's view,
-    with the destination's ``linkable_blocks``) would send: its blocks less
-    the prefix the destination holds (linked there, not sent)."""
+    def _held_by(self, request_id: str) -> dict[str, int]:
+        if request_id not in self._holders:
+            h = self.hashes.get(request_id)
+            self._holders[request_id] = self.held(h) if h else {}
+        return self._holders[request_id]
 
-    def cost(src: InstanceView, dst: InstanceView) -> float:
-        link = linkable_blocks(src, dst.instance_id, hashes, held)
-        rid = next_to_migrate(src.status, 0, out_threshold, use_priorities, linkable=link)
+    def linkable(self, src: InstanceView, dst_id: str) -> dict[str, int]:
+        """Of the source's running requests, those whose prompt's first
+        blocks the destination holds: request id -> how many
+        (MigrateOutOrder.linkable: the order moves the cheapest to send first)."""
+        out = {}
+        for r in src.status.requests:
+            if r.state == RequestPhase.RUNNING:
+                n = self._held_by(r.request_id).get(dst_id, 0)
+                if n:
+                    out[r.request_id] = n
+        return out
+
+    def __call__(self, src: InstanceView, dst: InstanceView) -> float:
+        """The cost of the source's first move to the destination: the blocks
+        the request its migrate-out order would choose first there
+        (libs/common/policies/migration.next_to_migrate on the scheduler's
+        view, with ``linkable``) would send: its blocks less the prefix the
+        destination holds (linked there, not sent)."""
+        link = self.linkable(src, dst.instance_id)
+        rid = next_to_migrate(src.status, 0, self.out_threshold, self.use_priorities, linkable=link)
         blocks = next((r.physical_blocks for r in src.status.requests if r.request_id == rid), 0)
         return max(0, blocks - link.get(rid, 0))
-
-    return cost
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,7 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.logging import get_logger
-from services.scheduler.policies import (
-    HeldPrefix,
-    MigrationPair,
-    PromptHashes,
-    linkable_blocks,
-    move_cost,
-    pair_migrations,
-)
+from services.scheduler.policies import HeldPrefix, MigrationPair, MoveCosts, PromptHashes, pair_migrations
 
 log = get_logger(__name__)
 
@@ -70,24 +63,23 @@ class Rescheduler:
 
     def tick(self) -> list[MigrationPair]:
         busy = frozenset(self._busy)
-        cost = None
+        costs = None
         if self.policy.pairs_by_move_cost and self.prompt_hashes is not None and self.held_prefix is not None:
-            cost = move_cost(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
-                             self.policy.uses_priorities)
-        pairs = pair_migrations(self.view.views(), self.config.out_threshold,
-                                self.config.in_threshold, self.freeness_of, busy, cost)
+            costs = MoveCosts(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
+                              self.policy.uses_priorities)
+        views = self.view.views()
+        pairs = pair_migrations(views, self.config.out_threshold, self.config.in_threshold, self.freeness_of, busy,
+                                costs)
+        by_id = {v.instance_id: v for v in views} if costs is not None else {}
         for p in pairs:
-            self._busy[p.source] = asyncio.create_task(self._order(p))
+            # the order says which of the source's requests' prefixes the destination holds
+            link = costs.linkable(by_id[p.source], p.destination) if costs is not None else {}
+            self._busy[p.source] = asyncio.create_task(self._order(p, link))
         return pairs
 
-    async def _order(self, pair: MigrationPair) -> None:
+    async def _order(self, pair: MigrationPair, link: dict[str, int] | None = None) -> None:
         view = self.view
         src, dst = view.address(pair.source), view.address(pair.destination)
-        link = {}
-        if self.policy.pairs_by_move_cost and self.prompt_hashes is not None and self.held_prefix is not None:
-            source = next((v for v in view.views() if v.instance_id == pair.source), None)
-            if source is not None:
-                link = linkable_blocks(source, pair.destination, self.prompt_hashes, self.held_prefix)
         try:
             if src is None or dst is None:
                 return
@@ -99,7 +91,7 @@ class Rescheduler:
                 reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
                     dest_instance_id=pair.destination, dest_address=dst,
                     stop_when_freeness_above=self.config.out_threshold,
-                    use_priorities=self.policy.uses_priorities, linkable_blocks=link), timeout=60)
+                    use_priorities=self.policy.uses_priorities, linkable_blocks=link or {}), timeout=60)
             if reply.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,
                          committed=reply.committed, aborted=reply.aborted)

@@ -260,12 +260,12 @@ class SchedulerService(Service):
                 return None if iid is None else Placement(iid)
         return place(self.dispatcher, self.view.views(), req)
 
-    def held_prefix(self, instance_id: str, block_hashes: tuple) -> int:
-        """How many of the first ``block_hashes`` the instance's cache holds
-        (the prefix index; 0 if its stream is not synced)."""
+    def held_prefix(self, block_hashes: tuple) -> dict[str, int]:
+        """Per instance, how many of the first ``block_hashes`` its cache
+        holds (the prefix index: instances whose stream is not synced hold none)."""
         if self.kv_index is None:
-            return 0
-        return self.kv_index.index.match(list(block_hashes)).get(instance_id, 0)
+            return {}
+        return self.kv_index.index.match(list(block_hashes))
 
     def prefix_hits(self, block_hashes: list[int], block_size: int) -> dict[str, int]:
         """Per instance, how many of the first ``block_hashes`` (hashed at

@@ -9,9 +9,9 @@ from services.scheduler.policies import (
     Dispatcher,
     DispatchRequest,
     InstanceView,
+    MoveCosts,
     PromptHashes,
     base_freeness,
-    move_cost,
     pair_migrations,
 )
 
@@ -218,23 +218,29 @@ def test_pairing_by_move_cost_sends_a_source_where_its_next_request_links_its_pr
     hashes = PromptHashes()
     hashes.put("small", (1, 2, 3, 4))
     hashes.put("x", (7, 8))
-    held = {"d1": {1: 1, 2: 1, 3: 1}, "d2": {7: 1}}  # d1 holds small's first 3 blocks, d2 x's first
+    held = {"d1": {1, 2, 3}, "d2": {7}}  # d1 holds small's first 3 blocks, d2 x's first
+    lookups = []
 
-    def held_prefix(iid, h):
-        n = 0
-        for x in h:
-            if x not in held.get(iid, {}):
-                break
-            n += 1
-        return n
+    def held_prefix(h):
+        lookups.append(h)
+        out = {}
+        for iid, cached in held.items():
+            n = 0
+            while n < len(h) and h[n] in cached:
+                n += 1
+            if n:
+                out[iid] = n
+        return out
 
-    cost = move_cost(hashes, held_prefix, out_threshold=10, use_priorities=False)
+    cost = MoveCosts(hashes, held_prefix, out_threshold=10, use_priorities=False)
     assert cost(s1, views[2]) == 7 and cost(s1, views[3]) == 10 and cost(s2, views[3]) == 19
+    assert cost.linkable(s1, "d1") == {"small": 3} and cost.linkable(s2, "d2") == {"x": 1}
+    assert len(lookups) == 2  # each prompt once, however many pairs ask ("big" has no hashes: none)
     pairs = pair_migrations(views, 10, 60, cost=cost)
     assert [(p.source, p.destination) for p in pairs] == [("s1", "d1"), ("s2", "d2")]
     assert [(p.source, p.destination) for p in pair_migrations(views, 10, 60)] == [("s1", "d2"), ("s2", "d1")]
     held.clear()
-    cost = move_cost(hashes, held_prefix, out_threshold=10, use_priorities=False)
+    cost = MoveCosts(hashes, held_prefix, out_threshold=10, use_priorities=False)
     assert [(p.source, p.destination) for p in pair_migrations(views, 10, 60, cost=cost)] == \
         [("s1", "d2"), ("s2", "d1")]
 
