@@ -369,8 +369,6 @@ class Agent(Service):
         """Splitwise: what this instance runs from now on. Becoming prefill
         drains the requests decoding here to ``drain_to`` (instance, address)
         by live migration. Returns the previous role and how many drain."""
-        from services.instance.migration.drain import decoding_here
-
         if any(iid and not address for iid, address in drain_to):
             raise InvalidArgument("drain_to names an instance without its address", param="drain_to")
         targets = [(iid, address) for iid, address in drain_to if iid and iid != self.instance_id]
@@ -380,7 +378,7 @@ class Agent(Service):
         if role is Role.PREFILL:
             if self.engine.no_migration:
                 raise FailedPrecondition(f"this instance cannot hand requests over: {self.engine.no_migration}")
-            ready, waiting = decoding_here(self.migration)
+            ready, waiting = self.migration.decoding_here()
             if (ready or waiting) and not targets:
                 raise FailedPrecondition(f"{len(ready) + waiting} requests would decode here and no drain_to "
                                          "instance was given")

@@ -19,7 +19,6 @@ from libs.pb import meta_store_pb2 as mpb
 from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import convert, rpc
 from libs.common.logging import get_logger
-from services.instance.migration.drain import drain
 
 log = get_logger(__name__)
 
@@ -60,7 +59,7 @@ async def drain_for_shutdown(manager, meta_store: str, instance_id: str, max_s: 
             last_target = time.monotonic()
             rounds += 1
             left_s = max(0.1, deadline - time.monotonic())
-            await drain(manager, targets, max_s=min(left_s, 30.0))
+            await manager.drain(targets, max_s=min(left_s, 30.0))
         if held():
             await asyncio.sleep(poll_s)
     left = held()

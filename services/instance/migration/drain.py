@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
 from libs.common.types import RequestPhase
+from services.instance.migration.host import MigrationHost
+from services.instance.migration.messages import Outcome
 
 log = get_logger("migration")
 
@@ -27,22 +29,25 @@ class DrainResult:
     stayed: list[str] = field(default_factory=list)  # no target took it: it decodes here
 
 
-def decoding_here(manager) -> tuple[list[str], int]:
-    """(requests running here that would decode here: not leaving already,
-    no handoff planned; how many more wait to be admitted)."""
-    load = manager.host.current_load()
-    mine = [r for r in load.requests
-            if r.request_id not in manager.outgoing and r.request_id not in manager.handoffs.plans]
+Leaving = Callable[[str], bool]  # a request already leaving (a migration or a planned handoff)
+MigrateOne = Callable[[str, str, str], Awaitable[Outcome]]  # (request, destination id, address) -> its outcome
+
+
+def decoding_here(host: MigrationHost, leaving: Leaving) -> tuple[list[str], int]:
+    """(requests running here that would decode here: not ``leaving``;
+    how many more wait to be admitted)."""
+    mine = [r for r in host.current_load().requests if not leaving(r.request_id)]
     return [r.request_id for r in mine if r.state == RequestPhase.RUNNING], sum(1 for r in mine if r.state == RequestPhase.WAITING)
 
 
-async def drain(manager, targets: list[tuple[str, str]], still: Callable[[], bool] = lambda: True,
-                max_s: float = 60.0, poll_s: float = 0.02) -> DrainResult:
+async def drain(host: MigrationHost, migrate_one: MigrateOne, leaving: Leaving, targets: list[tuple[str, str]],
+                still: Callable[[], bool] = lambda: True, max_s: float = 60.0, poll_s: float = 0.02) -> DrainResult:
     """Move every request decoding here to ``targets`` ((instance id,
-    address), in the order to try), a few at once (the instance's migrate-out
-    limits); each request tries the targets in turn from a rotating start.
-    Waiting requests go once they run. Stops when nothing is left to move,
-    when ``still()`` turns false (the role changed again) or after ``max_s``."""
+    address), in the order to try) with ``migrate_one``, a few at once (it
+    raises ResourceExhausted at the instance's migrate-out limits); each
+    request tries the targets in turn from a rotating start. Waiting requests
+    go once they run. Stops when nothing is left to move, when ``still()``
+    turns false (the role changed again) or after ``max_s``."""
     result = DrainResult()
     if not targets:
         return result
@@ -51,13 +56,14 @@ async def drain(manager, targets: list[tuple[str, str]], still: Callable[[], boo
     deadline = time.monotonic() + max_s
     turn = 0
     while still() and time.monotonic() < deadline:
-        ready, waiting = decoding_here(manager)
+        ready, waiting = decoding_here(host, leaving)
         todo = [r for r in ready if r not in tried]
         if not todo and not running and not waiting:
             break
         for rid in todo:
             tried.add(rid)
-            running.add(asyncio.create_task(_move(manager, rid, targets[turn:] + targets[:turn], result)))
+            running.add(asyncio.create_task(_move(host, migrate_one, leaving, rid, targets[turn:] + targets[:turn],
+                                                  result)))
             turn = (turn + 1) % len(targets)
         await asyncio.sleep(poll_s)
         running = {t for t in running if not t.done()}
@@ -67,20 +73,20 @@ async def drain(manager, targets: list[tuple[str, str]], still: Callable[[], boo
     return result
 
 
-async def _move(manager, request_id: str, targets: list[tuple[str, str]], result: DrainResult) -> None:
+async def _move(host: MigrationHost, migrate_one: MigrateOne, leaving: Leaving, request_id: str,
+                targets: list[tuple[str, str]], result: DrainResult) -> None:
     for dest_id, address in targets:
         while True:
-            if request_id in manager.outgoing:
+            if leaving(request_id):
                 return  # leaving already (a migrate-out order took it)
             try:
-                out = await manager.migrate_one(request_id, dest_id, address)
+                out = await migrate_one(request_id, dest_id, address)
                 break
             except ResourceExhausted:  # the migrate-out limit: wait for a slot
                 await asyncio.sleep(0.01)
         if out.committed:
             result.moved.append(request_id)
             return
-        host = manager.host
         if await host.runner.call(host.engine.request_phase, request_id) is None:
             return  # finished or aborted meanwhile: nothing to move
     result.stayed.append(request_id)

@@ -31,12 +31,15 @@ close()); a failure leaves the request decoding here."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode, handoff_mode
 from libs.common.types import TokenOutput
 from services.instance.engine.base import EngineBroken, EngineError, EngineRequest
+from services.instance.migration.host import MigrationHost
 
 log = get_logger("migration")
 
@@ -52,18 +55,23 @@ class HandoffPlan:
 
 class Handoffs:
     """The handoffs planned on this instance: serialized ones start as their
-    prompts end, per-layer ones with their requests. Lives on the event loop;
-    ``manager`` is the instance's MigrationManager."""
+    prompts end, per-layer ones with their requests. Lives on the event loop.
+    ``hand_off(request id, destination id, address, mode, request)`` starts
+    one as an outgoing migration (MigrationManager.hand_off) and records it
+    in ``outgoing`` (request id -> its migration)."""
 
-    def __init__(self, manager, per_layer_threshold: int = 0):
-        self.manager = manager
+    def __init__(self, host: MigrationHost, hand_off: Callable[..., asyncio.Task],
+                 outgoing: Mapping[str, Any], per_layer_threshold: int = 0):
+        self.host = host
+        self.hand_off = hand_off
+        self.outgoing = outgoing
         self.per_layer_threshold = per_layer_threshold
         self.plans: dict[str, HandoffPlan] = {}  # request id -> planned, not started yet
         self.running: dict[str, asyncio.Task] = {}
 
     def plan(self, request_id: str, dest_id: str, dest_address: str, num_prompt_tokens: int) -> HandoffPlan:
         mode = handoff_mode(num_prompt_tokens, self.per_layer_threshold)
-        if mode is HandoffMode.PER_LAYER and not self.manager.host.engine.layer_taps:
+        if mode is HandoffMode.PER_LAYER and not self.host.engine.layer_taps:
             mode = HandoffMode.SERIALIZED  # this engine has no per-layer hook
         p = HandoffPlan(request_id, dest_id, dest_address, num_prompt_tokens, mode)
         self.plans[request_id] = p
@@ -76,12 +84,12 @@ class Handoffs:
     async def add(self, request: EngineRequest, plan: HandoffPlan | None) -> None:
         """Give a new request to the engine, ready for its planned handoff
         (None: it decodes here). Raises what Engine.add_request raises."""
-        host = self.manager.host
+        host = self.host
         if plan is not None and plan.mode is HandoffMode.PER_LAYER:
             self.plans.pop(plan.request_id, None)  # it starts now, not at its first token
             task = self.start(plan, request)
             if task is not None:
-                mig = self.manager.outgoing[plan.request_id]
+                mig = self.outgoing[plan.request_id]
                 task.add_done_callback(lambda _t: mig.settle_added())  # even if cancelled before it ran
                 error = await mig.added
                 if error is not None:
@@ -110,12 +118,12 @@ class Handoffs:
         (the request then decodes here). Per-layer: ``request`` is not in the
         engine yet and the handoff adds it."""
         try:
-            task = self.manager.hand_off(p.request_id, p.dest_id, p.dest_address, p.mode, request)
+            task = self.hand_off(p.request_id, p.dest_id, p.dest_address, p.mode, request)
         except Exception as e:  # noqa: BLE001 - the request must not stay held: it decodes here
             log.warning("handoff not started; decoding here", request_id=p.request_id, mode=p.mode.value,
                         error=repr(e))
             if request is None:
-                self.manager.host.runner.submit(_resume_if_held, self.manager.host.engine, p.request_id)
+                self.host.runner.submit(_resume_if_held, self.host.engine, p.request_id)
             return None
         self.running[p.request_id] = task
         task.add_done_callback(lambda t, rid=p.request_id: self._done(rid, t))

@@ -52,7 +52,7 @@ class MigrationManager:
         self._channels = []
         self._tasks: set[asyncio.Task] = set()  # orders and their migrations
         self._expiry = asyncio.create_task(self._expire_forever(expire_interval_s))
-        self.handoffs = Handoffs(self, config.handoff_per_layer_threshold)
+        self.handoffs = Handoffs(host, self.hand_off, self.outgoing, config.handoff_per_layer_threshold)
         self._drain: asyncio.Task | None = None  # a role change's drain (drain.py)
         # Suspend -> commit acknowledgement of recent migrations out (ms, a moving
         # average): when a new one's commit should reach its destination.
@@ -173,14 +173,29 @@ class MigrationManager:
         self.host.changed()
         return self._spawn_run(mig)
 
+    def leaving(self, request_id: str) -> bool:
+        """The request is migrating out, or planned for a handoff."""
+        return request_id in self.outgoing or request_id in self.handoffs.plans
+
+    def decoding_here(self) -> tuple[list[str], int]:
+        """(requests running here that would decode here; how many more wait): drain.py."""
+        from services.instance.migration.drain import decoding_here
+
+        return decoding_here(self.host, self.leaving)
+
+    def drain(self, targets: list[tuple[str, str]], still: Callable[[], bool] = lambda: True,
+              max_s: float = 60.0):
+        """Move the requests decoding here to ``targets`` (drain.py): a coroutine."""
+        from services.instance.migration.drain import drain
+
+        return drain(self.host, self.migrate_one, self.leaving, targets, still, max_s)
+
     def start_drain(self, targets: list[tuple[str, str]], still: Callable[[], bool]) -> asyncio.Task:
         """Move the requests decoding here to ``targets`` (drain.py), as a
         task of this manager; a drain already running is superseded."""
-        from services.instance.migration.drain import drain
-
         if self._drain is not None:
             self._drain.cancel()
-        self._drain = self._spawn(drain(self, targets, still))
+        self._drain = self._spawn(self.drain(targets, still))
         return self._drain
 
     async def migrate_one(self, request_id: str, dest_id: str, dest_address: str, blocking: bool = False) -> Outcome:

@@ -10,7 +10,6 @@ import asyncio
 from services.instance.engine import create_engine
 from services.instance.engine.base import EngineConfig
 from services.instance.engine.fake import fake_generate
-from services.instance.migration.drain import decoding_here, drain
 from tests.instance.migration.harness import Client, Cluster
 
 
@@ -31,9 +30,9 @@ async def test_drain_moves_every_decoding_request_with_exact_tokens():
         tasks = [asyncio.create_task(cl.run("a", p, 150)) for cl, p in zip(clients, prompts)]
         for cl in clients:
             await cl.wait_tokens(3)
-        result = await asyncio.wait_for(drain(a.manager, [("b", "b"), ("d", "d")]), 30)
+        result = await asyncio.wait_for(a.manager.drain([("b", "b"), ("d", "d")]), 30)
         assert sorted(result.moved) == [f"r{i}" for i in range(5)] and not result.stayed
-        assert decoding_here(a.manager) == ([], 0)
+        assert a.manager.decoding_here() == ([], 0)
         outs = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         assert outs == [fake_generate(p, 150) for p in prompts]
         assert {cl.path[-1] for cl in clients} == {"b", "d"}  # spread over the targets
@@ -51,7 +50,7 @@ async def test_a_request_no_target_takes_stays_and_decodes_here():
         cl = Client(c, "r")
         task = asyncio.create_task(cl.run("a", prompt_of(60), 100))
         await cl.wait_tokens(3)
-        result = await asyncio.wait_for(drain(a.manager, [("b", "b")]), 30)
+        result = await asyncio.wait_for(a.manager.drain([("b", "b")]), 30)
         assert result.stayed == ["r"] and not result.moved
         assert await asyncio.wait_for(task, 30) == fake_generate(prompt_of(60), 100)
         assert cl.path == ["a"]
@@ -67,7 +66,7 @@ async def test_requests_planned_for_a_handoff_leave_by_their_handoff():
     try:
         cl = Client(c, "r")
         outs = await asyncio.gather(cl.run("a", prompt_of(40), 30, handoff="b"),
-                                    drain(a.manager, [("b", "b")]))
+                                    a.manager.drain([("b", "b")]))
         assert outs[0] == fake_generate(prompt_of(40), 30) and cl.path == ["a", "b"]
         assert "r" not in outs[1].moved
         for node in (a, b):

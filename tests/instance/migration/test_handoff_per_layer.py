@@ -17,7 +17,6 @@ from libs.common.types import SamplingParams
 from services.instance.engine import create_engine
 from services.instance.engine.base import EngineBroken, EngineConfig, EngineError, EngineRequest
 from services.instance.engine.fake import fake_generate
-from services.instance.migration.drain import decoding_here
 from services.instance.migration.layerwise import LayerwiseHandoff
 from services.instance.migration.messages import PeerError
 from tests.instance.migration.harness import CONFIG, Client, Cluster, HookedPeer
@@ -171,7 +170,7 @@ async def test_in_flight_handoff_is_outgoing_drain_ignores_it_and_close_aborts_i
     def close_on_second_chunk(seen):
         if len(seen) == 2 and not closing:
             assert "r" not in [r.request_id for r in p.manager.order_status().requests]
-            assert "r" not in decoding_here(p.manager)[0]
+            assert "r" not in p.manager.decoding_here()[0]
             closing.append(asyncio.ensure_future(p.manager.close()))
 
     watch(pd, close_on_second_chunk)
