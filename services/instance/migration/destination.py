@@ -14,7 +14,7 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 
 from libs.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
@@ -64,6 +64,7 @@ class Reservation:
     layer_marks: dict[int, bytearray] = field(default_factory=dict)
     peer_kv: PeerKv | None = None  # the source's shared KV cache, mapped (PreAllocate.kv_share)
     expected_at: float | None = None  # when the source said its commit would come (expect_commit)
+    clock: Callable[[], float] = time.monotonic  # MigrationHost.clock
 
     @property
     def open(self) -> bool:
@@ -78,7 +79,7 @@ class Reservation:
         return self.blocks + self.spare
 
     def renew(self) -> None:
-        self.deadline = time.monotonic() + self.deadline_s
+        self.deadline = self.clock() + self.deadline_s
 
 
 class Destination:
@@ -180,7 +181,7 @@ class Destination:
             self.runner.loop.call_soon_threadsafe(self.host.end_stream, state.request_id, "abort")
             return
         # Installed between two steps: its first step here starts now.
-        self.runner.loop.call_soon_threadsafe(self._installed, res, time.monotonic())
+        self.runner.loop.call_soon_threadsafe(self._installed, res, self.host.clock())
 
     async def _release(self, res: Reservation) -> int:
         """Wait for scatters in flight into the blocks (they must not land
@@ -239,7 +240,8 @@ class Destination:
                 return False, f"request {p.request_id!r} already lives here"
             deadline_s = max(0.05, p.deadline_ms / 1000)
             res = Reservation(Machine("destination", p.migration_id, p.request_id, DestState.NONE),
-                              p.source_instance_id, time.monotonic() + deadline_s, deadline_s, handoff=p.handoff)
+                              p.source_instance_id, self.host.clock() + deadline_s, deadline_s, handoff=p.handoff,
+                              clock=self.host.clock)
             # NOTE: recorded before any block is taken: the expiry sees it
             # whatever happens to this call.
             self.reservations[p.migration_id] = res
@@ -288,7 +290,7 @@ class Destination:
         if (res is None or res.machine.state is not DestState.RESERVED or res.handoff or self.join_hold_s <= 0
                 or not 0 <= in_ms <= MAX_EXPECT_MS):
             return False
-        res.expected_at = time.monotonic() + in_ms / 1000
+        res.expected_at = self.host.clock() + in_ms / 1000
         self.runner.expect(migration_id, res.expected_at, self.join_hold_s)
         return True
 
@@ -361,7 +363,7 @@ class Destination:
         """Run a scatter off the loop, counted as a writer of the reservation."""
         res.writers += 1
         try:
-            await asyncio.to_thread(fn, *args)
+            await self.host.offload(fn, *args)
         finally:
             res.writers -= 1
             if not res.writers:
@@ -448,7 +450,7 @@ class Destination:
         # Validated: acknowledge now and install at the engine's next step
         # boundary (waiting for it here would add a step to the downtime).
         self.host.streams.open(state.request_id, next_index=len(state.output_token_ids))
-        res.committed_at = time.monotonic()
+        res.committed_at = self.host.clock()
         self.runner.submit(self._install, res, state)
         self._committed[migration_id] = res
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
@@ -547,7 +549,7 @@ class Destination:
     async def expire(self) -> None:
         """Free reservations whose deadline passed (the source died), and drop
         committed requests nobody attached to in time."""
-        now = time.monotonic()
+        now = self.host.clock()
         self._excuse_own_stall(now)
         for mid, res in list(self.reservations.items()):
             st = res.machine.state

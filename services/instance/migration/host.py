@@ -7,7 +7,9 @@ simulator."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from libs.common.types import Priority
@@ -30,6 +32,10 @@ class MigrationHost:
     headroom: dict[Priority, int] = field(default_factory=dict)
     changed: Callable[[], None] = _nothing  # the instance's status changed (report soon)
     decodes: Callable[[], bool] = lambda: True  # Splitwise: False while the instance's role is prefill
+    # The clock of deadlines and measurements (the event loop's: the simulator's is virtual), from any thread.
+    clock: Callable[[], float] = time.monotonic
+    # Runs a copy (gather, scatter) off the event loop and the engine thread (the simulator: inline).
+    offload: Callable[..., Awaitable] = asyncio.to_thread
 
     @property
     def engine(self) -> Engine:

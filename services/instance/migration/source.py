@@ -164,14 +164,14 @@ class SourceMigration:
 
         async def chunks():
             for i in range(0, len(blocks), per_chunk):
-                t = time.perf_counter()
-                data = await asyncio.to_thread(self.engine.gather_kv, blocks[i:i + per_chunk])
+                t = self.host.clock()
+                data = await self.host.offload(self.engine.gather_kv, blocks[i:i + per_chunk])
                 yield KvChunk(self.id, stage, i * bpb, data, len(blocks), total)
                 # Back here once the transport took the chunk (sent it).
                 if i == 0:
                     self.fault("source.crash_mid_transfer")
                 if 0 < duty < 1 and i + per_chunk < len(blocks):
-                    await asyncio.sleep((time.perf_counter() - t) * (1 / duty - 1))
+                    await asyncio.sleep((self.host.clock() - t) * (1 / duty - 1))
 
         await self._sent(blocks, await self.peer.transfer(chunks()))
         return total
@@ -209,7 +209,7 @@ class SourceMigration:
 
     # --- the protocol ------------------------------------------------------------
     async def run(self) -> Outcome:
-        t0 = time.perf_counter()
+        t0 = self.host.clock()
         try:
             await self._run()
         except BaseException as e:
@@ -220,7 +220,7 @@ class SourceMigration:
             await self._abort_to_the_end(reason)
             if cancelled or not isinstance(e, Exception):
                 raise
-        self.out.duration_ms = (time.perf_counter() - t0) * 1000
+        self.out.duration_ms = (self.host.clock() - t0) * 1000
         self.out.stages += sum(1 for s in self.m.history if s in (S.COPY, S.COPY_LAST))
         if self.out.committed:
             # Off the critical path (the client already follows the request):
@@ -337,7 +337,7 @@ class SourceMigration:
         cancel can land): the destination owns the request. Tell the client's
         stream where to go on first (it is suspended here, no token can come
         between), then forget it here at the next step boundary."""
-        self.out.commit_ack_ms = (time.perf_counter() - t_suspend) * 1000
+        self.out.commit_ack_ms = (self.host.clock() - t_suspend) * 1000
         self.out.suspended_at = time.time() - self.out.commit_ack_ms / 1000
         self.out.committed = True
         stream = self.host.streams.get(self.request_id)
@@ -358,7 +358,7 @@ class SourceMigration:
         held = self.handoff and phase is not None and phase[0] == RequestPhase.SUSPENDED
         if not held and not self.engine.suspend_request(self.request_id):
             return False, 0.0, None, []
-        t = time.perf_counter()
+        t = self.host.clock()
         state = self.engine.export_state(self.request_id)
         state.num_migrations += 1
         rest = self.engine.all_blocks(self.request_id)[self.sent:]

@@ -1,0 +1,172 @@
+"""The live orchestration's asyncio code on the simulator's virtual clock.
+
+``SimLoop`` is an asyncio event loop whose time is the Kernel's and whose
+callbacks are Kernel events: ``call_soon`` and ``call_at`` push onto the
+Kernel's queue (same time: in the order scheduled), so asyncio tasks,
+futures, ``asyncio.sleep`` and ``wait_for`` of the live services interleave
+deterministically with the simulator's own processes. Nothing runs in a
+thread: an engine call waits for the simulated instance's next step boundary
+(``SimRunner``), a copy off the loop runs inline (``MigrationHost.offload``),
+and a peer's round trips and KV transfers are charged as delays
+(``DelayedPeer``).
+
+NOTE: the first step of running the live orchestration in the simulator
+(issue 41): tests/sim/test_aio.py moves a request between two simulated
+instances with the live MigrationManager, SourceMigration and Destination on
+it, exact tokens and model-time measurements; the simulator's own runs still
+migrate through ferry/sim/migration.py (not yet replaced)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ferry.sim.kernel import Kernel
+
+
+class SimLoop(asyncio.BaseEventLoop):
+    def __init__(self, kernel: Kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def time(self) -> float:
+        return self.kernel.now
+
+    def call_soon(self, callback: Callable, *args: Any, context=None) -> asyncio.Handle:
+        h = asyncio.Handle(callback, args, self, context)
+        self.kernel.at(self.kernel.now, _run, h)
+        return h
+
+    def call_soon_threadsafe(self, callback: Callable, *args: Any, context=None) -> asyncio.Handle:
+        return self.call_soon(callback, *args, context=context)
+
+    def call_at(self, when: float, callback: Callable, *args: Any, context=None) -> asyncio.TimerHandle:
+        h = asyncio.TimerHandle(when, callback, args, self, context)
+        self.kernel.at(when, _run, h)
+        return h
+
+    def _timer_handle_cancelled(self, handle) -> None:
+        pass  # a cancelled handle stays on the Kernel's queue and does nothing when its time comes
+
+    def run_in_executor(self, executor, func, *args):
+        raise RuntimeError("no threads on the simulated clock: run it inline (MigrationHost.offload)")
+
+    def run(self, until: float) -> None:
+        """Run the Kernel (and so this loop's callbacks) until ``until``,
+        with this loop as the running loop."""
+        asyncio.events._set_running_loop(self)
+        try:
+            self.kernel.run(until)
+        finally:
+            asyncio.events._set_running_loop(None)
+
+
+def _run(h: asyncio.Handle) -> None:
+    if not h._cancelled:
+        h._run()
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.cancelled():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class SimRunner:
+    """services/instance/runner.EngineRunner for a simulated instance: a call
+    runs at the instance's next step boundary (at once when idle) and its
+    result reaches the loop ``hop_s`` later, as the live engine thread's
+    hand-off to the event loop; holding a boundary for an incoming commit is
+    not modelled."""
+
+    def __init__(self, inst, loop: SimLoop):
+        self.inst, self.loop = inst, loop
+        self.engine = inst.engine
+        self.dead = False
+        self.error = None
+
+    async def call(self, fn: Callable, *args: Any) -> Any:
+        fut = self.loop.create_future()
+        k, hop = self.inst.k, self.inst.hop_s
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            k.after(hop, _settle, fut, result, exc)
+
+        self.inst.submit(fn, *args, done=done)
+        return await fut
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        self.inst.submit(fn, *args)
+
+    def hold(self, key: str, seconds: float) -> None:
+        pass
+
+    def release(self, key: str) -> None:
+        pass
+
+    def expect(self, key: str, at: float, seconds: float) -> None:
+        pass
+
+    def to_boundary_s(self) -> float:
+        inst = self.inst
+        return max(0.0, inst.clock.t - inst.k.now) if inst._stepping else 0.0
+
+    @property
+    def last_step_s(self) -> float:
+        return self.inst._last_step_s
+
+
+async def _inline(fn: Callable, *args: Any) -> Any:
+    return fn(*args)
+
+
+def sim_host(inst, loop: SimLoop):
+    """The MigrationHost of a simulated instance: its engine through a
+    SimRunner, the virtual clock, copies inline."""
+    from services.instance.migration.host import MigrationHost
+    from services.instance.streams import StreamTable
+
+    return MigrationHost(inst.instance_id, SimRunner(inst, loop), StreamTable(),
+                         is_terminating=lambda: inst.terminating, load=inst.engine.load, headroom=inst.headroom,
+                         changed=inst.poke, decodes=lambda: inst.role.decodes, clock=lambda: inst.k.now,
+                         offload=_inline)
+
+
+class DelayedPeer:
+    """An in-process destination peer that charges the simulator's costs:
+    half a round trip each way of every call, and a stage's blocks over the
+    link (``transfer_s(blocks)``) after a round trip."""
+
+    def __init__(self, inner, rpc_s: float, transfer_s: Callable[[int], float]):
+        self.inner, self.rpc_s, self.transfer_s = inner, rpc_s, transfer_s
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        await asyncio.sleep(self.rpc_s / 2)
+        result = await getattr(self.inner, name)(*args)
+        await asyncio.sleep(self.rpc_s / 2)
+        return result
+
+    async def pre_allocate(self, p):
+        return await self._call("pre_allocate", p)
+
+    async def transfer(self, chunks):
+        written = await self.inner.transfer(chunks)
+        blocks = written[0] if isinstance(written, tuple) else written
+        await asyncio.sleep(self.rpc_s + self.transfer_s(blocks))
+        return written
+
+    async def commit(self, migration_id, state, last=None):
+        return await self._call("commit", migration_id, state, last)
+
+    async def expect_commit(self, migration_id, in_ms):
+        return await self._call("expect_commit", migration_id, in_ms)
+
+    async def abort(self, migration_id, reason):
+        return await self._call("abort", migration_id, reason)
+
+    async def settled(self, migration_id, wait_ms):
+        return await self._call("settled", migration_id, wait_ms)
