@@ -10,19 +10,22 @@ thread: an engine call waits for the simulated instance's next step boundary
 and a peer's round trips and KV transfers are charged as delays
 (``DelayedPeer``).
 
-NOTE: the first step of running the live orchestration in the simulator
-(issue 41): tests/sim/test_aio.py moves a request between two simulated
-instances with the live MigrationManager, SourceMigration and Destination on
-it, exact tokens and model-time measurements; the simulator's own runs still
-migrate through ferry/sim/migration.py (not yet replaced)."""
+Each simulated instance's live MigrationManager runs on it (ferry/sim/run.py)
+and the scheduler's migrate-out orders are the manager's (scheduler.py).
+NOTE: Splitwise handoffs and KunServe groups are still the simulator's own
+models (handoff.py with migration.py's destination, kunserve.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from ferry.sim.kernel import Kernel
+from ferry.sim.kernel import Kernel, Wait
+from services.instance.migration.host import MigrationHost
+from services.instance.streams import StreamTable
 
 
 class SimLoop(asyncio.BaseEventLoop):
@@ -55,11 +58,37 @@ class SimLoop(asyncio.BaseEventLoop):
     def run(self, until: float) -> None:
         """Run the Kernel (and so this loop's callbacks) until ``until``,
         with this loop as the running loop."""
+        self.kernel.loop = self
+        self.kernel.run(until)
+
+    @contextlib.contextmanager
+    def running(self):
+        """This loop as the running one outside ``run`` (to create tasks)."""
+        before = asyncio.events._get_running_loop()
         asyncio.events._set_running_loop(self)
         try:
-            self.kernel.run(until)
+            yield self
         finally:
-            asyncio.events._set_running_loop(None)
+            asyncio.events._set_running_loop(before)
+
+
+class TaskDone(Wait):
+    """What a Kernel process yields to wait for an asyncio task on the
+    loop: it resumes with the task's result (or its exception thrown in)."""
+
+    def __init__(self, task: asyncio.Task):
+        self.task = task
+
+    def arm(self, kernel, resume, fail) -> None:
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled():
+                kernel.after(0.0, fail, asyncio.CancelledError())
+            elif t.exception() is not None:
+                kernel.after(0.0, fail, t.exception())
+            else:
+                kernel.after(0.0, resume, t.result())
+
+        self.task.add_done_callback(done)
 
 
 def _run(h: asyncio.Handle) -> None:
@@ -124,13 +153,20 @@ async def _inline(fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
+class FollowedStreams(StreamTable):
+    """A simulated client follows every request (the recorder reads the
+    engines' outputs): a stream is attached as it opens."""
+
+    def open(self, request_id: str, next_index: int = 0):
+        s = super().open(request_id, next_index)
+        s.attached = True
+        return s
+
+
 def sim_host(inst, loop: SimLoop):
     """The MigrationHost of a simulated instance: its engine through a
     SimRunner, the virtual clock, copies inline."""
-    from services.instance.migration.host import MigrationHost
-    from services.instance.streams import StreamTable
-
-    return MigrationHost(inst.instance_id, SimRunner(inst, loop), StreamTable(),
+    return MigrationHost(inst.instance_id, SimRunner(inst, loop), FollowedStreams(),
                          is_terminating=lambda: inst.terminating, load=inst.engine.load, headroom=inst.headroom,
                          changed=inst.poke, decodes=lambda: inst.role.decodes, clock=lambda: inst.k.now,
                          offload=_inline)

@@ -101,7 +101,7 @@ class SimAutoscaler:
             s = v.status
             empty = (s.num_running == 0 and s.num_waiting == 0 and s.migrating_out == 0 and s.migrating_in == 0
                      and v.pending_requests == 0)
-            if empty and not inst.engine.has_work() and not inst.migrating_out and not inst.migrating_in:
+            if empty and not inst.engine.has_work() and not inst.migrations_under_way():
                 del self.draining[iid]
                 self.launched.discard(iid)
                 self.cluster.stop_instance(iid)

@@ -102,7 +102,9 @@ class StepTimeExecutor(_Timed, Executor):
         return [SAMPLED_TOKEN if c.samples else None for c in chunks]
 
     def gather_kv(self, block_ids: list[int]) -> memoryview:
-        return memoryview(b"")
+        # No KV is stored: zeros of the (token-sized) layout, so that a migration's stages carry
+        # their blocks' count; what they cost is the transfer model's (ferry/sim/aio.py DelayedPeer).
+        return memoryview(bytes(len(block_ids) * self._layout.bytes_per_block))
 
     def grow_kv(self, num_blocks: int, fresh=None) -> None:
         pass  # stores no KV
@@ -172,7 +174,8 @@ class SimInstance:
         self.migrating_in = 0
         self.migrating_out = 0
         self.orders = 0  # migrate-out orders running here (they read the status)
-        self.reservations: dict[str, Any] = {}  # migration id -> destination reservation
+        self.reservations: dict[str, Any] = {}  # migration id -> destination reservation (handoffs)
+        self.manager = None  # the live MigrationManager (ferry/sim/run.py), on the cluster's SimLoop
         self.stopped = False
         # Engine thread.
         self._cmds: list[tuple[Callable, tuple, Callable | None]] = []
@@ -292,9 +295,17 @@ class SimInstance:
         if load is None:
             return None
         self.seq += 1
+        m = self.manager
         st = instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
-                             self.migrating_in, self.migrating_out, engine_steps=self.steps)
+                             self.migrating_in + (m.migrating_in if m else 0),
+                             self.migrating_out + (m.migrating_out if m else 0), engine_steps=self.steps)
         return st if self.role is Role.MIXED else replace(st, role=self.role)
+
+    def migrations_under_way(self) -> int:
+        """Migrations in and out now: the live manager's and the handoff model's."""
+        m = self.manager
+        return (self.migrating_in + self.migrating_out
+                + (m.migrating_in + m.migrating_out if m is not None else 0))
 
     def poke(self) -> None:
         """The load changed: report soon (at most every report_interval_s)."""

@@ -11,6 +11,7 @@ arrival at time 0 would read as "no arrival time".
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 from collections.abc import Callable, Generator
@@ -26,6 +27,8 @@ class Kernel:
         self._queue: list[tuple[float, int, Callable, tuple]] = []
         self._seq = itertools.count()
         self.events = 0
+        # An asyncio loop on this clock (ferry/sim/aio.py SimLoop): the running loop while run() runs.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def at(self, t: float, fn: Callable, *args: Any) -> None:
         """Run fn(*args) at time t (not before now)."""
@@ -39,11 +42,17 @@ class Kernel:
         event is after ``until``."""
         q = self._queue
         pop = heapq.heappop
-        while q and q[0][0] <= until:
-            t, _, fn, args = pop(q)
-            self.now = t
-            self.events += 1
-            fn(*args)
+        before = asyncio.events._get_running_loop()
+        if self.loop is not None:
+            asyncio.events._set_running_loop(self.loop)
+        try:
+            while q and q[0][0] <= until:
+                t, _, fn, args = pop(q)
+                self.now = t
+                self.events += 1
+                fn(*args)
+        finally:
+            asyncio.events._set_running_loop(before)
 
     def idle(self) -> bool:
         return not self._queue

@@ -1,66 +1,33 @@
-"""Live migration on simulated instances: the protocol of
-services/instance/migration (source.py, destination.py, manager.py) step by
-step, as processes on the virtual clock, over the real engines' migration
-hooks (full_blocks, reserve_blocks, suspend_request, export_state,
-install_request, drop_request, release_blocks).
+"""The destination of a Splitwise handoff on simulated instances: the
+handoff model's (ferry/sim/handoff.py) pre-allocation, commit and abort, as
+processes on the virtual clock over the engines' migration hooks
+(link_cached, reserve_blocks, install_request, release_blocks), and the
+round trip of a unary call (Delays.rpc_s). Load-balancing migrations no
+longer go through here: the simulator runs the live MigrationManager,
+SourceMigration and Destination on its clock (ferry/sim/aio.py). A handoff's
+consent is ``accepts_migration(handoff=True)``, its limit max_handoff_in
+(MigrationConfig); failures are not modelled.
 
-Costs: every call the live source makes on an engine thread waits for that
-engine's next step boundary (EngineCall); every RPC is a round trip
-(Delays.rpc_s); a KV stage takes TransferModel.seconds(blocks). The stage
-decisions (last stage at <= last_stage_max_blocks uncopied or after
-max_stages) and limits (max_migrate_out, max_migrate_in, the destination's
-watermark) are MigrationConfig's, the choice of requests is
-``next_to_migrate`` and the destination's consent ``accepts_migration``
-(libs/common/policies/migration.py). A migrate-out order runs up to
-``max_migrate_out`` migrations at once: while some are in flight, the status
-the order chooses from counts their blocks as freed already. Failures (crashes, lost replies, deadlines) are not
-modelled: nothing fails in a simulated run.
+NOTE: what is left of the simulator's copy of the protocol (issue 41): the
+handoff model still reserves here instead of at the live Destination.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ferry.sim.instance import SimInstance
-from ferry.sim.kernel import Delay, Kernel, Wait
+from ferry.sim.kernel import Delay
 from ferry.sim.params import Delays, TransferModel
 from libs.common.types import InstanceStatus, RequestState
-from libs.common.policies.migration import accepts_migration, next_to_migrate
-from services.instance.migration.selection import status_without
+from libs.common.policies.migration import accepts_migration
 from services.instance.migration.source import MigrationConfig
 from services.instance.migration.states import DestState
 from services.instance.status import instance_status
 
 _ids = itertools.count()
-
-
-class Aborted(Exception):
-    pass
-
-
-class _Signal(Wait):
-    """Resumes the waiting process when ``fire`` is called (at most one waiter)."""
-
-    def __init__(self, kernel: Kernel):
-        self.kernel = kernel
-        self._resume = None
-        self._pending = False
-
-    def arm(self, kernel, resume, fail) -> None:
-        if self._pending:
-            self._pending = False
-            kernel.after(0.0, resume, None)
-        else:
-            self._resume = resume
-
-    def fire(self) -> None:
-        if self._resume is not None:
-            resume, self._resume = self._resume, None
-            self.kernel.after(0.0, resume, None)
-        else:
-            self._pending = True
 
 
 def _current_status(inst: SimInstance) -> InstanceStatus:
@@ -84,26 +51,10 @@ class Reservation:
 
 
 @dataclass
-class Outcome:
-    request_id: str
-    committed: bool = False
-    reason: str = ""
-    stages: int = 0
-    blocks: int = 0  # sent
-    linked: int = 0  # linked at the destination from its prefix cache, not sent
-    downtime_s: float = 0.0
-    duration_s: float = 0.0
-
-
-@dataclass
 class MigrationModel:
     config: MigrationConfig
     delays: Delays
     transfer: TransferModel
-    outcomes: list[Outcome] = field(default_factory=list)
-    # The destination's freeness floor for accepts_migration (None: it refuses
-    # only with a queue of its own; see the NOTE there).
-    dest_keep_freeness_above: float | None = None
 
     # --- destination (destination.py) ----------------------------------------------
     def _active_in(self, dst: SimInstance, handoff: bool | None = None) -> int:
@@ -202,148 +153,3 @@ class MigrationModel:
         result = (yield from handler) if handler is not None else None
         yield Delay(self.delays.rpc_s / 2)
         return result
-
-    # --- source (source.py) ------------------------------------------------------------
-    def migrate_one(self, src: SimInstance, dst: SimInstance, rid: str):
-        """One migration (manager.migrate_one + SourceMigration.run)."""
-        mid = f"mig-{next(_ids)}"
-        out = Outcome(rid)
-        t0 = src.k.now
-        src.migrating_out += 1
-        suspended = False
-        stages = 0
-        try:
-            eng, cfg = src.engine, self.config
-            phase = yield src.call(eng.request_phase, rid)
-            if phase is None or phase[0] != "running":
-                raise Aborted("request is not running")
-            preemptions, sent, stage = phase[1], 0, 0
-            while True:
-                full = yield src.call(eng.full_blocks, rid)
-                todo = full[sent:]
-                last = len(todo) <= cfg.last_stage_max_blocks or stage >= cfg.max_stages
-                if stage > 0 and last:
-                    break
-                if last:
-                    todo = []
-                spare = cfg.last_stage_max_blocks + 2 if stage == 0 else 0
-                link = tuple(eng.block_hashes(rid)[:len(full)]) if stage == 0 and cfg.link_cached else ()
-                ok, reason = yield from self._rpc(dst, self.pre_allocate(
-                    dst, mid, rid, stage, len(todo), spare, self.dest_keep_freeness_above if stage == 0 else False,
-                    link=link))
-                if not ok:
-                    raise Aborted(f"destination refused: {reason}")
-                if link:  # linked there, not sent (sent was 0)
-                    out.linked = sent = len(dst.reservations[mid].linked)
-                    todo = todo[sent:]
-                if todo:
-                    yield Delay(self.delays.rpc_s + self.transfer.seconds(len(todo)))
-                stages += 1
-                out.blocks += len(todo)
-                sent += len(todo)
-                phase = yield src.call(eng.request_phase, rid)
-                if phase is None:
-                    raise Aborted("request finished or was aborted at the source")
-                if phase[1] != preemptions or phase[0] != "running":
-                    raise Aborted(f"request was preempted at the source ({phase[0]})")
-                stage += 1
-                if last:
-                    break
-            suspended, state, rest = yield src.call(self._suspend_and_export, eng, rid, sent)
-            if not suspended:
-                raise Aborted("request finished or was preempted before suspend")
-            t_suspend = src.k.now
-            ok, reason = yield from self._rpc(dst, self.pre_allocate(dst, mid, rid, stage, len(rest), 0))
-            if not ok:
-                raise Aborted(f"destination refused: {reason}")
-            if rest:
-                yield Delay(self.delays.rpc_s + self.transfer.seconds(len(rest)))
-            stages += 1
-            out.blocks += len(rest)
-            yield Delay(self.delays.rpc_s / 2)
-            self.commit(dst, mid, replace(state, num_migrations=state.num_migrations + 1))
-            yield Delay(self.delays.rpc_s / 2)
-            out.downtime_s = src.k.now - t_suspend
-            suspended = False
-            yield src.call(eng.drop_request, rid)
-            out.committed = True
-        except Exception as e:  # noqa: BLE001 - every failure aborts, as in source.py
-            out.reason = str(e) or type(e).__name__
-            if suspended:
-                yield src.call(self._resume, src, rid)
-            yield from self._rpc(dst, self.abort_at_destination(dst, mid))
-        finally:
-            src.migrating_out -= 1
-            src.poke()
-        out.stages = stages
-        out.duration_s = src.k.now - t0
-        self.outcomes.append(out)
-        return out
-
-    @staticmethod
-    def _suspend_and_export(eng, rid: str, sent: int):
-        if not eng.suspend_request(rid):
-            return False, None, []
-        return True, eng.export_state(rid), eng.all_blocks(rid)[sent:]
-
-    @staticmethod
-    def _resume(src: SimInstance, rid: str) -> None:
-        if src.engine.request_phase(rid) is not None:
-            src.engine.resume_request(rid)
-
-    # --- a migrate-out order (manager.migrate_out) --------------------------------------
-    def migrate_out(self, src: SimInstance, dst: SimInstance, stop_when_freeness_above: float,
-                    use_priorities: bool, max_requests: int = 64, linkable: dict | None = None):
-        """Returns (started, committed). Up to ``max_migrate_out`` migrations
-        run at once; a refusal by the destination ends the order (the
-        scheduler pairs again next round)."""
-        limit = self.config.max_migrate_out
-        if src.migrating_out >= limit:
-            return 0, 0
-        src.orders += 1
-        started = committed = 0
-        tried: set[str] = set()
-        inflight: dict[str, int] = {}  # request id -> its blocks
-        done: list[Outcome] = []
-        signal = _Signal(src.k)
-        stop = False
-
-        def finished(out: Outcome) -> None:
-            inflight.pop(out.request_id, None)
-            done.append(out)
-            signal.fire()
-
-        try:
-            while True:
-                while not stop and len(inflight) < limit and src.migrating_out < limit and started < max_requests:
-                    load = src.published_load()
-                    while load is None:  # the published load was not kept: read the next one
-                        yield src.call(lambda: None)
-                        load = src.published_load()
-                    # As the live manager's order_status: the requests already leaving excluded.
-                    view = status_without(src.instance_id, load, src.headroom, src.terminating,
-                                          frozenset(inflight))
-                    rid = next_to_migrate(view, started, stop_when_freeness_above, use_priorities, frozenset(tried),
-                                          linkable)
-                    if rid is None or dst.stopped:
-                        stop = True
-                        break
-                    tried.add(rid)
-                    started += 1
-                    inflight[rid] = next((r.physical_blocks for r in load.requests if r.request_id == rid), 0)
-                    src.k.spawn(self.migrate_one(src, dst, rid), finished)
-                if not inflight and (stop or started >= max_requests or not done):
-                    break
-                if inflight:
-                    yield signal
-                for out in done:
-                    if out.committed:
-                        committed += 1
-                    elif "refused" in out.reason:
-                        stop = True  # the destination is full: ask the scheduler again
-                done.clear()
-                if stop and not inflight:
-                    break
-        finally:
-            src.orders -= 1
-        return started, committed

@@ -24,6 +24,7 @@ hit as live ones do; the run's ``summary.prefix_cache`` holds the hit rates.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sys
 import time
@@ -32,10 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import click
+import structlog
 
 from ferry.measure import hit_rate, metrics, prefixes
 from ferry.measure import workload as wl
 from ferry.bench.serving import slowed_intervals
+from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
 from ferry.sim.autoscaler import SimAutoscaler
 from ferry.sim.handoff import HandoffModel
 from ferry.sim.instance import SimInstance
@@ -46,14 +49,24 @@ from ferry.sim.pools import Pool, parse_pools
 from ferry.sim.recorder import Recorder
 from ferry.sim.scheduler import SimScheduler
 from libs.common.config import click_options, from_options
+from libs.common.logging import setup_logging
 from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
 from libs.common.types import Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
 from services.instance.engine.fake import VOCAB_HI, VOCAB_LO
 from services.instance.engine.sim import SimProfile
 from services.instance.config import InstanceConfig
+from services.instance.migration.manager import MigrationManager
+from services.instance.migration.peer import InProcessPeer
 from services.instance.status import high_priority_headroom
 from services.scheduler.service import SchedulerConfig
+
+EXPIRE_S = 0.05  # the live migration managers' expiry interval (MigrationManager's default)
+
+
+def _no_fault(point: str) -> None:
+    """No fault points in a simulated run (the live default exits the process on some)."""
+
 
 WARMUP_S = 1.0  # the cluster is up and has reported before the first request
 
@@ -125,6 +138,8 @@ class Cluster:
 
     def __init__(self, opts: SimOptions, policy: str, work: wl.Workload):
         self.opts = opts
+        if not structlog.is_configured():  # the live migration code logs every transition at info
+            setup_logging("warning")
         icfg, scfg = configs(opts, policy)
         k = self.k = Kernel()
         wall = 1.0 / opts.sim_slowdown  # wall-time figures -> model time
@@ -140,10 +155,15 @@ class Cluster:
         transfer = transfer.with_(bandwidth_bytes_per_s=transfer.bandwidth_bytes_per_s / wall,
                                   stage_overhead_s=transfer.stage_overhead_s * wall)
         self.migration = MigrationModel(icfg.migration_config(), self.delays, transfer)
+        # The live migration (MigrationManager, SourceMigration, Destination) runs on this loop, one
+        # manager per instance; Splitwise handoffs still go through the model above.
+        self.loop = SimLoop(k)
+        k.loop = self.loop
         self.instances: dict[str, SimInstance] = {}
         self.t0 = START + WARMUP_S
         self.recorder = Recorder(work, self.t0, self.delays.token_s, wall)
-        self.scheduler = SimScheduler(k, scfg, self.migration, self.instances, scfg.migrate_interval_s * wall)
+        self.scheduler = SimScheduler(k, scfg, self.migration, self.instances, scfg.migrate_interval_s * wall,
+                                      self.loop)
         self.handoff = HandoffModel(k, self.migration, self.scheduler, self.instances, opts.per_layer_threshold,
                                     wall=wall)
         self.autoscaler = SimAutoscaler(self, scfg, wall) if scfg.autoscale else None
@@ -188,9 +208,26 @@ class Cluster:
         if needs_handoff(role):
             inst.executor.observer = lambda chunks, start, end, inst=inst: self.handoff.on_chunks(
                 inst, chunks, start, end)
+        with self.loop.running():
+            inst.manager = MigrationManager(sim_host(inst, self.loop), self.migration.config, peers=self._peer,
+                                            fault=_no_fault, expire_interval_s=EXPIRE_S)
         self.instances[iid] = inst
         self._log_instances()
         return inst
+
+    def _peer(self, address: str) -> DelayedPeer:
+        """The live migration's peer for a destination: its Destination in
+        this process, the round trips and blocks charged (Delays.rpc_s,
+        TransferModel.seconds)."""
+        return DelayedPeer(InProcessPeer(self.instances[address].manager.dest), self.delays.rpc_s,
+                           self.migration.transfer.seconds)
+
+    def close(self) -> None:
+        """End the live migration managers' tasks (their expiry loops) on the loop."""
+        with self.loop.running():
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+        self.k.run(until=self.k.now)
 
     def stop_instance(self, iid: str) -> None:
         self.instances[iid].stop()
@@ -287,13 +324,13 @@ class Cluster:
     # --- cluster samples (serving.sample_cluster) --------------------------------------------
     def _sample(self) -> None:
         caches = [i.engine.pool.cache.stats for i in self.instances.values()]
-        done = [o for o in self.migration.outcomes if o.committed]
+        done = [o for o in self.scheduler.outcomes if o.committed]
         self.samples.append({"t": self.k.now - self.t0, "migrations_ordered": self.scheduler.migrations_ordered,
                              # cumulative, over the cluster: prompt blocks looked up / served from cache
                              "prefix_queries": sum(c.queries for c in caches),
                              "prefix_hits": sum(c.hits for c in caches),
                              "migration_blocks_sent": sum(o.blocks for o in done),
-                             "migration_blocks_linked": sum(o.linked for o in done),
+                             "migration_blocks_linked": sum(o.linked_blocks for o in done),
                              "instances": {iid: {"freeness": s.freeness, "num_running": s.num_running,
                                                  "num_waiting": s.num_waiting, "free_blocks": s.free_blocks,
                                                  "num_preemptions": s.num_preemptions,
@@ -399,23 +436,23 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     summary["dead_processes"] = []
     summary["migrations_ordered"] = cluster.scheduler.migrations_ordered
     summary["prefix_cache"] = cluster.prefix_summary()
-    done = [o for o in cluster.migration.outcomes if o.committed]
+    done = [o for o in cluster.scheduler.outcomes if o.committed]
     # Blocks sent by committed migrations, and those the destinations linked
     # instead (a prefix-blind migration of the same requests sends both).
-    summary["migration_blocks"] = {"sent": sum(o.blocks for o in done), "linked": sum(o.linked for o in done)}
+    summary["migration_blocks"] = {"sent": sum(o.blocks for o in done), "linked": sum(o.linked_blocks for o in done)}
     sim_s = cluster.end - cluster.t0
-    outcomes = cluster.migration.outcomes
+    outcomes = cluster.scheduler.outcomes
     committed = [o for o in outcomes if o.committed]
     sim = {"model_s": sim_s, "steps": sum(i.steps for i in cluster.instances.values()),
            "events": cluster.k.events, "reports": sum(i.reports for i in cluster.instances.values()),
            "late_reports": sum(i.late_reports for i in cluster.instances.values()),
            "migrations_committed": len(committed), "migrations_aborted": len(outcomes) - len(committed),
-           "migration_downtime_ms_mean": (1000 * sum(o.downtime_s for o in committed) / len(committed)
+           "migration_downtime_ms_mean": (sum(o.downtime_ms for o in committed) / len(committed)
                                           if committed else None),
            # Of committed migrations: blocks sent, and blocks the destination linked from its cache instead
            # (a prefix-blind migration of the same requests sends both).
            "migration_blocks_sent": sum(o.blocks for o in committed),
-           "migration_blocks_linked": sum(o.linked for o in committed),
+           "migration_blocks_linked": sum(o.linked_blocks for o in committed),
            "instance_seconds": cluster.instance_seconds(),
            "delays_model_s": dataclasses.asdict(cluster.delays),
            "transfer": dataclasses.asdict(cluster.migration.transfer)}
@@ -428,6 +465,7 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
         sim["handoff"] = cluster.handoff.summary()
         sim["instances"] = cluster.instance_table()
         sim["left_at_end"] = cluster.settle()
+    cluster.close()
     out = {"label": label, "dispatch": policy, "options": _jsonable(opts), "time_scale": 1.0,
             "workload": work.describe(), "summary": summary, "sim": sim, "samples": cluster.samples,
             "requests": [r.to_dict() for r in cluster.recorder.records], "_wall_s": wall}

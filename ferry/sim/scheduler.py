@@ -3,8 +3,9 @@ status each instance reported, delivered after Delays.report_s, plus the
 pending dispatches of libs/common/pending.py), Dispatch by the live
 Dispatcher, and the rescheduling loop of services/scheduler/rescheduler.py
 (pair_migrations every migrate_interval_s on a fresh view, one migrate-out
-order per pair; the source is busy until its reply, the destination only
-refuses what it cannot take).
+order per pair, run by the source's live MigrationManager on the cluster's
+SimLoop, ferry/sim/aio.py; the source is busy until its reply, the
+destination only refuses what it cannot take).
 
 Dispatch has two steps in a cluster with prefill or decode instances
 (Splitwise): a new request goes to an instance that prefills and, once its
@@ -18,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ferry.sim.aio import TaskDone
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel
 from ferry.sim.migration import MigrationModel
@@ -25,6 +27,7 @@ from libs.common.pending import PendingDispatches
 from libs.common.policies.phases import Phase, choose_for_phase
 from libs.common.prefix_hash import block_hashes
 from libs.common.types import InstanceStatus, Priority
+from services.instance.migration.messages import MigrateOutOrder
 from services.scheduler.policies import (
     Dispatcher,
     DispatchRequest,
@@ -40,7 +43,9 @@ from services.scheduler.service import SchedulerConfig
 
 class SimScheduler:
     def __init__(self, kernel: Kernel, config: SchedulerConfig, migration: MigrationModel,
-                 instances: dict[str, SimInstance], migrate_interval_s: float):
+                 instances: dict[str, SimInstance], migrate_interval_s: float, loop=None):
+        """``loop``: the SimLoop the instances' live migration managers run on
+        (ferry/sim/aio.py); an order runs there."""
         self.k = kernel
         self.config = config
         self.migration = migration
@@ -54,6 +59,8 @@ class SimScheduler:
         self.busy: set[str] = set()
         self.migrations_ordered = 0
         self.prompt_hashes = PromptHashes()  # for pairs_by_move_cost, as the live scheduler's
+        self.loop = loop
+        self.outcomes: list = []  # every migration's (services/instance/migration/messages.Outcome)
 
     # --- the cluster view (libs/common/cluster_view.py) ------------------------------------
     def deliver(self, status: InstanceStatus) -> None:
@@ -152,8 +159,12 @@ class SimScheduler:
         try:
             yield Delay(rpc / 2)
             if not src.stopped and not dst.stopped:
-                yield from self.migration.migrate_out(src, dst, self.config.out_threshold,
-                                                      self.dispatcher.uses_priorities, linkable=link)
+                # the live manager's order, as the instance's MigrateOut RPC runs it
+                task = self.loop.create_task(src.manager.migrate_out(MigrateOutOrder(
+                    dst.instance_id, dst.instance_id, self.config.out_threshold,
+                    use_priorities=self.dispatcher.uses_priorities, linkable=link or {})))
+                result = yield TaskDone(task)
+                self.outcomes.extend(result.results)
             yield Delay(rpc / 2)
         finally:
             self.busy.discard(pair.source)

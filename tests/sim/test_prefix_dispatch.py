@@ -52,10 +52,10 @@ def test_simulated_migrations_link_the_prefix_their_destination_holds():
 
         out = simulate(opts, policy, extend=keep)
         c = held["cluster"]
-        done = [o for o in c.migration.outcomes if o.committed]
-        assert done and sum(o.linked for o in done) > sum(o.blocks for o in done) / 2, policy
+        done = [o for o in c.scheduler.outcomes if o.committed]
+        assert done and sum(o.linked_blocks for o in done) > sum(o.blocks for o in done) / 2, policy
         assert out["summary"]["migration_blocks"] == {"sent": sum(o.blocks for o in done),
-                                                      "linked": sum(o.linked for o in done)}
+                                                      "linked": sum(o.linked_blocks for o in done)}
         for inst in c.instances.values():
             assert inst.engine.pool.num_linked == 0
             inst.engine.check_integrity()
