@@ -15,6 +15,13 @@ import numpy as np
 METRICS = (("ttft_ms", "TTFT"), ("decode_ms", "decode / token"), ("e2e_ms", "end-to-end"))
 
 
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _ttfts(run: dict) -> np.ndarray:
     scale = run.get("time_scale", 1.0) or 1.0
     return np.sort([r["ttft_s"] * 1000.0 / scale for r in run["requests"] if r["ttft_s"] is not None
@@ -33,10 +40,7 @@ def ttft_cdf(runs: dict[str, dict], path: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     ax.set_title("TTFT CDF")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def latency_bars(runs: dict[str, dict], path: str) -> str:
@@ -52,10 +56,7 @@ def latency_bars(runs: dict[str, dict], path: str) -> str:
         ax.set_title(f"{title} (ms)")
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def freeness_timeline(runs: dict[str, dict], path: str) -> str | None:
@@ -80,10 +81,7 @@ def freeness_timeline(runs: dict[str, dict], path: str) -> str | None:
                  [sum(i["num_waiting"] for i in s["instances"].values()) for s in samples], "k--", lw=0.8)
         ax2.set_ylabel("waiting")
     axes[-1, 0].set_xlabel("time (s, wall)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def hit_rate_timeline(runs: dict[str, dict], path: str, window: int = 10) -> str | None:
@@ -109,10 +107,7 @@ def hit_rate_timeline(runs: dict[str, dict], path: str, window: int = 10) -> str
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"prefix-cache hit rate over the last {window} samples")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def migration_blocks(runs: dict[str, dict], path: str) -> str | None:
@@ -133,10 +128,7 @@ def migration_blocks(runs: dict[str, dict], path: str) -> str | None:
     ax.set_ylabel("KV blocks of committed migrations")
     ax.legend()
     ax.set_title("blocks migrated per policy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_all(runs: dict[str, dict], folder: str) -> list[str]:
