@@ -7,22 +7,24 @@ from libs.pb import meta_store_pb2 as pb
 from tests.meta_store.test_service import _info, store, store_address  # noqa: F401 - fixtures
 
 
-async def test_a_burst_arrives_in_order_in_fewer_messages(store):  # noqa: F811
+async def test_a_burst_arrives_in_order_without_duplicates_ending_with_the_newest(store):  # noqa: F811
     await store.Register(pb.RegisterRequest(info=_info("b0")))
     batched = store.WatchBatched(pb.WatchRequest()).__aiter__()
     first = await batched.__anext__()
     assert [e.type for e in first.events] == [pb.WatchEvent.ADDED, pb.WatchEvent.SYNCED]
-    # 200 reports at once while the watcher reads nothing: they queue, then
-    # come together. NOTE: sent at once, two may reach the store out of order,
-    # and it ignores a report older than the last one (registry.py): what the
-    # watch delivers is every accepted one, in order, ending with the newest.
+    # 200 reports at once while the watcher reads nothing. NOTE: sent at once,
+    # they may reach the store in any order (on a loaded machine seq 197 came
+    # fourth), and it ignores a report older than the last one (registry.py):
+    # what the watch delivers is every accepted one, in order, none twice,
+    # ending with the newest. How many are accepted, and how they are batched
+    # over gRPC, depends on who runs first: the batching is tested in process below.
     await asyncio.gather(*(store.ReportStatus(cpb.InstanceStatus(instance_id="b0", seq=s)) for s in range(1, 201)))
     seqs, messages = [], 0
     while not seqs or seqs[-1] != 200:
         msg = await asyncio.wait_for(batched.__anext__(), 30)  # a liveness wait
         messages += 1
         seqs += [e.record.status.seq for e in msg.events]
-    assert seqs == sorted(set(seqs)) and len(seqs) > 100  # in order, none twice, most of the burst
+    assert seqs == sorted(set(seqs)) and seqs[-1] == 200 and messages <= len(seqs)
 
 
 async def test_changes_queued_for_a_watcher_go_in_one_message():
