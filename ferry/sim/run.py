@@ -449,10 +449,9 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
            "migrations_committed": len(committed), "migrations_aborted": len(outcomes) - len(committed),
            "migration_downtime_ms_mean": (sum(o.downtime_ms for o in committed) / len(committed)
                                           if committed else None),
-           # Of committed migrations: blocks sent, and blocks the destination linked from its cache instead
-           # (a prefix-blind migration of the same requests sends both).
-           "migration_blocks_sent": sum(o.blocks for o in committed),
-           "migration_blocks_linked": sum(o.linked_blocks for o in committed),
+           # summary["migration_blocks"] again, where the plots read it
+           "migration_blocks_sent": summary["migration_blocks"]["sent"],
+           "migration_blocks_linked": summary["migration_blocks"]["linked"],
            "instance_seconds": cluster.instance_seconds(),
            "delays_model_s": dataclasses.asdict(cluster.delays),
            "transfer": dataclasses.asdict(cluster.migration.transfer)}
