@@ -10,10 +10,11 @@ thread: an engine call waits for the simulated instance's next step boundary
 and a peer's round trips and KV transfers are charged as delays
 (``DelayedPeer``).
 
-Each simulated instance's live MigrationManager runs on it (ferry/sim/run.py)
-and the scheduler's migrate-out orders are the manager's (scheduler.py).
-NOTE: Splitwise handoffs and KunServe groups are still the simulator's own
-models (handoff.py with migration.py's destination, kunserve.py).
+Each simulated instance's live MigrationManager runs on it (ferry/sim/run.py):
+the scheduler's migrate-out orders are the manager's (scheduler.py), and a
+Splitwise handoff is the manager's Handoffs, planned when the request enters
+the prefill instance, as the live agent does (run.py ``_generate``).
+NOTE: KunServe groups are still the simulator's own model (kunserve.py).
 """
 
 from __future__ import annotations
@@ -175,10 +176,14 @@ def sim_host(inst, loop: SimLoop):
 class DelayedPeer:
     """An in-process destination peer that charges the simulator's costs:
     half a round trip each way of every call, and a stage's blocks over the
-    link (``transfer_s(blocks)``) after a round trip."""
+    link (``transfer_s(blocks)``) after a round trip. A per-layer stage
+    (Splitwise, layerwise.py) streams while the prompt computes: each layer
+    chunk takes ``layer_s(its bytes)`` on the link, in order, from when the
+    source hands it over, and the round trip comes once at the end."""
 
-    def __init__(self, inner, rpc_s: float, transfer_s: Callable[[int], float]):
-        self.inner, self.rpc_s, self.transfer_s = inner, rpc_s, transfer_s
+    def __init__(self, inner, rpc_s: float, transfer_s: Callable[[int], float],
+                 layer_s: Callable[[int], float] | None = None):
+        self.inner, self.rpc_s, self.transfer_s, self.layer_s = inner, rpc_s, transfer_s, layer_s
 
     async def _call(self, name: str, *args: Any) -> Any:
         await asyncio.sleep(self.rpc_s / 2)
@@ -190,9 +195,22 @@ class DelayedPeer:
         return await self._call("pre_allocate", p)
 
     async def transfer(self, chunks):
-        written = await self.inner.transfer(chunks)
+        layered = False
+
+        async def paced():
+            nonlocal layered
+            loop = asyncio.get_running_loop()
+            link_free = 0.0  # when the link has sent what went before
+            async for c in chunks:
+                if c.layer is not None and len(c.data) and self.layer_s is not None:
+                    layered = True
+                    link_free = max(link_free, loop.time()) + self.layer_s(len(c.data))
+                    await asyncio.sleep(link_free - loop.time())
+                yield c
+
+        written = await self.inner.transfer(paced())
         blocks = written[0] if isinstance(written, tuple) else written
-        await asyncio.sleep(self.rpc_s + self.transfer_s(blocks))
+        await asyncio.sleep(self.rpc_s + (0.0 if layered else self.transfer_s(blocks)))
         return written
 
     async def commit(self, migration_id, state, last=None):

@@ -32,13 +32,14 @@ from ferry.sim.kernel import Kernel, Wait
 from libs.common.types import InstanceStatus, Priority, Role, TokenOutput
 from services.instance.engine.base import EngineConfig, EngineLoad, KvLayout
 from services.instance.engine.core.engine import CoreEngine
-from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.executor import Executor, tapped_chunks
 from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.fake import TokenKvExecutor
 from services.instance.engine.sim import SimProfile, chunk_cost
 from services.instance.status import instance_status
 
 SAMPLED_TOKEN = 97  # any id that is not EOS (the executor has no EOS)
+TAP_LAYERS = 16  # a per-layer handoff's taps per step, at most (StepTimeExecutor)
 
 
 class EngineClock:
@@ -67,6 +68,9 @@ class _Timed:
         # KunServe's pipelined groups (ferry/sim/kunserve.py): the profile's
         # step time in ms -> the step time this instance takes.
         self.stretch: Callable[[float], float] | None = None
+        # Runs fn(*args) at a virtual time (the kernel's ``at``): a layer's tap
+        # when the layer is computed. None: taps run as the step starts.
+        self.defer: Callable[..., None] | None = None
         self.prefill_tokens = 0  # tokens of chunks that start inside the prompt (recomputes included)
         self.decode_tokens = 0  # chunks that start past the prompt (one token each)
         self.busy_s = 0.0
@@ -86,20 +90,49 @@ class _Timed:
 
 
 class StepTimeExecutor(_Timed, Executor):
+    """Step times from the profile, no KV stored. Layer taps (a per-layer
+    Splitwise handoff, services/instance/migration/layerwise.py): the KV
+    layout's layers are the profile's, in at most TAP_LAYERS groups of
+    consecutive layers (one K and V value per token and group), and group g
+    of L of a step of D seconds is handed to its tap at start + (g+1) D / L,
+    as layers finish in turn; the last one at the step's end, before the
+    step boundary (the tap queues the request's suspend there). The groups
+    keep the simulator fast (each tap is a few events of the live handoff
+    code); what they cost in accuracy is the last group's share of the
+    transfer, exposed after the prompt where one layer's would be."""
+
     eos_token_ids: frozenset[int] = frozenset()
     vocab_size = TokenKvExecutor.vocab_size  # the live sim engine's
+    layer_taps = True
 
     def __init__(self, profile: SimProfile, clock: EngineClock):
         self._init_timing(profile, clock)
-        self._layout = KvLayout("float32", profile.block_size, 1, 1, 1)
+        self._layout = KvLayout("float32", profile.block_size, min(TAP_LAYERS, max(1, profile.num_layers)), 1, 1)
 
     @property
     def kv_layout(self) -> KvLayout:
         return self._layout
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        start = self.clock.t
         self._advance(chunks)
+        taps = tapped_chunks(chunks, self._layout)
+        if taps:
+            self._tap(taps, start, self.clock.t)
         return [SAMPLED_TOKEN if c.samples else None for c in chunks]
+
+    def _tap(self, taps, start: float, end: float) -> None:
+        layers = self._layout.num_layers
+        per_layer = self._layout.bytes_per_block // layers
+        for t in taps:
+            data = memoryview(bytes(len(t.block_ids) * per_layer)) if t.copy else None
+            for layer in range(layers):
+                kv = t.layer_kv(layer, data)  # now: the step's outputs change the request
+                if self.defer is None:
+                    t.tap(kv)
+                else:  # the last layer exactly at the end: before the step boundary's event
+                    at = end if layer == layers - 1 else start + (end - start) * (layer + 1) / layers
+                    self.defer(at, t.tap, kv)
 
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         # No KV is stored: zeros of the (token-sized) layout, so that a migration's stages carry
@@ -112,10 +145,15 @@ class StepTimeExecutor(_Timed, Executor):
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         pass
 
+    def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
+        pass
+
 
 class FakeTokenExecutor(_Timed, TokenKvExecutor):
     """The live sim engine's executor (fake model over a token-id KV) on the
-    virtual clock: slower, for checks of exact tokens across handoffs."""
+    virtual clock: slower, for checks of exact tokens across handoffs. Its
+    KV has one layer, handed to a tap as the step starts (no overlap to
+    model: timing checks of per-layer handoffs use StepTimeExecutor)."""
 
     def __init__(self, profile: SimProfile, clock: EngineClock, num_blocks: int):
         TokenKvExecutor.__init__(self, num_blocks, profile.block_size)
@@ -160,6 +198,7 @@ class SimInstance:
         num_blocks = engine_config.num_blocks or profile.num_blocks
         self.executor = (FakeTokenExecutor(profile, self.clock, num_blocks) if fake_tokens
                          else StepTimeExecutor(profile, self.clock))
+        self.executor.defer = kernel.at
         self.engine = CoreEngine(engine_config, self.executor, num_blocks,
                                  engine_config.max_model_len or profile.max_model_len, model_name=profile.name,
                                  clock=self.clock)
@@ -171,11 +210,9 @@ class SimInstance:
         self.on_report = on_report
         # Agent state read by status reports and by the migration model.
         self.terminating = False
-        self.migrating_in = 0
-        self.migrating_out = 0
         self.orders = 0  # migrate-out orders running here (they read the status)
-        self.reservations: dict[str, Any] = {}  # migration id -> destination reservation (handoffs)
-        self.manager = None  # the live MigrationManager (ferry/sim/run.py), on the cluster's SimLoop
+        # The live MigrationManager (ferry/sim/run.py), on the cluster's SimLoop: migrations and Splitwise handoffs.
+        self.manager = None
         self.stopped = False
         # Engine thread.
         self._cmds: list[tuple[Callable, tuple, Callable | None]] = []
@@ -297,15 +334,13 @@ class SimInstance:
         self.seq += 1
         m = self.manager
         st = instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
-                             self.migrating_in + (m.migrating_in if m else 0),
-                             self.migrating_out + (m.migrating_out if m else 0), engine_steps=self.steps)
+                             m.migrating_in if m else 0, m.migrating_out if m else 0, engine_steps=self.steps)
         return st if self.role is Role.MIXED else replace(st, role=self.role)
 
     def migrations_under_way(self) -> int:
-        """Migrations in and out now: the live manager's and the handoff model's."""
+        """Migrations and handoffs in and out now (the live manager's)."""
         m = self.manager
-        return (self.migrating_in + self.migrating_out
-                + (m.migrating_in + m.migrating_out if m is not None else 0))
+        return m.migrating_in + m.migrating_out if m is not None else 0
 
     def poke(self) -> None:
         """The load changed: report soon (at most every report_interval_s)."""

@@ -12,7 +12,8 @@ divides every wall-time figure by K, which is the same model time.
 
 ``pools`` (Splitwise, ferry/sim/pools.py) makes a cluster of prefill, decode
 and mixed instances, each pool on its own profile; requests prefilled on a
-prefill instance are handed to a decode instance (ferry/sim/handoff.py).
+prefill instance are handed to the decode instance Dispatch chose with it,
+by the live handoff code (ferry/sim/handoff.py records them).
 ``fake_tokens`` runs the live sim engine's fake model (slower) so that the
 tokens of every request can be checked; the run then also returns them.
 
@@ -40,7 +41,7 @@ from ferry.measure import workload as wl
 from ferry.bench.serving import slowed_intervals
 from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
 from ferry.sim.autoscaler import SimAutoscaler
-from ferry.sim.handoff import HandoffModel
+from ferry.sim.handoff import HandoffLog
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
 from ferry.sim.migration import MigrationModel
@@ -53,8 +54,8 @@ from libs.common.logging import setup_logging
 from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
 from libs.common.types import Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
-from services.instance.engine.fake import VOCAB_HI, VOCAB_LO
 from services.instance.engine.sim import SimProfile
+from services.instance.engine.fake import VOCAB_HI, VOCAB_LO
 from services.instance.config import InstanceConfig
 from services.instance.migration.manager import MigrationManager
 from services.instance.migration.peer import InProcessPeer
@@ -154,9 +155,10 @@ class Cluster:
         transfer = TransferModel.from_profile(self.profile)  # wall time on a live cluster too
         transfer = transfer.with_(bandwidth_bytes_per_s=transfer.bandwidth_bytes_per_s / wall,
                                   stage_overhead_s=transfer.stage_overhead_s * wall)
-        self.migration = MigrationModel(icfg.migration_config(), self.delays, transfer)
-        # The live migration (MigrationManager, SourceMigration, Destination) runs on this loop, one
-        # manager per instance; Splitwise handoffs still go through the model above.
+        self.migration = MigrationModel(dataclasses.replace(
+            icfg.migration_config(), handoff_per_layer_threshold=opts.per_layer_threshold), self.delays, transfer)
+        # The live migration (MigrationManager, SourceMigration, Destination) and Splitwise handoffs
+        # (Handoffs, LayerwiseHandoff) run on this loop, one manager per instance.
         self.loop = SimLoop(k)
         k.loop = self.loop
         self.instances: dict[str, SimInstance] = {}
@@ -164,8 +166,8 @@ class Cluster:
         self.recorder = Recorder(work, self.t0, self.delays.token_s, wall)
         self.scheduler = SimScheduler(k, scfg, self.migration, self.instances, scfg.migrate_interval_s * wall,
                                       self.loop)
-        self.handoff = HandoffModel(k, self.migration, self.scheduler, self.instances, opts.per_layer_threshold,
-                                    wall=wall)
+        self.handoff = HandoffLog(self, self.transfer_s, opts.per_layer_threshold)
+        self.prompt_lens: dict[str, int] = {}  # request id -> its prompt's tokens (a session's turn: all of it)
         self.autoscaler = SimAutoscaler(self, scfg, wall) if scfg.autoscale else None
         self.work = work
         self.tokens: dict[str, list[int]] | None = {} if opts.fake_tokens else None
@@ -205,22 +207,38 @@ class Cluster:
                            self.icfg.report_interval_s * self.wall, self.icfg.heartbeat_s * self.wall,
                            self.delays.hop_s, self._on_step, self._on_report, role=role,
                            fake_tokens=self.opts.fake_tokens)
-        if needs_handoff(role):
-            inst.executor.observer = lambda chunks, start, end, inst=inst: self.handoff.on_chunks(
-                inst, chunks, start, end)
         with self.loop.running():
-            inst.manager = MigrationManager(sim_host(inst, self.loop), self.migration.config, peers=self._peer,
+            inst.manager = MigrationManager(sim_host(inst, self.loop), self.migration.config,
+                                            peers=lambda address, src=inst: self._peer(src, address),
                                             fault=_no_fault, expire_interval_s=EXPIRE_S)
+        if needs_handoff(role):
+            self.handoff.watch(inst)
         self.instances[iid] = inst
         self._log_instances()
         return inst
 
-    def _peer(self, address: str) -> DelayedPeer:
-        """The live migration's peer for a destination: its Destination in
-        this process, the round trips and blocks charged (Delays.rpc_s,
-        TransferModel.seconds)."""
-        return DelayedPeer(InProcessPeer(self.instances[address].manager.dest), self.delays.rpc_s,
-                           self.migration.transfer.seconds)
+    def transfer(self, src: SimInstance, dst: SimInstance) -> TransferModel:
+        """The KV link between two instances: the source's block bytes, the
+        slower one's bandwidth (the cluster's profile: ``migration.transfer``)."""
+        if src.profile is dst.profile is self.profile:
+            return self.migration.transfer
+        gbps = min(src.profile.migration_bandwidth_gbps, dst.profile.migration_bandwidth_gbps)
+        return self.migration.transfer.with_(bytes_per_block=src.profile.kv_bytes_per_token * src.profile.block_size,
+                                             bandwidth_bytes_per_s=gbps * 1e9 / 8 / self.wall)
+
+    def transfer_s(self, src: SimInstance, dst: SimInstance, blocks: int) -> float:
+        return self.transfer(src, dst).seconds(blocks)
+
+    def _peer(self, src: SimInstance, address: str) -> DelayedPeer:
+        """The live migration's peer from ``src`` to a destination: its
+        Destination in this process, the round trips and blocks charged
+        (Delays.rpc_s, TransferModel.seconds; a per-layer chunk as its share
+        of a block of the source's KV layout)."""
+        dst = self.instances[address]
+        link = self.transfer(src, dst)
+        layout_block = src.engine.kv_layout.bytes_per_block
+        return DelayedPeer(InProcessPeer(dst.manager.dest), self.delays.rpc_s, link.seconds,
+                           lambda n: n / layout_block * link.bytes_per_block / link.bandwidth_bytes_per_s)
 
     def close(self) -> None:
         """End the live migration managers' tasks (their expiry loops) on the loop."""
@@ -259,11 +277,13 @@ class Cluster:
                 if o.index != len(toks):
                     raise RuntimeError(f"{o.request_id}: token index {o.index} after {len(toks)} tokens")
                 toks.append(o.token_id)
+        handoffs = inst.manager.handoffs
         if needs_handoff(inst.role):
             for o in outputs:
                 if o.index == 0:
-                    req = self.work.requests[self.recorder.index[o.request_id]]
-                    self.handoff.on_first_token(inst, o.request_id, req.prompt_len, o.finish_reason is not None)
+                    self.handoff.on_first_token(o.request_id, self.k.now)
+                if handoffs.plans:  # the agent's step delivery: a serialized handoff starts at the first token
+                    handoffs.on_output(o)
 
     def _on_report(self, inst: SimInstance, status) -> None:
         self.k.after(self.delays.report_s, self.scheduler.deliver, status)
@@ -299,12 +319,11 @@ class Cluster:
         if picked is None:
             self.recorder.fail(i, self.k.now, "no live instance to dispatch to")
             return
-        iid, run_priority = picked
-        self.recorder.records[i].instances.append(iid)
-        self.handoff.on_dispatch(self.instances[iid], f"req-{i}", req.prompt_len)
-        self.k.after(self.delays.generate_s, self._generate, i, iid, run_priority)
+        placed, run_priority = picked
+        self.recorder.records[i].instances.append(placed.prefill)
+        self.k.after(self.delays.generate_s, self._generate, i, placed.prefill, run_priority, placed.decode)
 
-    def _generate(self, i: int, iid: str, priority: Priority) -> None:
+    def _generate(self, i: int, iid: str, priority: Priority, decode: str | None = None) -> None:
         req = self.work.requests[i]
         inst = self.instances[iid]
         sp = SamplingParams(max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
@@ -312,6 +331,12 @@ class Cluster:
         if self.keep_tokens:
             self.prompts[i] = prompt
         ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now)
+        self.prompt_lens[ereq.request_id] = len(prompt)
+        if decode is not None:
+            self.loop.create_task(self._enter(i, inst, ereq, decode))
+            return
+        if needs_handoff(inst.role):
+            self.handoff.in_place(inst, ereq.request_id, len(prompt))
 
         def added(_result, exc: BaseException | None) -> None:
             if isinstance(exc, EngineError):
@@ -320,6 +345,17 @@ class Cluster:
                 raise exc
 
         inst.submit(inst.engine.add_request, ereq, done=added)
+
+    async def _enter(self, i: int, inst: SimInstance, ereq: EngineRequest, decode: str) -> None:
+        """Into a prefill instance with the plan of its handoff to ``decode``
+        (the agent's ``_enter``: planned before the engine sees the request)."""
+        handoffs = inst.manager.handoffs
+        plan = handoffs.plan(ereq.request_id, decode, decode, len(ereq.prompt_token_ids))
+        try:
+            await handoffs.add(ereq, plan)  # a per-layer handoff starts with it
+        except EngineError as e:
+            handoffs.forget(ereq.request_id)
+            self.recorder.fail(i, self.k.now, f"HTTP 400: {e}")
 
     # --- cluster samples (serving.sample_cluster) --------------------------------------------
     def _sample(self) -> None:
@@ -468,9 +504,10 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     out = {"label": label, "dispatch": policy, "options": _jsonable(opts), "time_scale": 1.0,
             "workload": work.describe(), "summary": summary, "sim": sim, "samples": cluster.samples,
             "requests": [r.to_dict() for r in cluster.recorder.records], "_wall_s": wall}
+    if opts.pools:
+        out["handoffs"] = cluster.handoff.record_dicts()
     if cluster.tokens is not None:
         out["tokens"] = cluster.tokens
-        out["handoffs"] = cluster.handoff.record_dicts()
     return out
 
 

@@ -7,11 +7,10 @@ order per pair, run by the source's live MigrationManager on the cluster's
 SimLoop, ferry/sim/aio.py; the source is busy until its reply, the
 destination only refuses what it cannot take).
 
-Dispatch has two steps in a cluster with prefill or decode instances
-(Splitwise): a new request goes to an instance that prefills and, once its
-prompt is done, the handoff asks for an instance that decodes, both by
-libs/common/policies/phases.choose_for_phase over the same view. In a
-cluster of mixed instances the first step is the live Dispatch exactly."""
+Dispatch is the live one's ``place`` (libs/common/policies/phases.py): in a
+cluster with prefill or decode instances (Splitwise) it chooses the prefill
+instance and the decode instance at once, and the prefill instance's
+MigrationManager hands the request off once its prompt is done."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel
 from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
-from libs.common.policies.phases import Phase, choose_for_phase
+from libs.common.policies.phases import Placement, place
 from libs.common.prefix_hash import block_hashes
 from libs.common.types import InstanceStatus, Priority
 from services.instance.migration.messages import MigrateOutOrder
@@ -79,19 +78,26 @@ class SimScheduler:
         return [InstanceView(iid, st, *self.pending.totals(iid, now)) for iid, st in self.statuses.items()]
 
     # --- Dispatch (service.py) ----------------------------------------------------------------
-    def choose(self, request_id: str, num_tokens: int, priority: Priority, phase: Phase,
-               exclude: frozenset[str] = frozenset(), token_ids: Sequence[int] | None = None) -> str | None:
-        """The instance for ``phase`` of a request holding ``num_tokens``
-        (counted as pending there until a report lists the request, net of
-        its hit there where the policy scores prefixes)."""
-        req = DispatchRequest(request_id, num_tokens, priority, exclude)
+    def place(self, request_id: str, num_tokens: int, priority: Priority,
+              token_ids: Sequence[int] | None = None) -> Placement | None:
+        """Where a request of ``num_tokens`` prompt tokens runs: the live
+        Dispatch's ``place`` (Splitwise: the prefill instance and the decode
+        instance at once), each counted as pending there until a report
+        lists the request (net of its hit there where the policy scores
+        prefixes; the decode instance for the prompt and its first token)."""
+        req = DispatchRequest(request_id, num_tokens, priority)
         if token_ids is not None and self.policy.uses_prefix:
             req = replace(req, **self.prefix_hits(token_ids, request_id))
-        iid = choose_for_phase(self.dispatcher, self.views(), req, phase)
-        if iid is not None:
-            demand = blocks_for(num_tokens, self.statuses[iid].block_size) - req.hits.get(iid, 0)
-            self.pending.add(iid, request_id, max(1, demand), self.k.now)
-        return iid
+        placed = place(self.dispatcher, self.views(), req)
+        if placed is None:
+            return None
+        now = self.k.now
+        demand = blocks_for(num_tokens, self.statuses[placed.prefill].block_size) - req.hits.get(placed.prefill, 0)
+        self.pending.add(placed.prefill, request_id, max(1, demand), now)
+        if placed.decode is not None:
+            self.pending.add(placed.decode, request_id,
+                             blocks_for(num_tokens + 1, self.statuses[placed.decode].block_size), now)
+        return placed
 
     def prefix_hits(self, token_ids: Sequence[int], request_id: str = "") -> dict:
         """DispatchRequest's prefix fields for a prompt: the live scheduler's
@@ -117,11 +123,11 @@ class SimScheduler:
         return {"prefix_blocks": len(hashes), "hits": hits}
 
     def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
-                 token_ids: Sequence[int] | None = None) -> tuple[str, Priority] | None:
-        iid = self.choose(request_id, num_prompt_tokens, priority, Phase.PREFILL, token_ids=token_ids)
-        if iid is None:
+                 token_ids: Sequence[int] | None = None) -> tuple[Placement, Priority] | None:
+        placed = self.place(request_id, num_prompt_tokens, priority, token_ids)
+        if placed is None:
             return None
-        return iid, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)
+        return placed, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)
 
     # --- rescheduling (rescheduler.py) ----------------------------------------------------
     def start(self) -> None:

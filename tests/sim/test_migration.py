@@ -4,14 +4,13 @@ live MigrationManager, SourceMigration and Destination on the virtual clock
 committed migration moves every block, keeps the token stream exact and
 costs what the model says in downtime; a refused one leaves the request
 running at the source; no block leaks on either side. (Splitwise handoffs
-still go through the model's own destination, ferry/sim/migration.py.)"""
+run the same code: tests/sim/test_splitwise.py.)"""
 
 import pytest
 
 from ferry.sim.aio import DelayedPeer, SimLoop, TaskDone, sim_host
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
-from ferry.sim.migration import MigrationModel
 from ferry.sim.params import Delays, TransferModel
 from libs.common.types import SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
@@ -154,28 +153,6 @@ def test_a_destination_with_a_queue_of_its_own_refuses():
     assert "queue" in out.reason
     src.engine.check_integrity()
     dst.engine.check_integrity()
-
-
-def test_a_handoff_is_not_refused_for_a_queue_and_has_its_own_limit():
-    """The simulated destination decides a handoff as the live one does:
-    accepts_migration(handoff=True), counted against max_handoff_in."""
-    k, _, dst, _ = pair(dst_blocks=150)
-    start_many(k, dst, 2, n_prompt=1500, prefix="d")  # 94 blocks each: the second waits
-    k.run(until=START + 0.6)
-    assert sum(r.state == "waiting" for r in dst.engine.load().requests) == 1
-    model = MigrationModel(MigrationConfig(max_migrate_in=1, max_handoff_in=1), DELAYS, TRANSFER)
-
-    def ask(mid, handoff):
-        proc = k.spawn(model.pre_allocate(dst, mid, f"r-{mid}", 0, 2, 0, None, handoff=handoff))
-        k.run(until=k.now + 0.1)
-        return proc.result
-
-    ok, reason = ask("m", handoff=False)
-    assert not ok and "queue" in reason
-    assert ask("h1", handoff=True) == (True, "")
-    ok, reason = ask("h2", handoff=True)
-    assert not ok and "handoff-in limit 1" in reason
-    assert dst.migrating_in == 1
 
 
 def test_an_order_runs_up_to_max_migrate_out_migrations_at_once():

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -177,7 +176,7 @@ class LayerwiseHandoff(SourceMigration):
         self.engine.tap_layers(self.request_id, None)
         done = _Suspended()
         if self.engine.suspend_request(self.request_id):
-            at = time.perf_counter()
+            at = self.host.clock()
             state = self.engine.export_state(self.request_id)
             state.num_migrations += 1
             done = _Suspended(at, state, tuple(self.engine.all_blocks(self.request_id)))
@@ -207,7 +206,7 @@ class LayerwiseHandoff(SourceMigration):
         one kind of chunk)."""
         if not blocks:
             return
-        fused = await asyncio.to_thread(self.engine.gather_kv, blocks)
+        fused = await self.host.offload(self.engine.gather_kv, blocks)
         layers = self.engine.kv_layout.num_layers
         lb = self.layer_bytes
         for layer in range(layers):

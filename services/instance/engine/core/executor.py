@@ -114,10 +114,15 @@ class TappedChunk:
         self.first_block = 0 if hit_first else chunk.start // block_size
         self.block_ids = tuple(req.block_ids[self.first_block: cdiv(chunk.end, block_size)])
 
-    def emit(self, layer: int, data: memoryview | None) -> None:
+    def layer_kv(self, layer: int, data: memoryview | None) -> LayerKv:
+        """What the tap gets for ``layer``, as the chunk is now (``samples``
+        reads the request: build it during the step)."""
         c = self.chunk
-        self.tap(LayerKv(c.request.request_id, layer, self.num_layers, self.first_block, self.block_ids,
-                         c.start, c.end, c.samples, data))
+        return LayerKv(c.request.request_id, layer, self.num_layers, self.first_block, self.block_ids,
+                       c.start, c.end, c.samples, data)
+
+    def emit(self, layer: int, data: memoryview | None) -> None:
+        self.tap(self.layer_kv(layer, data))
 
 
 def tapped_chunks(chunks: list[ScheduledChunk], layout: KvLayout) -> list[TappedChunk]:
