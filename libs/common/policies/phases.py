@@ -104,7 +104,7 @@ def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchReques
     decoders = [v for v in views if serves(v.status.role, Phase.DECODE) and v.instance_id != first]
     # The prefix hits count for the decode step too: a decode instance that
     # holds the prompt's prefix links it and receives only the rest
-    # (PreAllocate.link; a per-layer handoff still streams every block).
+    # (PreAllocate.link; a per-layer handoff too: the linked blocks' layers are not sent).
     then = dataclasses.replace(req, num_prompt_tokens=req.num_prompt_tokens + 1, exclude=req.exclude | {first})
     if not [v for v in decoders if v.instance_id not in then.exclude]:
         return Placement(first)

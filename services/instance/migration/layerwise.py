@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode
+from libs.common.prefix_hash import block_hashes
 from libs.common.types import RequestState
 from services.instance.engine.base import EngineBroken, EngineRequest, LayerKv
 from services.instance.engine.core.scheduler import cdiv
@@ -125,7 +126,8 @@ class LayerwiseHandoff(SourceMigration):
         self._untapped = False
         layout = self.engine.kv_layout
         self.layer_bytes = layout.bytes_per_block // layout.num_layers  # one block, one layer
-        self.num_blocks = 0  # the stage: every block of the prompt
+        self.num_blocks = 0  # every block of the prompt
+        self.linked = 0  # of them, the first ones the destination linked from its prefix cache: not sent
         self.keepalive_s = max(0.01, config.deadline_ms / 3000)
         self.add_error: Exception | None = None
         self._added = False  # set on the engine thread once add_request took the request
@@ -190,15 +192,25 @@ class LayerwiseHandoff(SourceMigration):
         return super()._resume_if_suspended()
 
     # --- the stream ------------------------------------------------------------------
+    @property
+    def stage_blocks(self) -> int:
+        """The blocks sent: the prompt's, less those linked at the destination."""
+        return self.num_blocks - self.linked
+
     def _layer_chunks(self, layer: int, first_block: int, data: memoryview) -> list[KvChunk]:
+        """``data``: the layer's KV of the prompt's blocks from ``first_block``
+        on; the linked ones are skipped, and offsets count in the stage (the
+        blocks after the linked ones)."""
         n = len(data) // self.layer_bytes
         if first_block + n > self.num_blocks:
             raise MigrationAborted(f"layer KV for blocks {first_block}..{first_block + n} "
                                    f"of a {self.num_blocks}-block prompt")
+        skip = min(n, max(0, self.linked - first_block))
+        data, first, n = data[skip * self.layer_bytes:], first_block + skip - self.linked, n - skip
         per = max(1, self.config.chunk_bytes // self.layer_bytes)
-        total = self.num_blocks * self.engine.kv_layout.bytes_per_block
-        return [KvChunk(self.id, 0, (first_block + i) * self.layer_bytes,
-                        data[i * self.layer_bytes:(i + per) * self.layer_bytes], self.num_blocks, total, layer)
+        total = self.stage_blocks * self.engine.kv_layout.bytes_per_block
+        return [KvChunk(self.id, 0, (first + i) * self.layer_bytes,
+                        data[i * self.layer_bytes:(i + per) * self.layer_bytes], self.stage_blocks, total, layer)
                 for i in range(0, n, per)]
 
     async def _catch_up(self, blocks: list[int]) -> AsyncIterator[KvChunk]:
@@ -233,7 +245,7 @@ class LayerwiseHandoff(SourceMigration):
                     getter = asyncio.ensure_future(self.events.get())
                 done, _ = await asyncio.wait({getter}, timeout=self.keepalive_s)
                 if not done:
-                    yield KvChunk(self.id, 0, 0, b"", self.num_blocks, 0, layer=0)
+                    yield KvChunk(self.id, 0, 0, b"", self.stage_blocks, 0, layer=0)
                     # NOTE: a dict lookup from the loop (as Destination.commit
                     # does): a request gone here never brings the suspend.
                     if self.runner.dead:
@@ -294,7 +306,12 @@ class LayerwiseHandoff(SourceMigration):
         self.num_blocks = cdiv(target, self.engine.block_size)
         self.caught_up = len(catch_up)  # blocks computed before the tap
         self._to(H.PRE_ALLOC, blocks=self.num_blocks, mode=self.mode.value)
-        await self._pre_allocate(0, self.num_blocks)
+        # The prompt's full blocks the destination's prefix cache holds are linked there, not sent.
+        bs = self.engine.block_size
+        full = target // bs
+        hashes = (tuple(block_hashes(self.request.prompt_token_ids[:full * bs], bs)) if self.request is not None
+                  else None)  # a request added here: the engine has not hashed its prompt yet
+        self.linked = await self._pre_allocate(0, self.num_blocks, full=full, hashes=hashes)
         per_layer = self.mode is HandoffMode.PER_LAYER
         self._to(H.STREAM if per_layer else H.WAIT_PREFILL, blocks=self.num_blocks, catch_up=len(catch_up))
         written = await self.peer.transfer(self._stream(catch_up if per_layer else []))
@@ -309,12 +326,12 @@ class LayerwiseHandoff(SourceMigration):
             raise MigrationAborted(f"{state.num_computed_tokens} tokens in {len(done.blocks)} blocks "
                                    f"after the prompt, {target} in {self.num_blocks} expected")
         if per_layer:
-            if written != self.num_blocks:
-                raise MigrationAborted(f"destination completed {written} of {self.num_blocks} blocks")
+            if written != self.stage_blocks:
+                raise MigrationAborted(f"destination completed {written} of {self.stage_blocks} blocks")
         else:
             self._to(H.COPY, blocks=self.num_blocks)
-            self.out.bytes += await self._copy(0, list(done.blocks))
-        self.out.blocks = self.num_blocks
+            self.out.bytes += await self._copy(0, list(done.blocks)[self.linked:])
+        self.out.blocks = self.stage_blocks
         self._to(H.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         await self.peer.commit(self.id, state)
         self._hand_over(done.at, len(state.output_token_ids), H.DONE)

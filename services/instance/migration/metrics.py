@@ -40,6 +40,7 @@ class MigrationCounters:
         # destination linked from its prefix cache instead.
         self.blocks_sent = 0
         self.blocks_linked = 0
+        self.bytes_sent = 0
 
     def _sent(self, out: Outcome) -> None:
         BLOCKS.inc(out.blocks)
@@ -48,6 +49,7 @@ class MigrationCounters:
         if out.committed:
             self.blocks_sent += out.blocks
             self.blocks_linked += out.linked_blocks
+            self.bytes_sent += out.bytes
 
     def handoff_done(self, out: Outcome) -> None:
         """A handoff is not a load-balancing migration: counted apart."""

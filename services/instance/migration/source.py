@@ -117,13 +117,18 @@ class SourceMigration:
         return max(self.config.deadline_ms, int(STEPS_PER_DEADLINE * 1000 * self.runner.last_step_s))
 
     async def _pre_allocate(self, stage: int, n: int, spare: int = 0, last: bool = False,
-                            full: int = -1) -> int:
+                            full: int = -1, hashes: tuple | None = None) -> int:
         """Returns how many of the request's first blocks the destination
         linked from its prefix cache (the first stage, ``full`` >= 0: the
         request's computed full blocks, the most it may link); those are not
-        sent, and ``n`` counts them."""
+        sent, and ``n`` counts them. ``hashes``: the request's block hashes,
+        where the engine has not computed them yet (a per-layer handoff's
+        prompt); default: the engine's."""
         share = self.engine.kv_share() if self.config.shared_kv else None
-        hashes = tuple(self.engine.block_hashes(self.request_id)) if stage == 0 else ()
+        if stage != 0:
+            hashes = ()
+        elif hashes is None:
+            hashes = tuple(self.engine.block_hashes(self.request_id))
         link = self.config.link_cached and full > 0
         if link:
             hashes = hashes[:full]  # NOTE: never a block whose KV is not computed yet

@@ -70,9 +70,8 @@ def watch(c: Cluster, on_chunk) -> list[tuple[int | None, int]]:
 
 
 async def test_long_prompt_streams_layers_while_it_computes_with_the_colocated_tokens(pd):
-    # the reference runs at d: p's prefix cache stays cold and the prompt computes in 5 chunks
-    colocated = await asyncio.wait_for(Client(pd, "ref").run("d", LONG, N), 30)
-    assert colocated == fake_generate(LONG, N)
+    # Both caches cold: the prompt computes in 5 chunks at p, and d links nothing (test_prefix_migration.py)
+    colocated = fake_generate(LONG, N)
     seen = watch(pd, lambda _: None)
     p = pd.nodes["p"]
     cl = Client(pd, "r")

@@ -106,7 +106,10 @@ async def test_per_layer_chunks_flow_while_the_prompt_computes(two):
     a = two.nodes["a"]
     assert (await asyncio.wait_for(ht, 30)).committed
     await asyncio.wait_for(task, 30)
-    assert seen == [(None, 0, 7, -1)]  # the whole prompt at once, once it was done and suspended
+    # The rest of the prompt at once, once it was done and suspended: b's cache holds the prompt's 6 full
+    # blocks (from "r"), linked there, so only the partial last one goes.
+    assert seen == [(None, 0, 1, -1)]
+    assert (await asyncio.wait_for(ht, 1)).linked_blocks == 6
     await clean(two)
 
 

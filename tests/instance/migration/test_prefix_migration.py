@@ -135,14 +135,16 @@ async def test_an_aborted_migration_gives_its_linked_blocks_back(call):
         await c.stop()
 
 
-async def test_a_prefill_instances_cache_serves_later_prompts():
+@pytest.mark.parametrize("per_layer_threshold", [0, 1], ids=["serialized", "per_layer"])
+async def test_a_prefill_instances_cache_serves_later_prompts(per_layer_threshold):
     """Splitwise: a handed-off request's blocks stay cached at the prefill
     instance (dropped there after the commit, not lost): the next prompt with
     the same prefix hits them; both decode elsewhere with exact tokens. The
     decode instance links the prefix it holds already: the second handoff
-    sends only the rest."""
+    sends only the rest, serialized or per layer (whose layers of the linked
+    blocks are not sent either)."""
     c = Cluster()
-    c.add("p", fake())
+    c.add("p", fake(), config=replace(CONFIG, handoff_per_layer_threshold=per_layer_threshold))
     c.add("d", fake())
     try:
         first = Client(c, "first")
@@ -154,6 +156,9 @@ async def test_a_prefill_instances_cache_serves_later_prompts():
         assert first.path == second.path == ["p", "d"]
         # d holds the shared prefix (the first request's blocks, cached): the second hands over only the rest
         assert counters.blocks_linked == 4 and counters.blocks_sent == 6 + 2  # 94 tokens: 6 blocks, 4 linked
+        if per_layer_threshold:  # the bytes too: 8 blocks' layers, no more
+            layout = c.nodes["p"].engine.kv_layout
+            assert counters.bytes_sent == 8 * layout.bytes_per_block
         pc = c.nodes["p"].engine.load().prefix_cache
         assert pc.hits == 64 and pc.requests == 2  # the shared prefix, from the first request's blocks
         for node in c.nodes.values():
