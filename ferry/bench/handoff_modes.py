@@ -33,42 +33,6 @@ from ferry.machine import write_json
 MODES = ("colocated", "serialized", "per_layer")
 
 
-class _Node:
-    def __init__(self, name: str, engine, peers):
-        from services.instance.migration import MigrationConfig, MigrationHost, MigrationManager
-        from services.instance.runner import EngineRunner
-        from services.instance.streams import StreamTable
-
-        self.name, self.engine = name, engine
-        self.streams = StreamTable()
-        self.runner = EngineRunner(engine, asyncio.get_running_loop(), self._on_step, idle_wait_s=0.005)
-        self.host = MigrationHost(name, self.runner, self.streams)
-        self.runner.start()
-        self.config = MigrationConfig(deadline_ms=10_000, max_migrate_in=4)
-        self.manager = MigrationManager(self.host, self.config, peers=peers)
-
-    def _on_step(self, outputs, load) -> None:
-        from services.instance.streams import Event
-
-        for out in outputs:
-            stream = self.streams.get(out.request_id)
-            if stream is not None:
-                reason = out.finish_reason.value if out.finish_reason else None
-                stream.push(Event(out.index, out.token_id, reason))
-                if reason:
-                    self.streams.close(out.request_id)
-
-    async def idle(self) -> None:
-        while await self.runner.call(self.engine.has_work) or self.manager.reservations:
-            await asyncio.sleep(0.005)
-        await self.runner.call(self.engine.check_integrity)
-        assert self.engine.num_free_blocks == self.engine.num_total_blocks, "blocks leaked"
-
-    async def stop(self) -> None:
-        await self.manager.close()
-        self.runner.stop()
-
-
 class _Meter:
     """What the transfer costs while the prompt computes, measured where it
     happens (a loaded machine makes differences of whole runs useless):
@@ -104,40 +68,30 @@ class _Meter:
         self.emit_s = self.scatter_s = 0.0
 
 
-async def _one(nodes: dict[str, _Node], mode: str, rid: str, prompt: list[int], meter: _Meter) -> dict:
-    """Run one request; times from submission (seconds)."""
+async def _one(cluster, mode: str, rid: str, prompt: list[int], meter: _Meter) -> dict:
+    """Run one request; times from submission (seconds). Its client follows
+    the handoff with the frontend's loop (migration/local.py's Client)."""
     from libs.common.policies.phases import HandoffMode
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
     from services.instance.migration.layerwise import LayerwiseHandoff
-    from services.instance.migration.peer import InProcessPeer
+    from services.instance.migration.local import Client
 
-    a, b = nodes["a"], nodes["b"]
+    a = cluster.nodes["a"]
     req = EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=2, ignore_eos=True), 0, time.time())
-    stream = a.streams.open(rid)
-    stream.attached = True
+    a.streams.open(rid)
     meter.reset()
     t0, loop0 = time.perf_counter(), time.thread_time()
     handoff = None
     if mode == "colocated":
         await a.runner.call(a.engine.add_request, req)
     else:
-        handoff = LayerwiseHandoff(a.host, rid, "b", "b", InProcessPeer(b.manager.dest), a.config,
+        handoff = LayerwiseHandoff(a.host, rid, "b", "b", cluster.peer("b"), a.manager.config,
                                    HandoffMode(mode), request=req)
         task = asyncio.create_task(handoff.run())
-    times, tokens = [], []
-    while True:
-        ev = None
-        async for ev in stream.events(len(tokens)):
-            if ev.token_id is not None:
-                times.append(time.perf_counter() - t0)
-                tokens.append(ev.token_id)
-            if ev.final:
-                break
-        if ev.moved_to is None:
-            break
-        stream = b.streams.get(rid)
-        stream.attached = True
+    client = Client(cluster, rid)
+    tokens = await client.follow("a")
+    times = [t - t0 for t in client.times]
     row = {"ttft_s": times[0], "t2_s": times[1], "tokens": tokens,
            # this (event loop) thread: chunks made and copied, the client
            "loop_cpu_ms": (time.thread_time() - loop0) * 1000,
@@ -148,8 +102,8 @@ async def _one(nodes: dict[str, _Node], mode: str, rid: str, prompt: list[int], 
             raise click.ClickException(f"{mode} handoff of {len(prompt)} tokens aborted: {out.reason}")
         # downtime: suspended after the prompt -> its first step at b begins
         row.update(exposed_ms=out.commit_ack_ms, downtime_ms=out.downtime_ms, mb=out.bytes / 2**20)
-    for n in nodes.values():
-        await n.idle()
+    for n in cluster.nodes.values():
+        await n.check_clean(timeout_s=60)
     return row
 
 
@@ -158,7 +112,8 @@ async def _bench(lengths: list[int], repeats: int, dtype: str, budget: int, mode
 
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
-    from services.instance.migration.peer import InProcessPeer
+    from services.instance.migration import MigrationConfig
+    from services.instance.migration.local import Cluster
 
     max_len = max(lengths) + 64
     blocks = -(-max_len // 16) * 2 + 8
@@ -168,34 +123,30 @@ async def _bench(lengths: list[int], repeats: int, dtype: str, budget: int, mode
                                           max_model_len=max_len, dtype=dtype, max_num_batched_tokens=budget,
                                           extra={"share_weights": True}))
 
-    nodes: dict[str, _Node] = {}
-
-    def peers(addr: str):
-        return InProcessPeer(nodes[addr].manager.dest)
-
-    nodes["a"] = _Node("a", engine(), peers)
-    nodes["b"] = _Node("b", engine(), peers)
+    cluster = Cluster()
+    for name in "ab":
+        cluster.add(name, engine(), MigrationConfig(deadline_ms=10_000, max_migrate_in=4))
+    nodes = cluster.nodes
     vocab = nodes["a"].engine.vocab_size
     runs: dict[int, dict[str, list[dict]]] = {n: {m: [] for m in MODES} for n in lengths}
     try:
         meter = _Meter(nodes["a"], nodes["b"])
-        await _one(nodes, "per_layer", "warm", list(range(100, 100 + min(lengths))), meter)  # first-use costs
+        await _one(cluster, "per_layer", "warm", list(range(100, 100 + min(lengths))), meter)  # first-use costs
         for n in lengths:  # each prompt length's first run pays for new kernel shapes: not measured
-            await _one(nodes, "colocated", f"warm-{n}", [random.Random(n).randrange(100, vocab) for _ in range(n)],
+            await _one(cluster, "colocated", f"warm-{n}", [random.Random(n).randrange(100, vocab) for _ in range(n)],
                        meter)
         for rep in range(repeats):
             for n in lengths:
                 prompt = [random.Random(n * 1000 + rep + 1).randrange(100, vocab) for _ in range(n)]
                 order = MODES[rep % 3:] + MODES[:rep % 3]
                 for mode in order:
-                    row = await _one(nodes, mode, f"{mode}-{n}-{rep}", prompt, meter)
+                    row = await _one(cluster, mode, f"{mode}-{n}-{rep}", prompt, meter)
                     runs[n][mode].append(row)
                     click.echo(f"  {n:>5} tokens  rep {rep}  {mode:<10}  ttft {row['ttft_s'] * 1000:8.1f} ms  "
                                f"2nd {row['t2_s'] * 1000:8.1f} ms  down {row.get('downtime_ms', 0):6.1f} ms  "
                                f"load {os.getloadavg()[0]:.1f}", err=True)
     finally:
-        for node in nodes.values():
-            await node.stop()
+        await cluster.stop()
     return {"runs": runs, "dtype": str(nodes["a"].engine.dtype).removeprefix("torch."),
             "model": nodes["a"].engine.model_name}
 

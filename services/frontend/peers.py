@@ -1,8 +1,10 @@
 """How the frontend reaches an instance, whatever the transport: a call that
 yields StreamEvents and can be cancelled (which aborts the request there),
-over gRPC (``GrpcPeers``) or straight into agents of this process
-(``InProcessPeers``: the exactly-once tests of services/frontend/generation.py
-run there without sockets). A call that fails raises ``PeerError``, a
+over gRPC (``GrpcPeers``) or straight into instances of this process
+(``InProcessPeers``: agents, for the exactly-once tests of
+services/frontend/generation.py without sockets; the nodes of the in-process
+cluster of services/instance/migration/local.py, whose Client follows moves
+with the same loop). A call that fails raises ``PeerError``, a
 FerryError with the instance's status code."""
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ class InstancePeers(Protocol):
     def generate(self, address: str, order: GenerateOrder) -> InstanceCall: ...
 
     def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall: ...
+
+
+class LocalInstance(Protocol):
+    """What InProcessPeers calls: services/instance/agent.py's Agent, or a
+    Node of services/instance/migration/local.py. Both raise FerryErrors."""
+
+    def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]: ...
+
+    def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]: ...
 
 
 class _GrpcCall:
@@ -114,12 +125,13 @@ class _LocalCall:
 
 
 class InProcessPeers:
-    """Agents of this process by address (services/instance/agent.py)."""
+    """Instances of this process by address (LocalInstance: agents, or the
+    in-process cluster's nodes)."""
 
-    def __init__(self, agents: dict[str, object] | None = None):
-        self.agents: dict = agents if agents is not None else {}
+    def __init__(self, agents: dict[str, LocalInstance] | None = None):
+        self.agents: dict[str, LocalInstance] = agents if agents is not None else {}
 
-    def _agent(self, address: str):
+    def _agent(self, address: str) -> LocalInstance:
         agent = self.agents.get(address)
         if agent is None:
             raise PeerError(f"no instance at {address}", code=Code.UNAVAILABLE)

@@ -15,7 +15,6 @@ from libs.common import failpoints
 from libs.common.errors import (
     Code,
     FailedPrecondition,
-    FerryError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -24,7 +23,7 @@ from libs.common.errors import (
 from libs.common.kv_events import KvEventBatch, KvSnapshot
 from libs.common.logging import get_logger
 from libs.common.server import Service
-from libs.common.types import GenerateOrder, InstanceInfo, InstanceStatus, Moved, Role, StreamEvent, TokenOutput
+from libs.common.types import GenerateOrder, InstanceInfo, InstanceStatus, Role, StreamEvent, TokenOutput
 from libs.common.validation import request_id_problem
 from services.instance.admission import QueueBound
 from services.instance.config import InstanceConfig
@@ -36,7 +35,7 @@ from services.instance.registered import Registered
 from services.instance.reporter import StatusReporter
 from services.instance.runner import EngineRunner
 from services.instance.status import high_priority_headroom, instance_status, material
-from services.instance.streams import Event, StreamTable
+from services.instance.streams import Event, StreamTable, serve_stream
 
 log = get_logger(__name__)
 
@@ -44,17 +43,6 @@ log = get_logger(__name__)
 # compose see a crash; its requests resume elsewhere by recompute).
 EXIT_ENGINE_DIED = 3
 EXIT_ENGINE_HUNG = 4  # a step ran past --hang-stop-s (services/instance/hang.py)
-
-
-def flush_event(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> StreamEvent:
-    """What goes to the client at once: ``tokens`` (output positions from
-    ``first_index``) and whatever ``ev``, the last event they came with,
-    says (finished, moved, failed, stats)."""
-    stats = ev.stats or {}
-    return StreamEvent(first_index if tokens else ev.index, tuple(tokens), ev.finish_reason or "",
-                       Moved(ev.moved_to[0], ev.moved_to[1], ev.index) if ev.moved_to is not None else None,
-                       ev.error, num_prompt_tokens, int(stats.get("num_preemptions", 0)),
-                       float(stats.get("preemption_loss_ms", 0.0)), int(stats.get("num_migrations", 0)))
 
 
 @dataclass(frozen=True)
@@ -281,7 +269,8 @@ class Agent(Service):
             self.streams.close(rid)
             raise
         self.queue.added(n_tokens)
-        async for f in self._follow(stream, rid, len(resume), len(order.prompt_token_ids), order.flush_interval_ms):
+        async for f in serve_stream(self.streams, stream, len(resume), len(order.prompt_token_ids),
+                                    order.flush_interval_ms, self._client_gone):
             yield f
 
     async def _enter(self, ereq: EngineRequest, handoff: tuple[str, str] | None, n_tokens: int) -> None:
@@ -316,43 +305,14 @@ class Agent(Service):
         stream = self.streams.get(request_id)
         if stream is None or stream.attached:
             raise NotFound(f"request {request_id!r} is not here to attach to")
-        async for f in self._follow(stream, request_id, from_index, 0, flush_interval_ms):
+        async for f in serve_stream(self.streams, stream, from_index, 0, flush_interval_ms, self._client_gone):
             yield f
 
-    async def _follow(self, stream, rid: str, from_index: int, num_prompt_tokens: int,
-                      flush_interval_ms: int) -> AsyncIterator[StreamEvent]:
-        """The stream's events. With a flush interval, tokens after the first
-        are held and sent together at most that often; a final event
-        (finished, or moved away) always goes at once with what is held."""
-        stream.attached = True
-        final = False
-        interval_s = max(0, flush_interval_ms) / 1000.0
-        held: list[int] = []
-        held_from = 0
-        last_sent: float | None = None
-        try:
-            async for ev in stream.events(from_index):
-                final = ev.final
-                if ev.error is not None and ev.finish_reason is None:
-                    if held:  # what the client has not seen yet goes first
-                        yield flush_event(Event(held_from), held, held_from)
-                    raise FerryError(ev.error[1], code=Code(ev.error[0]))
-                if ev.token_id is not None:
-                    if not held:
-                        held_from = ev.index
-                    held.append(ev.token_id)
-                now = time.monotonic()
-                if final or last_sent is None or now - last_sent >= interval_s:
-                    f = flush_event(ev, held, held_from, num_prompt_tokens)
-                    held, last_sent = [], now
-                    yield f
-        finally:
-            if self.streams.get(rid) is stream:
-                self.streams.close(rid)
-            if not final:  # the client went away: abort and free the blocks
-                self.migration.handoffs.forget(rid)
-                self.runner.submit(self.engine.abort_request, rid)
-                log.info("client gone; request aborted", request_id=rid)
+    def _client_gone(self, request_id: str) -> None:
+        """The client left before the stream's end: abort and free the blocks."""
+        self.migration.handoffs.forget(request_id)
+        self.runner.submit(self.engine.abort_request, request_id)
+        log.info("client gone; request aborted", request_id=request_id)
 
     async def abort(self, request_id: str) -> bool:
         self.migration.handoffs.forget(request_id)

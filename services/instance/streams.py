@@ -1,11 +1,17 @@
 """Per-request token streams on an instance. The engine thread's outputs land
-here; Generate/Attach RPCs read from here. Unbounded queues, so a slow client
-never stalls the engine."""
+here; Generate/Attach read from here (``serve_stream``: the agent's, and the
+in-process cluster's of migration/local.py). Unbounded queues, so a slow
+client never stalls the engine."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+from libs.common.errors import Code, FerryError
+from libs.common.types import Moved, StreamEvent
 
 
 @dataclass(frozen=True)
@@ -96,3 +102,54 @@ class StreamTable:
 
     def __len__(self) -> int:
         return len(self._streams)
+
+
+def flush_event(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> StreamEvent:
+    """What goes to the client at once: ``tokens`` (output positions from
+    ``first_index``) and whatever ``ev``, the last event they came with,
+    says (finished, moved, failed, stats)."""
+    stats = ev.stats or {}
+    return StreamEvent(first_index if tokens else ev.index, tuple(tokens), ev.finish_reason or "",
+                       Moved(ev.moved_to[0], ev.moved_to[1], ev.index) if ev.moved_to is not None else None,
+                       ev.error, num_prompt_tokens, int(stats.get("num_preemptions", 0)),
+                       float(stats.get("preemption_loss_ms", 0.0)), int(stats.get("num_migrations", 0)))
+
+
+async def serve_stream(streams: StreamTable, stream: RequestStream, from_index: int, num_prompt_tokens: int,
+                       flush_interval_ms: int, client_gone: Callable[[str], None]) -> AsyncIterator[StreamEvent]:
+    """A request's stream as Generate and Attach serve it, from
+    ``from_index``: its events as StreamEvents. With a flush interval,
+    tokens after the first are held and sent together at most that often; a
+    final event (finished, or moved away) always goes at once with what is
+    held. An error without a finish reason (the instance cannot go on) ends
+    the call with that status. The stream leaves ``streams`` at the end;
+    ``client_gone(request_id)`` when the reader left before the final event
+    (it aborts the request and frees its blocks)."""
+    rid = stream.request_id
+    stream.attached = True
+    final = False
+    interval_s = max(0, flush_interval_ms) / 1000.0
+    held: list[int] = []
+    held_from = 0
+    last_sent: float | None = None
+    try:
+        async for ev in stream.events(from_index):
+            final = ev.final
+            if ev.error is not None and ev.finish_reason is None:
+                if held:  # what the client has not seen yet goes first
+                    yield flush_event(Event(held_from), held, held_from)
+                raise FerryError(ev.error[1], code=Code(ev.error[0]))
+            if ev.token_id is not None:
+                if not held:
+                    held_from = ev.index
+                held.append(ev.token_id)
+            now = time.monotonic()
+            if final or last_sent is None or now - last_sent >= interval_s:
+                f = flush_event(ev, held, held_from, num_prompt_tokens)
+                held, last_sent = [], now
+                yield f
+    finally:
+        if streams.get(rid) is stream:
+            streams.close(rid)
+        if not final:
+            client_gone(rid)

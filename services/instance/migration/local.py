@@ -1,25 +1,32 @@
 """An in-process cluster of instances: each an engine on its own runner
 thread, a stream table and a MigrationManager; peers call each other's
-Destination directly (InProcessPeer). A Client follows ``moved`` events like
-the frontend does and checks exactly-once, in-order delivery. The protocol
-tests and ``ferry bench migration-local`` use it: no gRPC, the migration's
-own costs only."""
+Destination directly (InProcessPeer). Each node serves Generate and Attach as
+the agent does (streams.serve_stream), and a Client reads its request with
+the frontend's own loop (services/frontend/generation.py: run_generation
+over InProcessPeers), following ``moved`` events, with a strict check of
+exactly-once, in-order delivery. The protocol tests and ``ferry bench
+migration-local`` use it: no gRPC, the migration's own costs only."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
-from libs.common.types import SamplingParams
+from libs.common.errors import NotFound
+from libs.common.types import GenerateOrder, Priority, SamplingParams, StreamEvent
+from services.frontend.generation import Generation, run_generation
+from services.frontend.peers import InProcessPeers, InstanceCall
+from services.frontend.router import Dispatched
 from services.instance.engine.base import Engine, EngineRequest
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.manager import MigrationManager
 from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.peer import InProcessPeer
 from services.instance.runner import EngineRunner
-from services.instance.streams import StreamTable
+from services.instance.streams import StreamTable, serve_stream
 
 
 class Node:
@@ -45,6 +52,39 @@ class Node:
         self.streams.deliver(outputs, self.manager.handoffs.on_output)
         if load is not None:
             self.load = load
+
+    async def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]:
+        """Generate as the agent serves it, without its checks, admission
+        and registry: the request enters the engine with the plan of its
+        handoff if it has one (Splitwise: Handoffs.plan, Handoffs.add, the
+        mode by this node's threshold), and its stream is served."""
+        rid = order.request_id
+        stream = self.streams.open(rid, next_index=len(order.resume_token_ids))
+        n_tokens = len(order.prompt_token_ids) + len(order.resume_token_ids)
+        plan = None if order.handoff is None else self.manager.handoffs.plan(rid, *order.handoff, n_tokens)
+        try:
+            await self.manager.handoffs.add(EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority,
+                                                          time.time(), order.resume_token_ids), plan)
+        except BaseException:
+            self.manager.handoffs.forget(rid)
+            self.streams.close(rid)
+            raise
+        async for f in serve_stream(self.streams, stream, len(order.resume_token_ids), len(order.prompt_token_ids),
+                                    order.flush_interval_ms, self._client_gone):
+            yield f
+
+    async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]:
+        """The stream of a request that migrated in (or entered here by the
+        test's own hand), from ``from_index``, as the agent's Attach."""
+        stream = self.streams.get(request_id)
+        if stream is None or stream.attached:
+            raise NotFound(f"request {request_id!r} is not here to attach to")
+        async for f in serve_stream(self.streams, stream, from_index, 0, flush_interval_ms, self._client_gone):
+            yield f
+
+    def _client_gone(self, request_id: str) -> None:
+        self.manager.handoffs.forget(request_id)
+        self.runner.submit(self.engine.abort_request, request_id)
 
     async def check_clean(self, timeout_s: float = 5.0) -> None:
         """Idle, no reservation, every block free, check_integrity passes."""
@@ -87,12 +127,16 @@ class Cluster:
 
 @dataclasses.dataclass
 class Client:
-    """One request followed across migrations."""
+    """One request followed across migrations by the frontend's loop
+    (run_generation), never resumed elsewhere: a stream that fails fails
+    the Client. Its transport (``_ClientRouter``) checks every event
+    strictly: tokens at exactly the index the client reached, a ``moved``
+    only there, and a stream to attach to at the destination."""
 
     cluster: Cluster
     request_id: str
     tokens: list[int] = dataclasses.field(default_factory=list)
-    path: list[str] = dataclasses.field(default_factory=list)
+    path: list[str] = dataclasses.field(default_factory=list)  # the nodes it ran on, in order
     finish_reason: str | None = None
     first_token: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     moved_at: list[int] = dataclasses.field(default_factory=list)  # token index of each `moved`
@@ -104,46 +148,106 @@ class Client:
 
     async def run(self, node: str, prompt: list[int], max_tokens: int, handoff: str | None = None,
                   **sampling) -> list[int]:
-        """``handoff``: a node to hand the request to once its prompt is done
-        (Splitwise), planned and added as the instance agent does at Generate
-        (Handoffs.plan, Handoffs.add: the mode by the node's threshold)."""
-        n = self.cluster.nodes[node]
-        stream = n.streams.open(self.request_id)
-        stream.attached = True
-        self.path.append(node)
-        plan = None if handoff is None else n.manager.handoffs.plan(self.request_id, handoff, handoff, len(prompt))
-        await n.manager.handoffs.add(EngineRequest(
-            self.request_id, tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), 0,
-            time.time()), plan)
-        return await self.follow(node)
+        """Generate at ``node`` and read to the end. ``handoff``: a node to
+        hand the request to once its prompt is done (Splitwise), planned and
+        added as the instance agent does at Generate."""
+        gen = Generation(self.request_id, list(prompt),
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+        return await self._read(gen, _ClientRouter(self, node, handoff or ""))
 
     async def follow(self, node: str) -> list[int]:
-        """Read the request's stream at ``node`` (opened and attached there
-        already) to its end, following every ``moved``."""
-        stream = self.cluster.nodes[node].streams.get(self.request_id)
-        while True:
-            ev = None
-            async for ev in stream.events(len(self.tokens)):
-                if ev.token_id is not None:
-                    assert ev.index == len(self.tokens), f"index {ev.index} after {len(self.tokens)} tokens"
-                    self.tokens.append(ev.token_id)
-                    self.times.append(time.perf_counter())
-                    self.first_token.set()
-                if ev.final:
-                    break
-            if ev.moved_to is None:
-                self.finish_reason = ev.finish_reason
-                return self.tokens
-            assert ev.index == len(self.tokens), "moved at an index the client has not reached"
-            self.moved_at.append(ev.index)
-            n = self.cluster.nodes[ev.moved_to[0]]
-            stream = n.streams.get(self.request_id)
-            assert stream is not None and not stream.attached, "nothing to attach to at the destination"
-            stream.attached = True
-            self.path.append(n.name)
+        """Read the stream of a request the test entered at ``node`` itself
+        (its stream opened there, nobody attached) to its end: Generate is
+        Attach from the first token."""
+        gen = Generation(self.request_id, [], SamplingParams())
+        return await self._read(gen, _ClientRouter(self, node, "", entered=True))
+
+    async def _read(self, gen: Generation, router: _ClientRouter) -> list[int]:
+        gen.instances = self.path  # run_generation appends where it starts and each move it follows
+        async for token in run_generation(router, gen, max_resumes=0):
+            self.tokens.append(token)
+            self.times.append(time.perf_counter())
+            self.first_token.set()
+        self.finish_reason = gen.finish_reason
+        return self.tokens
 
     async def wait_tokens(self, k: int, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.tokens) < k:
             assert time.monotonic() < deadline, f"{len(self.tokens)} tokens after {timeout_s} s"
             await asyncio.sleep(0.002)
+
+
+class _Unwatched:
+    """run_generation's stall watchdog, off (the tests' own timeouts), and
+    what it watches."""
+
+    stall_s = 0.0
+    stalled = None
+
+    def watch(self, *_) -> _Unwatched:
+        return self
+
+    def touch(self) -> None:
+        pass
+
+    def unwatch(self, _) -> None:
+        pass
+
+
+class _ClientRouter:
+    """What run_generation asks of the frontend's router, for one Client:
+    the request starts at ``node`` (with its Splitwise ``handoff`` node, or
+    ""), a move is followed to any node of the cluster (name = address), and
+    the nodes are reached through InProcessPeers, every call checked by
+    ``_Checked``."""
+
+    def __init__(self, client: Client, node: str, handoff: str, entered: bool = False):
+        self.client, self.node, self.handoff, self.entered = client, node, handoff, entered
+        self.nodes = client.cluster.nodes
+        self.inner = InProcessPeers(self.nodes)
+        self.peers = self
+        self.watchdog = _Unwatched()
+        self.view = SimpleNamespace(records=self.nodes)
+
+    async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority, exclude: frozenset,
+                       token_ids=None) -> Dispatched:
+        assert not exclude, f"{request_id} would resume elsewhere (excluded: {sorted(exclude)})"
+        return Dispatched(self.node, self.node, priority, self.handoff, self.handoff)
+
+    async def is_registered(self, instance_id: str, address: str) -> bool:
+        return instance_id == address and address in self.nodes
+
+    def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
+        if self.entered:  # follow(): the request is at the node already
+            return self.attach(address, order.request_id, 0)
+        return _Checked(self.client, self.inner.generate(address, order))
+
+    def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
+        stream = self.nodes[address].streams.get(request_id)
+        assert stream is not None and not stream.attached, f"nothing to attach to at {address}"
+        return _Checked(self.client, self.inner.attach(address, request_id, from_index, flush_interval_ms))
+
+
+class _Checked:
+    """A node's call as the Client reads it, checked strictly: tokens only
+    at exactly the index the client reached (run_generation itself raises on
+    a gap but drops a repeat silently), a
+    ``moved`` only there (recorded in ``moved_at``). The client has taken
+    every token of an event before run_generation reads the next one."""
+
+    def __init__(self, client: Client, call: InstanceCall):
+        self.client, self.call = client, call
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    async def __aiter__(self):
+        async for ev in self.call:
+            reached = len(self.client.tokens)
+            if ev.token_ids:
+                assert ev.index == reached, f"index {ev.index} after {reached} tokens"
+            if ev.moved is not None:
+                assert ev.moved.next_index == reached + len(ev.token_ids), "moved at an index the client has not reached"
+                self.client.moved_at.append(ev.moved.next_index)
+            yield ev

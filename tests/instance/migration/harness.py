@@ -1,7 +1,7 @@
 """Two (or more) instances in one process for protocol tests: each an engine
 on its own runner thread, a stream table, a MigrationManager; peers are
-in-process. A client follows `moved` events like the frontend does and
-checks exactly-once, in-order delivery."""
+in-process. A client follows `moved` events with the frontend's own loop
+(run_generation) and checks exactly-once, in-order delivery strictly."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Helpers for the handoff tests: start a request together with its handoff
 (LayerwiseHandoff adds it with the tap on) with a client that follows it
-across the ``moved`` event (harness.Client.follow), and peers that watch or
+across the ``moved`` event (harness.Client.follow: it attaches to the stream
+opened here and follows with the frontend's loop), and peers that watch or
 break the chunk stream."""
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ def engine_request(rid: str, prompt: list[int], n: int, **sampling) -> EngineReq
 
 
 def open_client(c: Cluster, rid: str, node: str) -> Client:
-    cl = Client(c, rid)
-    c.nodes[node].streams.open(rid).attached = True
-    cl.path.append(node)
-    return cl
+    """The request's stream at ``node``, for the client's follow(node)."""
+    c.nodes[node].streams.open(rid)
+    return Client(c, rid)
 
 
 def handoff(c: Cluster, rid: str, prompt: list[int], n: int, mode: HandoffMode, src: str = "a",
