@@ -91,6 +91,18 @@ def test_defragmentation_moves_the_smallest_request_that_covers_the_shortfall():
     assert next_to_migrate(blocked(5, 35), 0, 10.0, True) == "r40"
 
 
+def test_defragmentation_moves_the_covering_request_that_sends_the_fewest_tokens():
+    # 20 blocks short: r40, r25 and h30 cover it. Where the destination holds 30 of r40's blocks, r40 sends
+    # 640 - 480 = 160 tokens against r25's 400; with 10 held, 480: r25 again (and h30 never before both).
+    assert blocked(5, 25).block_size == 16
+    assert next_to_migrate(blocked(5, 25), 0, 10.0, False, linkable={"r40": 30}) == "r40"
+    assert next_to_migrate(blocked(5, 25), 0, 10.0, False, linkable={"r40": 10}) == "r25"
+    assert next_to_migrate(blocked(5, 25), 0, 10.0, False, linkable={"h30": 29, "r40": 1}) == "h30"
+    assert next_to_migrate(blocked(5, 25), 0, 10.0, True, linkable={"h30": 29, "r40": 1}) == "r25"
+    # None covers alone: still the largest first; what it sends breaks ties only.
+    assert next_to_migrate(blocked(5, 80), 0, 10.0, True, linkable={"r25": 25}) == "r40"
+
+
 def test_defragmentation_moves_the_largest_first_when_none_covers_alone():
     assert next_to_migrate(blocked(5, 80), 0, 10.0, True) == "r40"
     assert next_to_migrate(blocked(5, 80), 1, 10.0, True, frozenset({"r40"})) == "r25"

@@ -4,7 +4,8 @@ stops, and whether a destination takes a migration (pure).
 De-fragmentation serves the blocked request: when the head of the source's
 queue cannot be admitted (its demand exceeds the free blocks), the order
 moves requests whose blocks cover the shortfall: the smallest single
-request that covers it, else the largest first. Otherwise (load balancing,
+request that covers it (with ``linkable``: the one that sends the fewest
+tokens), else the largest first. Otherwise (load balancing,
 draining) it moves the cheapest: lower priority first when priorities
 count, then the shorter sequence, or, when the order knows which prefixes
 the destination holds (``linkable``: request id -> its first blocks held
@@ -53,17 +54,26 @@ def migration_order(requests: tuple[RequestLoad, ...], use_priorities: bool,
 
 
 def cover_shortfall(requests: tuple[RequestLoad, ...], shortfall: int, use_priorities: bool,
-                    exclude: frozenset[str] = frozenset()) -> str | None:
+                    exclude: frozenset[str] = frozenset(), linkable: Linkable | None = None,
+                    block_size: int = 16) -> str | None:
     """The request to move for a head of line ``shortfall`` blocks short: the
     smallest that covers it alone, else the largest (ties: the shorter
-    sequence, then the id)."""
+    sequence, then the id). When the order knows what the destination holds
+    (``linkable``), a move costs the tokens it sends: of the requests that
+    cover the shortfall, the cheapest to move goes first (it frees as much
+    as is needed either way)."""
     cands = _running(requests, use_priorities, exclude)
     if not cands:
         return None
+    link = linkable or {}
+
+    def to_send(r: RequestLoad) -> int:
+        return r.num_tokens - link.get(r.request_id, 0) * block_size if link else 0
+
     covering = [r for r in cands if r.physical_blocks >= shortfall]
     if covering:
-        return min(covering, key=lambda r: (r.physical_blocks, r.num_tokens, r.request_id)).request_id
-    return min(cands, key=lambda r: (-r.physical_blocks, r.num_tokens, r.request_id)).request_id
+        return min(covering, key=lambda r: (to_send(r), r.physical_blocks, r.num_tokens, r.request_id)).request_id
+    return min(cands, key=lambda r: (-r.physical_blocks, to_send(r), r.num_tokens, r.request_id)).request_id
 
 
 def next_to_migrate(status: InstanceStatus, started: int, stop_when_freeness_above: float,
@@ -82,7 +92,7 @@ def next_to_migrate(status: InstanceStatus, started: int, stop_when_freeness_abo
         if shortfall == 0 and status.freeness >= 0:
             return None
     if shortfall > 0 and not status.terminating:
-        return cover_shortfall(status.requests, shortfall, use_priorities, tried)
+        return cover_shortfall(status.requests, shortfall, use_priorities, tried, linkable, max(1, status.block_size))
     order = migration_order(status.requests, use_priorities, tried, linkable, max(1, status.block_size))
     return order[0] if order else None
 
