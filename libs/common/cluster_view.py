@@ -120,7 +120,8 @@ class ClusterView:
                             self._settle(rec)
                         if self.connected:
                             self.touch(rec.info.instance_id)
-                        self._drop_carried()
+                        if self._carried:
+                            self._drop_carried()
                         self.changed.set()
             except asyncio.CancelledError:
                 raise

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 from libs.common.types import InstanceInfo, InstanceRecord, InstanceStatus
@@ -33,13 +34,75 @@ class TakenOver(Exception):
     """Another live instance holds this id."""
 
 
+def _wake(w: asyncio.Future) -> None:
+    if not w.done():
+        w.set_result(None)
+
+
+class WatchQueue:
+    """One watcher's changes, in order: asyncio.Queue's methods that a watch
+    uses, for one consumer. NOTE: every report is put on every watcher's
+    queue; asyncio.Queue's put_nowait and get_nowait (their full/empty
+    checks, the getters' wake-up) cost about twice this, per report per watcher."""
+
+    __slots__ = ("_items", "maxsize", "_waiter")
+
+    def __init__(self, maxsize: int = 0):
+        self._items: deque = deque()
+        self.maxsize = maxsize
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        if self.maxsize and len(self._items) >= self.maxsize:
+            raise asyncio.QueueFull
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def get_nowait(self):
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self):
+        while not self._items:
+            await self.wait()
+        return self._items.popleft()
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Until something is queued (True) or ``timeout`` seconds pass
+        (False), without a task of its own (asyncio.wait_for makes one)."""
+        if self._items:
+            return True
+        loop = asyncio.get_running_loop()
+        self._waiter = w = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _wake, w)
+        try:
+            await w
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        return bool(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
 class Registry:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
                  watch_queue_size: int = 10_000):
         self.ttl_s = ttl_s
         self.clock = clock
         self._records: dict[str, InstanceRecord] = {}
-        self._watchers: set[asyncio.Queue] = set()
+        self._watchers: set[WatchQueue] = set()
         self._queue_size = watch_queue_size
 
     # --- commands -------------------------------------------------------------
@@ -74,7 +137,7 @@ class Registry:
             return False
         if rec.status is not None and status.seq and status.seq < rec.status.seq:
             return True
-        rec = replace(rec, status=status, last_seen=self.clock())
+        rec = InstanceRecord(rec.info, status, self.clock())  # (dataclasses.replace costs twice this)
         self._records[status.instance_id] = rec
         self._notify(ChangeType.UPDATED, rec)
         return True
@@ -92,27 +155,29 @@ class Registry:
         return sorted(self._records.values(), key=lambda r: r.info.instance_id)
 
     # --- watch ----------------------------------------------------------------
-    def subscribe(self) -> asyncio.Queue:
+    def subscribe(self) -> WatchQueue:
         """A queue that first holds the snapshot then every change. A watcher
         that falls behind by more than the queue size is dropped (its queue
         gets None) and must re-watch."""
-        q: asyncio.Queue = asyncio.Queue(maxsize=self._queue_size)
+        q = WatchQueue(maxsize=self._queue_size)
         for rec in self.list():
             q.put_nowait(Change(ChangeType.ADDED, rec))
         q.put_nowait(Change(ChangeType.SYNCED, None))
         self._watchers.add(q)
         return q
 
-    def unsubscribe(self, q: asyncio.Queue) -> None:
+    def unsubscribe(self, q: WatchQueue) -> None:
         self._watchers.discard(q)
 
     def _notify(self, type_: ChangeType, rec: InstanceRecord) -> None:
         change = Change(type_, rec)
-        for q in list(self._watchers):
+        full = None
+        for q in self._watchers:
             try:
                 q.put_nowait(change)
             except asyncio.QueueFull:
-                self._watchers.discard(q)
-                while not q.empty():
-                    q.get_nowait()
-                q.put_nowait(None)
+                full = [*(full or ()), q]
+        for q in full or ():
+            self._watchers.discard(q)
+            q.clear()
+            q.put_nowait(None)
