@@ -16,7 +16,6 @@ from libs.common.errors import (
     Code,
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -35,7 +34,7 @@ from services.instance.registered import Registered
 from services.instance.reporter import StatusReporter
 from services.instance.runner import EngineRunner
 from services.instance.status import high_priority_headroom, instance_status, material
-from services.instance.streams import Event, StreamTable, serve_stream
+from services.instance.streams import Event, StreamTable, serve_attached, serve_stream
 
 log = get_logger(__name__)
 
@@ -302,10 +301,7 @@ class Agent(Service):
 
     async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]:
         """The stream of a request that migrated in, from ``from_index``."""
-        stream = self.streams.get(request_id)
-        if stream is None or stream.attached:
-            raise NotFound(f"request {request_id!r} is not here to attach to")
-        async for f in serve_stream(self.streams, stream, from_index, 0, flush_interval_ms, self._client_gone):
+        async for f in serve_attached(self.streams, request_id, from_index, flush_interval_ms, self._client_gone):
             yield f
 
     def _client_gone(self, request_id: str) -> None:

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from libs.common.errors import Code, FerryError
+from libs.common.errors import Code, FerryError, NotFound
 from libs.common.types import Moved, StreamEvent
 
 
@@ -153,3 +153,14 @@ async def serve_stream(streams: StreamTable, stream: RequestStream, from_index: 
             streams.close(rid)
         if not final:
             client_gone(rid)
+
+
+async def serve_attached(streams: StreamTable, request_id: str, from_index: int, flush_interval_ms: int,
+                         client_gone: Callable[[str], None]) -> AsyncIterator[StreamEvent]:
+    """Attach: the stream of a request that migrated in (nobody reads it
+    yet), served from ``from_index``; NotFound if there is none to attach to."""
+    stream = streams.get(request_id)
+    if stream is None or stream.attached:
+        raise NotFound(f"request {request_id!r} is not here to attach to")
+    async for f in serve_stream(streams, stream, from_index, 0, flush_interval_ms, client_gone):
+        yield f

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 
-from libs.common.errors import NotFound
 from libs.common.types import GenerateOrder, Priority, SamplingParams, StreamEvent
 from services.frontend.generation import Generation, run_generation
 from services.frontend.peers import InProcessPeers, InstanceCall
@@ -26,7 +25,7 @@ from services.instance.migration.manager import MigrationManager
 from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.peer import InProcessPeer
 from services.instance.runner import EngineRunner
-from services.instance.streams import StreamTable, serve_stream
+from services.instance.streams import StreamTable, serve_attached, serve_stream
 
 
 class Node:
@@ -76,10 +75,7 @@ class Node:
     async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]:
         """The stream of a request that migrated in (or entered here by the
         test's own hand), from ``from_index``, as the agent's Attach."""
-        stream = self.streams.get(request_id)
-        if stream is None or stream.attached:
-            raise NotFound(f"request {request_id!r} is not here to attach to")
-        async for f in serve_stream(self.streams, stream, from_index, 0, flush_interval_ms, self._client_gone):
+        async for f in serve_attached(self.streams, request_id, from_index, flush_interval_ms, self._client_gone):
             yield f
 
     def _client_gone(self, request_id: str) -> None:
