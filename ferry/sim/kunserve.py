@@ -2,44 +2,45 @@
 throttling, instances drop parameter layers into buddy groups that serve as
 a pipeline, and restore them when the pressure ends.
 
-What runs is Ferry's own code: the throttle forecast and the buddy-group
-planner (``libs/common/policies/kunserve.py``), the engine core's block pool
-growing and shrinking (``BlockPool.grow`` / ``shrink``), and the whole
-simulated cluster of ``ferry/sim/run.py`` (dispatch, engines, reports).
+The controller is the scheduler's live one: ``KunServeLoop``
+(services/scheduler/kunserve.py, its tick, forecast, planning, forming and
+restoring over the Instance RPCs), running on the cluster's SimLoop
+(ferry/sim/aio.py) with the SimScheduler as its view (``views()``,
+``address()``), the kernel's clock, and for each instance a ``SimPipeline``
+stub: the simulator's execution model of the instance side
+(services/instance/kunserve.py ``PipelineHost``):
 
-The controller (``KunServe``) wakes every ``interval_s`` of model time, as a
-monitor beside the scheduler would, and reads what the scheduler reads: the
-delivered status reports.
+- **DropLayers** (§4.1, §4.3): the member's KV pool grows by the dropped
+  layers' parameter memory at its next step boundary (``grow_blocks``
+  through the engine-call mechanism, ``SimRunner``). ``prepare`` does
+  nothing; ``hold`` is not modelled (the member steps on until it enters).
+- **SetPipeline, entering** (§4.2): the member's steps run as a pipeline
+  stage. Its micro-batches pass through all k stages; ideally a group of k
+  serves the union of its members' batches with the same compute, so a
+  step takes what its own batch takes, plus k-1 activation hops (``hop_ms``);
+  what a real pipeline loses (bubbles, smaller kernels, communication) is
+  ``pipeline_overhead`` (default 0.2: the throughput the paper measured a
+  static pipeline to lose against replication, 12.6-21.8%, §5.1). While
+  (k-1)/k of the running requests' KV moves to the peers (the largest
+  member's share over the profile's link), steps run ``1 +
+  remote_attention_overhead`` times slower (remote attention).
+- **RestoreLayers** (§4.2): the pool shrinks back by those layers' blocks
+  (blocks in use are retired as they are freed: the call waits until they
+  are), then the parameters come back over ``reload_gbps``.
+- **SetPipeline, leaving** (own = every layer, no peers): the remote share of
+  the KV comes back over ``reload_gbps``, then the member steps alone again.
 
-- **Drop** (§4.1, §4.3): with the samples of the last ``window_s``, when
-  ``predict_throttle`` finds an instance that is not in a group throttled
-  within ``horizon_s``, ``plan_buddy_groups`` picks groups for the summed
-  deficit. Each member frees the parameter memory of the layers it drops:
-  its KV pool grows by that many blocks at its next step boundary.
-- **KV exchange with remote attention** (§4.2): each member's running
-  requests keep decoding while (k-1)/k of their KV moves to the members now
-  holding those layers. It takes that many bytes over the profile's link
-  (the largest member's share); meanwhile steps run ``1 +
-  remote_attention_overhead`` times slower.
-- **Pipelined execution** (§4.2): each member keeps scheduling its own
-  requests; their micro-batches pass through all k stages. Ideally a group
-  of k serves the union of its members' batches with the same compute
-  (each stage does 1/k of every micro-batch), so a member's step takes what
-  its own batch takes, plus k-1 activation hops; what a real pipeline loses
-  (bubbles, smaller kernels per stage, communication) is
-  ``pipeline_overhead``: every step takes ``1 + pipeline_overhead`` times
-  longer. Its default, 0.2, is the throughput the paper measured a static
-  pipeline to lose against replication, 12.6-21.8% (§5.1): 1/(1 - 0.17).
-- **Restore** (§4.2, "live KVCache restore"): once every member's
-  requirement (used + queued blocks) fits ``1 - restore_margin`` of its own
-  memory and its forecast against that memory is not throttled (and the
-  group is at least ``min_group_s`` old), each member's pool shrinks back
-  (blocks in use are retired as they are freed), then the dropped parameters
-  and the remote share of the KV come back over the link; the group then
-  dissolves.
-- **Static pipeline** (the paper's "Llumnix (pipeline)" baseline,
-  ``static_group_size``): groups of that size formed before the first
-  request and never restored.
+Each call also pays half a round trip each way (``Delays.rpc_s``).
+
+The static pipeline baseline (the paper's "Llumnix (pipeline)",
+``static_group_size``): the same loop's ``form()`` makes groups of that size
+before the first request; its tick loop is never started, so nothing
+restores them (and nothing else forms).
+
+What the live loop does not do, the simulator does not either: a group
+throttled again is not merged with another (Algorithm 1 goes on merging);
+members are restored one after the other, each taking its layers, then its
+KV back, while the loop's next tick waits.
 
 Simplifications, each on the side of the pipeline's cost:
 - A member's requests are charged to its own pool: the group's memory is not
@@ -48,43 +49,34 @@ Simplifications, each on the side of the pipeline's cost:
 - The pool shrinks by a count of blocks, whichever ids come free: in a real
   engine, the live restore moves KV off the memory the parameters return
   to; its transfer is charged to the restore time.
-- A group throttled again merges with the group that has the most free
-  memory (one replica's parameters more), as Algorithm 1 goes on merging;
-  one merge per monitor tick. Each merge is charged a KV exchange as if it
-  were a fresh drop.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import asdict, dataclass, field
+import asyncio
+from dataclasses import asdict, dataclass
 
+from ferry.sim.aio import SimRunner
 from ferry.sim.instance import SimInstance
-from libs.common.policies.kunserve import (
-    BuddyGroup,
-    Candidate,
-    MemorySample,
-    add_sample,
-    buddy_group,
-    fits_own_memory,
-    plan_buddy_groups,
-    predict_throttle,
-)
-from libs.common.types import InstanceStatus
+from libs.common.policies.kunserve import buddy_group
+from libs.pb import instance_pb2 as ipb
+from services.scheduler.kunserve import KunServeConfig, KunServeLoop
 
 
 @dataclass(frozen=True)
 class KunServeParams:
+    # The live loop's (KunServeConfig)
     interval_s: float = 0.1  # the monitor's period (the scheduler's rescheduling interval)
     window_s: float = 1.0  # samples the forecast fits
     horizon_s: float = 1.0  # §4.3: drop when throttling is predicted within one second
+    restore_margin: float = 0.2  # restore once each member's requirement fits (1 - this) of its own memory
+    min_group_s: float = 5.0  # and the group is at least this old (no drop/restore flapping)
+    max_group_size: int | None = None
+    # The simulated instances' (SimPipeline)
     hop_ms: float = 0.05  # activations of a micro-batch from one stage to the next
     pipeline_overhead: float = 0.2  # step time x (1 + this) in a group (paper §5.1: 12.6-21.8% less throughput)
     remote_attention_overhead: float = 0.5  # step time x (1 + this) while the KV exchange is under way
-    restore_margin: float = 0.2  # restore once each member's requirement fits (1 - this) of its own memory
-    min_group_s: float = 5.0  # and the group is at least this old (no drop/restore flapping)
     reload_gbps: float = 200.0  # parameters and the remote KV back: host memory or a peer over RDMA
-    max_group_size: int | None = None
     static_group_size: int = 0  # > 1: the static pipeline baseline (groups from the start, never restored)
 
     def validate(self) -> None:
@@ -96,6 +88,12 @@ class KunServeParams:
         if self.static_group_size == 1 or self.static_group_size < 0:
             raise ValueError(f"static_group_size must be 0 (off) or at least 2, got {self.static_group_size}")
 
+    def config(self, num_layers: int, layer_blocks: int) -> KunServeConfig:
+        """The live loop's configuration."""
+        return KunServeConfig(num_layers, layer_blocks, interval_s=self.interval_s, window_s=self.window_s,
+                              horizon_s=self.horizon_s, restore_margin=self.restore_margin,
+                              min_group_s=self.min_group_s, max_group_size=self.max_group_size)
+
 
 def layer_blocks(profile) -> int:
     """One layer's parameter memory in whole KV blocks (rounded down: a
@@ -106,24 +104,113 @@ def layer_blocks(profile) -> int:
     return int(profile.param_bytes / profile.num_layers // per_block)
 
 
-@dataclass
-class Group:
-    gid: int
-    plan: BuddyGroup
-    members: list[SimInstance]
-    formed_at: float
-    exchange_until: float
-    static: bool = False
-    state: str = "pipeline"  # pipeline | draining | reloading
-    events: list[dict] = field(default_factory=list)
+class SimPipeline:
+    """One simulated instance's KunServe RPCs, as the live Instance stub's
+    (async, a protobuf request and ``timeout`` in, the reply out): the
+    execution model of the module doc on the SimInstance."""
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
+    def __init__(self, ks: "KunServe", inst: SimInstance):
+        self.ks, self.inst = ks, inst
+        self.runner = SimRunner(inst, ks.c.loop)
+        self.size = 1  # the group's members, this one included (1: alone)
+        self.exchange_until = 0.0
+
+    async def _rpc(self) -> None:
+        await asyncio.sleep(self.ks.c.delays.rpc_s / 2)
+
+    def _event(self, event: str, **kw) -> None:
+        self.ks.member_log.append({"t": self.ks.k.now - self.ks.c.t0, "member": self.inst.instance_id,
+                                   "event": event, **kw})
+
+    async def _call(self, name: str, fn, req):
+        try:
+            await self._rpc()
+            reply = await fn(req)
+            await self._rpc()
+            return reply
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the live loop logs and goes on: the run reports it
+            self.ks.errors.append(f"{self.inst.instance_id} {name}: {e!r}")
+            raise
+
+    async def DropLayers(self, req: ipb.DropLayersRequest, timeout: float | None = None) -> ipb.DropLayersReply:
+        return await self._call("DropLayers", self._drop, req)
+
+    async def SetPipeline(self, req: ipb.SetPipelineRequest, timeout: float | None = None) -> ipb.SetPipelineReply:
+        return await self._call("SetPipeline", self._set_pipeline, req)
+
+    async def RestoreLayers(self, req: ipb.RestoreLayersRequest,
+                            timeout: float | None = None) -> ipb.RestoreLayersReply:
+        return await self._call("RestoreLayers", self._restore, req)
+
+    # --- the model --------------------------------------------------------------------------
+    def _blocks(self, layers: ipb.LayerRange) -> int:
+        return (layers.stop - layers.start) * self.ks.layer_blocks
+
+    async def _drop(self, req: ipb.DropLayersRequest) -> ipb.DropLayersReply:
+        pool = self.inst.engine.pool
+        if req.prepare:
+            return ipb.DropLayersReply(blocks_added=0, total_blocks=pool.capacity)
+        n = self._blocks(req.layers)
+        total = await self.runner.call(self.inst.engine.grow_blocks, n)
+        self.ks.lent += n
+        self._event("drop", blocks=n)
+        return ipb.DropLayersReply(blocks_added=n, total_blocks=total)
+
+    async def _set_pipeline(self, req: ipb.SetPipelineRequest) -> ipb.SetPipelineReply:
+        moved = len(self.inst.engine.requests)
+        if req.peers:
+            members = [self.inst] + [self.ks.c.instances[p.address] for p in req.peers]
+            exchange_s = self.ks.exchange_s(members)
+            self._event("enter", size=len(members), exchange_s=exchange_s)
+            await self.runner.call(self._enter, len(members), exchange_s)
+            return ipb.SetPipelineReply(requests_moved=moved)
+        if req.own.start != 0 or req.own.stop != self.ks.num_layers:
+            raise ValueError(f"SetPipeline alone with layers {req.own.start}-{req.own.stop} of {self.ks.num_layers}")
+        k = self.size
+        back_s = self.ks.used_blocks(self.inst) * (k - 1) / k * self.ks.bytes_per_block / self.ks.reload_bytes_per_s
+        await asyncio.sleep(back_s)  # the remote KV back, while the member steps on in the pipeline
+        await self.runner.call(self._leave)
+        self._event("leave", kv_back_s=back_s)
+        return ipb.SetPipelineReply(requests_moved=moved if k > 1 else 0)
+
+    def _enter(self, size: int, exchange_s: float) -> None:
+        """Between steps: the member's steps run as a pipeline stage."""
+        self.size, self.exchange_until = size, self.ks.k.now + exchange_s
+        self.inst.executor.stretch = self._stretch
+        self.inst.poke()
+
+    def _leave(self) -> None:
+        self.size = 1
+        self.inst.executor.stretch = None
+        self.inst.poke()
+
+    def _stretch(self, ms: float) -> float:
+        """A member's step as a pipeline stage: its own batch's time, the
+        pipeline's overhead, the activation hops; slower while the KV
+        exchange runs (remote attention)."""
+        p = self.ks.p
+        out = ms * (1.0 + p.pipeline_overhead) + (self.size - 1) * p.hop_ms
+        if self.ks.k.now < self.exchange_until:
+            out *= 1.0 + p.remote_attention_overhead
+        return out
+
+    async def _restore(self, req: ipb.RestoreLayersRequest) -> ipb.RestoreLayersReply:
+        n = self._blocks(req.layers)
+        pool = self.inst.engine.pool
+        await self.runner.call(pool.shrink, n)
+        while pool.shrinking:  # blocks in use are retired as their requests free them
+            await asyncio.sleep(self.ks.p.interval_s)
+        reload_s = n * self.ks.bytes_per_block / self.ks.reload_bytes_per_s
+        await asyncio.sleep(reload_s)
+        self.ks.lent -= n
+        self._event("restore", blocks=n, reload_s=reload_s)
+        return ipb.RestoreLayersReply(blocks_returned=n, total_blocks=pool.capacity)
 
 
 class KunServe:
-    """The drop/restore controller on one simulated cluster (see the module doc)."""
+    """The live KunServeLoop on one simulated cluster (see the module doc)."""
 
     def __init__(self, cluster, params: KunServeParams):
         params.validate()
@@ -134,194 +221,71 @@ class KunServe:
         self.layer_blocks = layer_blocks(self.profile)
         self.num_layers = self.profile.num_layers
         self.bytes_per_block = self.profile.kv_bytes_per_token * self.profile.block_size
-        self.samples: dict[str, deque[MemorySample]] = {}
-        self.groups: dict[str, Group] = {}  # iid -> its group
-        self.own_blocks: dict[str, int] = {}  # iid -> its pool without lent memory
-        self._gids = 0
-        self.log: list[dict] = []
-        self.pipelined_s = 0.0  # instance-seconds in a group (dissolved groups)
-        if params.static_group_size:
-            self.k.at(self.k.now, self._static_groups)
-        else:
-            self.k.at(self.k.now + params.interval_s, self._tick)
+        self.reload_bytes_per_s = params.reload_gbps * 1e9 / 8
+        self.stubs: dict[str, SimPipeline] = {}
+        self.member_log: list[dict] = []  # what the stubs did, member by member
+        self.errors: list[str] = []  # stub calls that failed (none on a sound run)
+        self.lent = 0  # blocks lent by dropped layers now
+        self.static = bool(params.static_group_size)
+        with cluster.loop.running():
+            self.loop = KunServeLoop(cluster.scheduler, params.config(self.num_layers, self.layer_blocks),
+                                     stub_for=self.stub_for, clock=lambda: self.k.now)
+            if self.static:
+                cluster.loop.create_task(self._static_groups())
+            else:
+                self.loop.start()
 
-    # --- the monitor ------------------------------------------------------------------------
-    def _tick(self) -> None:
-        now = self.k.now
-        for iid, st in self.c.scheduler.statuses.items():
-            self._sample(iid, st, now)
-        for g in self._live_groups():
-            if g.state == "pipeline" and not g.static:
-                self._maybe_restore(g, now)
-        free = {iid: s for iid, s in self.samples.items() if iid not in self.groups and s}
-        if free:
-            fc = predict_throttle(free, self.p.horizon_s)
-            if fc.throttled:
-                self._plan(fc, now)
-        self._maybe_merge(now)
-        if self.c.recorder.done < len(self.c.work.requests):
-            self.k.after(self.p.interval_s, self._tick)
+    def stub_for(self, address: str) -> SimPipeline:
+        if address not in self.stubs:
+            self.stubs[address] = SimPipeline(self, self.c.instances[address])
+        return self.stubs[address]
 
-    def _sample(self, iid: str, st: InstanceStatus, now: float) -> None:
-        add_sample(self.samples.setdefault(iid, deque()), st, now, self.p.window_s)
-        self.own_blocks.setdefault(iid, st.total_blocks)
-
-    def _plan(self, fc, now: float) -> None:
-        deficits = {f.instance_id: f.deficit_blocks for f in fc.instances}
-        cands = []
-        for iid, st in sorted(self.c.scheduler.statuses.items()):
-            inst = self.c.instances[iid]
-            cands.append(Candidate(iid, st.free_blocks, deficits.get(iid, 0),
-                                   eligible=iid not in self.groups and not inst.stopped and not inst.terminating))
-        plan = plan_buddy_groups(cands, fc.deficit_blocks, self.num_layers, self.layer_blocks,
-                                 self.p.max_group_size)
-        for bg in plan.groups:
-            self._form(bg, now, static=False)
-        if plan.groups:
-            self.log.append({"t": now - self.c.t0, "event": "drop", "needed_blocks": plan.needed_blocks,
-                             "freed_blocks": plan.freed_blocks, "covered": plan.covered,
-                             "groups": [[m.instance_id for m in g.members] for g in plan.groups]})
-
-    def _maybe_merge(self, now: float) -> None:
-        """A group throttled again merges with the group that has the most
-        free memory (Algorithm 1 goes on merging groups while memory is
-        short): one replica's parameters more are freed per merge. One
-        merge per tick; groups still exchanging KV, restoring, or static
-        are left alone."""
-        settled = [g for g in self._live_groups()
-                   if g.state == "pipeline" and not g.static and now >= g.exchange_until]
-        if len(settled) < 2:
-            return
-        cap = min(self.num_layers, self.p.max_group_size or self.num_layers)
-        statuses = self.c.scheduler.statuses
-        for g in settled:
-            q = {i.instance_id: self.samples.get(i.instance_id) for i in g.members}
-            if not all(q.values()) or not predict_throttle(q, self.p.horizon_s).throttled:
-                continue
-            partners = [h for h in settled if h is not g and g.size + h.size <= cap]
-            if not partners:
-                return
-            h = max(partners, key=lambda h: (sum(statuses[i.instance_id].free_blocks for i in h.members
-                                                 if i.instance_id in statuses), -h.gid))
-            self._merge(g, h, now)
-            return
-
-    def _merge(self, g: Group, h: Group, now: float) -> None:
-        members = g.members + h.members
-        before = {m.instance_id: m.freed_blocks for m in g.plan.members + h.plan.members}
-        plan = buddy_group([i.instance_id for i in members], self.num_layers, self.layer_blocks)
-        exchange_s = self._exchange_s(members)
-        self._gids += 1
-        merged = Group(self._gids, plan, members, now, now + exchange_s)
-        merged.events = g.events + h.events + [{"t": now - self.c.t0, "event": "merge", "exchange_s": exchange_s}]
-        self.pipelined_s += g.size * (now - g.formed_at) + h.size * (now - h.formed_at)
-        for m, inst in zip(plan.members, members):
-            self.groups[inst.instance_id] = merged
-            inst.submit(self._drop, inst, merged, m.freed_blocks - before[inst.instance_id])
-        self.log.append({"t": now - self.c.t0, "event": "merge", "groups": [[i.instance_id for i in g.members],
-                                                                             [i.instance_id for i in h.members]],
-                         "freed_blocks": plan.freed_blocks - sum(before.values())})
-
-    # --- drop and the exchange ---------------------------------------------------------------
-    def _static_groups(self) -> None:
+    async def _static_groups(self) -> None:
+        """Groups of ``static_group_size`` in instance order, formed by the
+        live loop's ``form`` and never restored (its tick loop never runs)."""
         ids = sorted(self.c.instances)
         k = self.p.static_group_size
         for i in range(0, len(ids) - k + 1, k):
-            self._form(buddy_group(ids[i:i + k], self.num_layers, self.layer_blocks), self.k.now, static=True)
+            members = ids[i:i + k]
+            await self.loop.form(buddy_group(members, self.num_layers, self.layer_blocks),
+                                 {m: self.c.instances[m].engine.pool.capacity for m in members})
 
-    def _form(self, bg: BuddyGroup, now: float, static: bool) -> None:
-        members = [self.c.instances[m.instance_id] for m in bg.members]
-        self._gids += 1
-        exchange_s = self._exchange_s(members)
-        g = Group(self._gids, bg, members, now, now + exchange_s, static=static)
-        g.events.append({"t": now - self.c.t0, "event": "drop", "exchange_s": exchange_s})
-        for m, inst in zip(bg.members, members):
-            self.own_blocks.setdefault(inst.instance_id, inst.engine.pool.capacity)
-            self.groups[inst.instance_id] = g
-            inst.submit(self._drop, inst, g, m.freed_blocks)
-
-    def _drop(self, inst: SimInstance, g: Group, freed: int) -> None:
-        """Between steps on the member's engine: the freed parameter memory
-        becomes KV blocks, and its steps run as a pipeline stage."""
-        inst.engine.grow_blocks(freed)
-        inst.executor.stretch = lambda ms, inst=inst, g=g: self._stretch(g, inst, ms)
-        inst.poke()
-
-    def _exchange_s(self, members: list[SimInstance]) -> float:
+    # --- the execution model's costs -------------------------------------------------------------
+    def exchange_s(self, members: list[SimInstance]) -> float:
         """(k-1)/k of each member's KV goes to the members now holding those
         layers; every member sends and receives at once over its own link."""
         k = len(members)
-        return max(self._used_blocks(inst) * self.bytes_per_block * (k - 1) / k / self._link_bytes_per_s()
-                   for inst in members)
+        link = self.c.migration.transfer.bandwidth_bytes_per_s
+        return max(self.used_blocks(inst) * self.bytes_per_block * (k - 1) / k / link for inst in members)
 
-    def _live_groups(self) -> list[Group]:
-        return list({id(g): g for g in self.groups.values()}.values())
-
-    def _used_blocks(self, inst: SimInstance) -> int:
+    @staticmethod
+    def used_blocks(inst: SimInstance) -> int:
         pool = inst.engine.pool
         return pool.capacity - pool.num_free - pool.num_reserved
 
-    def _link_bytes_per_s(self) -> float:
-        return self.c.migration.transfer.bandwidth_bytes_per_s
-
-    def _stretch(self, g: Group, inst: SimInstance, ms: float) -> float:
-        """A member's step as a pipeline stage: its own batch's time, the
-        pipeline's overhead, the activation hops; slower while the KV
-        exchange runs (remote attention)."""
-        out = ms * (1.0 + self.p.pipeline_overhead) + (g.size - 1) * self.p.hop_ms
-        if self.k.now < g.exchange_until:
-            out *= 1.0 + self.p.remote_attention_overhead
-        return out
-
-    # --- restore -----------------------------------------------------------------------------
-    def _maybe_restore(self, g: Group, now: float) -> None:
-        if now - g.formed_at < self.p.min_group_s or now < g.exchange_until:
-            return
-        for inst in g.members:
-            iid = inst.instance_id
-            if not fits_own_memory(iid, self.samples.get(iid) or (), self.own_blocks[iid], self.p.restore_margin,
-                                   self.p.horizon_s):
-                return
-        g.state = "draining"
-        g.events.append({"t": now - self.c.t0, "event": "restore"})
-        for m, inst in zip(g.plan.members, g.members):
-            inst.submit(inst.engine.pool.shrink, m.freed_blocks)
-        self.k.after(self.p.interval_s, self._drained, g)
-
-    def _drained(self, g: Group) -> None:
-        """Once every member's pool gave its lent blocks back, the dropped
-        parameters and the KV held by peers come back over the link."""
-        if any(inst.engine.pool.shrinking or inst.engine.pool.capacity > self.own_blocks[inst.instance_id]
-               for inst in g.members):
-            self.k.after(self.p.interval_s, self._drained, g)
-            return
-        g.state = "reloading"
-        k = g.size
-        reload_s = max((m.freed_blocks + self._used_blocks(inst) * (k - 1) / k) * self.bytes_per_block
-                       / (self.p.reload_gbps * 1e9 / 8) for m, inst in zip(g.plan.members, g.members))
-        g.events.append({"t": self.k.now - self.c.t0, "event": "reload", "reload_s": reload_s})
-        self.k.after(reload_s, self._dissolve, g)
-
-    def _dissolve(self, g: Group) -> None:
-        self.pipelined_s += g.size * (self.k.now - g.formed_at)
-        for inst in g.members:
-            inst.executor.stretch = None
-            self.groups.pop(inst.instance_id, None)
-            inst.poke()
-        g.events.append({"t": self.k.now - self.c.t0, "event": "dissolved"})
-        self.log.append({"t": self.k.now - self.c.t0, "event": "restored",
-                         "group": [i.instance_id for i in g.members], "events": g.events})
-
     # --- results -------------------------------------------------------------------------------
     def summary(self) -> dict:
-        drops = [e for e in self.log if e["event"] == "drop"]
-        merges = [e for e in self.log if e["event"] == "merge"]
-        restores = [e for e in self.log if e["event"] == "restored"]
-        open_ = self._live_groups()
+        """From the live loop's log (its wall-clock timings left out: the same
+        options give the same summary) and the stubs'."""
+        t0 = self.c.t0
+        log = [{"t": e["t"] - t0, "event": e["event"], "members": e["members"],
+                **({"freed_blocks": e["freed_blocks"]} if "freed_blocks" in e else {})} for e in self.loop.log]
+        drops = [e for e in log if e["event"] == "drop"]
+        restores = [e for e in log if e["event"] == "restore"]
+        formed: dict[str, float] = {}
+        pipelined = 0.0
+        for e in log:
+            key = "+".join(e["members"])
+            if e["event"] == "drop":
+                formed[key] = e["t"]
+            else:
+                pipelined += len(e["members"]) * (e["t"] - formed.pop(key))
+        now = self.k.now - t0
+        pipelined += sum(len(key.split("+")) * (now - t) for key, t in formed.items())
         return {"layer_blocks": self.layer_blocks, "param_blocks": self.layer_blocks * self.num_layers,
-                "drops": len(drops), "merges": len(merges), "groups_formed": self._gids,
-                "restores": len(restores), "freed_blocks": sum(e["freed_blocks"] for e in drops + merges),
-                "uncovered_drops": sum(not e["covered"] for e in drops),
-                "groups_at_end": len(open_),
-                "pipelined_instance_s": self.pipelined_s + sum(g.size * (self.k.now - g.formed_at) for g in open_),
-                "params": asdict(self.p), "log": self.log}
+                # ticks that formed groups (the static baseline's are formed before any tick)
+                "drops": 0 if self.static else len({e["t"] for e in drops}),
+                "groups_formed": len(drops), "restores": len(restores),
+                "freed_blocks": sum(e["freed_blocks"] for e in drops), "lent_blocks_at_end": self.lent,
+                "groups_at_end": len(self.loop._live_groups()), "pipelined_instance_s": pipelined,
+                "errors": self.errors, "params": asdict(self.p), "log": log, "member_log": self.member_log}

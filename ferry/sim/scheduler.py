@@ -73,6 +73,12 @@ class SimScheduler:
         self.statuses.pop(instance_id, None)
         self.pending.drop(instance_id)
 
+    def address(self, instance_id: str) -> str | None:
+        """The live ClusterView's: where a live instance answers (its id
+        here), None for one stopped or unknown."""
+        inst = self.instances.get(instance_id)
+        return None if inst is None or inst.stopped else instance_id
+
     def views(self) -> list[InstanceView]:
         now = self.k.now
         return [InstanceView(iid, st, *self.pending.totals(iid, now)) for iid, st in self.statuses.items()]
