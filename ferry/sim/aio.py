@@ -14,7 +14,9 @@ Each simulated instance's live MigrationManager runs on it (ferry/sim/run.py):
 the scheduler's migrate-out orders are the manager's (scheduler.py), and a
 Splitwise handoff is the manager's Handoffs, planned when the request enters
 the prefill instance, as the live agent does (run.py ``_generate``).
-NOTE: KunServe groups are still the simulator's own model (kunserve.py).
+KunServe's groups are formed and restored by the scheduler's live
+KunServeLoop on this loop; its Instance RPCs reach simulated stubs
+(kunserve.py ``SimPipeline``) whose engine calls go through a SimRunner.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""KunServe's monitor in the scheduler (``--kunserve``; docs/kunserve.md): the
-live twin of the simulator's controller, on the same pure decisions
-(libs/common/policies/kunserve.py).
+"""KunServe's monitor in the scheduler (``--kunserve``; docs/kunserve.md), on
+the pure decisions of libs/common/policies/kunserve.py. The simulator runs
+this same loop on its virtual clock (ferry/sim/kunserve.py: simulated
+Instance stubs).
 
 Every ``interval_s`` it reads the cluster view's status reports into a
 window per instance (``add_sample``), then:
@@ -16,8 +17,9 @@ window per instance (``add_sample``), then:
   layers for its running requests), then drops the layers it does not keep
   (``DropLayers``: its KV pool grows).
 
-Not here yet (the simulator has them): merging a group throttled again with
-another, and restore by live migration (members take the KV back in place).
+Not here yet (so not in the simulator either): merging a group throttled
+again with another, and restore by live migration (members take the KV back
+in place).
 
 The planner needs the model's layer count and one layer's parameter memory
 in KV blocks (``--kunserve-layers``, ``--kunserve-layer-blocks``): instances
