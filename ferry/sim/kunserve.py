@@ -169,7 +169,7 @@ class SimPipeline:
         if req.own.start != 0 or req.own.stop != self.ks.num_layers:
             raise ValueError(f"SetPipeline alone with layers {req.own.start}-{req.own.stop} of {self.ks.num_layers}")
         k = self.size
-        back_s = self.ks.used_blocks(self.inst) * (k - 1) / k * self.ks.bytes_per_block / self.ks.reload_bytes_per_s
+        back_s = self.inst.engine.pool.num_used * (k - 1) / k * self.ks.bytes_per_block / self.ks.reload_bytes_per_s
         await asyncio.sleep(back_s)  # the remote KV back, while the member steps on in the pipeline
         await self.runner.call(self._leave)
         self._event("leave", kv_back_s=back_s)
@@ -256,12 +256,7 @@ class KunServe:
         layers; every member sends and receives at once over its own link."""
         k = len(members)
         link = self.c.migration.transfer.bandwidth_bytes_per_s
-        return max(self.used_blocks(inst) * self.bytes_per_block * (k - 1) / k / link for inst in members)
-
-    @staticmethod
-    def used_blocks(inst: SimInstance) -> int:
-        pool = inst.engine.pool
-        return pool.capacity - pool.num_free - pool.num_reserved
+        return max(inst.engine.pool.num_used * self.bytes_per_block * (k - 1) / k / link for inst in members)
 
     # --- results -------------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -360,13 +360,12 @@ class Cluster:
     # --- cluster samples (serving.sample_cluster) --------------------------------------------
     def _sample(self) -> None:
         caches = [i.engine.pool.cache.stats for i in self.instances.values()]
-        done = [o for o in self.scheduler.outcomes if o.committed]
         self.samples.append({"t": self.k.now - self.t0, "migrations_ordered": self.scheduler.migrations_ordered,
                              # cumulative, over the cluster: prompt blocks looked up / served from cache
                              "prefix_queries": sum(c.queries for c in caches),
                              "prefix_hits": sum(c.hits for c in caches),
-                             "migration_blocks_sent": sum(o.blocks for o in done),
-                             "migration_blocks_linked": sum(o.linked_blocks for o in done),
+                             "migration_blocks_sent": self.scheduler.blocks_sent,
+                             "migration_blocks_linked": self.scheduler.blocks_linked,
                              "instances": {iid: {"freeness": s.freeness, "num_running": s.num_running,
                                                  "num_waiting": s.num_waiting, "free_blocks": s.free_blocks,
                                                  "num_preemptions": s.num_preemptions,
@@ -405,7 +404,7 @@ class Cluster:
             eng = inst.engine
             eng.check_integrity()
             left["requests"] += len(eng.requests)
-            left["used_blocks"] += eng.pool.capacity - eng.pool.num_free - eng.pool.num_reserved
+            left["used_blocks"] += eng.pool.num_used
             left["reserved_blocks"] += eng.pool.num_reserved
         return left
 
@@ -472,10 +471,9 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     summary["dead_processes"] = []
     summary["migrations_ordered"] = cluster.scheduler.migrations_ordered
     summary["prefix_cache"] = cluster.prefix_summary()
-    done = [o for o in cluster.scheduler.outcomes if o.committed]
     # Blocks sent by committed migrations, and those the destinations linked
     # instead (a prefix-blind migration of the same requests sends both).
-    summary["migration_blocks"] = {"sent": sum(o.blocks for o in done), "linked": sum(o.linked_blocks for o in done)}
+    summary["migration_blocks"] = {"sent": cluster.scheduler.blocks_sent, "linked": cluster.scheduler.blocks_linked}
     sim_s = cluster.end - cluster.t0
     outcomes = cluster.scheduler.outcomes
     committed = [o for o in outcomes if o.committed]

@@ -60,6 +60,9 @@ class SimScheduler:
         self.prompt_hashes = PromptHashes()  # for pairs_by_move_cost, as the live scheduler's
         self.loop = loop
         self.outcomes: list = []  # every migration's (services/instance/migration/messages.Outcome)
+        # Of the committed ones: blocks sent, and blocks the destinations linked instead (running sums).
+        self.blocks_sent = 0
+        self.blocks_linked = 0
 
     # --- the cluster view (libs/common/cluster_view.py) ------------------------------------
     def deliver(self, status: InstanceStatus) -> None:
@@ -177,6 +180,10 @@ class SimScheduler:
                     use_priorities=self.dispatcher.uses_priorities, linkable=link or {})))
                 result = yield TaskDone(task)
                 self.outcomes.extend(result.results)
+                for o in result.results:
+                    if o.committed:
+                        self.blocks_sent += o.blocks
+                        self.blocks_linked += o.linked_blocks
             yield Delay(rpc / 2)
         finally:
             self.busy.discard(pair.source)

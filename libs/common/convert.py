@@ -198,10 +198,14 @@ def kv_snapshot_from_pb(m: pb.KvSnapshot) -> KvSnapshot:
     return KvSnapshot(m.instance_id, m.seq, {b.hash: b.parent if b.HasField("parent") else None for b in m.blocks})
 
 
-def record_to_pb(r: InstanceRecord) -> pb.InstanceRecord:
+def record_to_pb(r: InstanceRecord, into: pb.InstanceRecord | None = None,
+                 info: pb.InstanceInfo | None = None) -> pb.InstanceRecord:
     """The status may already be in wire form (the meta store keeps reports
-    as received)."""
-    m = pb.InstanceRecord(info=info_to_pb(r.info), last_seen=r.last_seen)
+    as received). ``into``: the message to fill (e.g. a field of another);
+    ``info``: the record's info in wire form already."""
+    m = pb.InstanceRecord() if into is None else into
+    m.info.CopyFrom(info_to_pb(r.info) if info is None else info)
+    m.last_seen = r.last_seen
     st = r.status
     if st is not None:
         m.status.CopyFrom(st if isinstance(st, pb.InstanceStatus) else status_to_pb(st))

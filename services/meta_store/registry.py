@@ -56,9 +56,8 @@ class WatchQueue:
         if self.maxsize and len(self._items) >= self.maxsize:
             raise asyncio.QueueFull
         self._items.append(item)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if self._waiter is not None:
+            _wake(self._waiter)
 
     def get_nowait(self):
         if not self._items:
@@ -176,7 +175,8 @@ class Registry:
             try:
                 q.put_nowait(change)
             except asyncio.QueueFull:
-                full = [*(full or ()), q]
+                full = full or []
+                full.append(q)
         for q in full or ():
             self._watchers.discard(q)
             q.clear()

@@ -182,12 +182,7 @@ def _wire(change: Change) -> pb.WatchEvent:
         ev = pb.WatchEvent(type=_TYPES[change.type])
         rec = change.record
         if rec is not None:
-            r = ev.record
-            r.info.CopyFrom(_info_pb(rec.info))
-            r.last_seen = rec.last_seen
-            st = rec.status
-            if st is not None:  # in wire form as received, or a dataclass
-                r.status.CopyFrom(st if isinstance(st, pb_common.InstanceStatus) else convert.status_to_pb(st))
+            convert.record_to_pb(rec, into=ev.record, info=_info_pb(rec.info))
             if change.type is ChangeType.REMOVED:
                 _INFO_PB.pop(rec.info.instance_id, None)
         change.wire.append(ev)

@@ -32,9 +32,11 @@ def test_reserve_adopt_release():
     pool = BlockPool(5)
     r = pool.reserve(2)
     assert r == [0, 1] and pool.num_reserved == 2
+    assert pool.num_used == 0  # reserved is not used
     pool.check_integrity([])  # reserved blocks are owned by the reservation
     pool.adopt([0])
     pool.check_integrity([[0]])
+    assert pool.num_used == 1 and pool.num_reserved == 1  # adopted: a request's now
     with pytest.raises(IntegrityError):
         pool.adopt([2])  # never reserved
     pool.release([1])

@@ -73,6 +73,11 @@ class BlockPool:
     def num_reserved(self) -> int:
         return len(self._reserved)
 
+    @property
+    def num_used(self) -> int:
+        """Blocks requests hold: in circulation, neither free nor reserved."""
+        return self.capacity - self.num_free - self.num_reserved
+
     def can_allocate(self, n: int, keep_watermark: bool = False) -> bool:
         floor = self.watermark_blocks if keep_watermark else 0
         return n <= self.num_free - floor
