@@ -51,6 +51,17 @@ Fault = Callable[[str], None]
 __all__ = ["MigrationAborted", "MigrationConfig", "Outcome", "SourceMigration", "failpoint_faults"]
 
 
+def _cancel_now_if_asked() -> None:
+    """The last point a cancel stops a migration: just before the commit.
+    A cancel asked earlier lands at the next await that suspends, and the
+    stages after the suspend may have none (blocks from the spare ones, a
+    shared-cache copy, a synchronous destination): without this check the
+    commit would go out, and the cancel land after the request moved."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
+
+
 def failpoint_faults(name: str) -> None:
     """The process-wide failpoints (``--failpoints``) at the source's fault
     points. NOTE: source.crash_mid_transfer simulates the source process
@@ -302,6 +313,7 @@ class SourceMigration:
         self.out.bytes += nbytes
         self._to(S.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         next_index = len(state.output_token_ids)
+        _cancel_now_if_asked()
         await self.peer.commit(self.id, state)
         self.fault("source.crash_after_commit")  # tests: killed before the client learns where it went
         self._hand_over(t_suspend, next_index, S.DONE)
@@ -323,6 +335,7 @@ class SourceMigration:
         self.out.stages += 1  # the last stage, copied by the commit
         self._to(S.COMMIT, stage=stage, last_blocks=len(rest), blocks=self.out.blocks, bytes=self.out.bytes)
         next_index = len(state.output_token_ids)
+        _cancel_now_if_asked()
         await self.peer.commit(self.id, state, LastStage(stage, tuple(rest)))
         self.fault("source.crash_after_commit")
         self._hand_over(t_suspend, next_index, S.DONE)
