@@ -1,6 +1,8 @@
-"""The scheduler's prefix index, fed live: one ``WatchKvEvents`` stream per
-instance of the cluster view (a snapshot, then each step's batch), applied to
-the pure index (libs/common/prefix_index.py).
+"""The cluster's prefix index, fed live: one ``WatchKvEvents`` stream per
+instance of a cluster view (a snapshot, then each step's batch), applied to
+the pure index (libs/common/prefix_index.py). The scheduler keeps one for
+its prefix-aware policies; a frontend keeps one while the scheduler's policy
+is prefix-aware, for its bypass dispatch (services/frontend/router.py).
 
 Never stale: an instance whose stream breaks, or whose batches skip a
 number, is dropped from the index until a new snapshot comes; an instance
@@ -69,6 +71,17 @@ class KvIndexWatcher:
         for iid, addr in want.items():
             if iid not in self._streams:
                 self._streams[iid] = (addr, asyncio.create_task(self._follow(iid, addr)))
+
+    def hits(self, block_hashes: list[int], block_size: int) -> dict[str, int]:
+        """Per instance of the view, how many of the first ``block_hashes``
+        (hashed at ``block_size`` tokens a block) its prefix cache holds
+        (instances whose stream is not synced are not in the index;
+        instances of another block size hold none of these hashes)."""
+        if block_size <= 0 or not block_hashes:
+            return {}
+        recs = self.view.records
+        return {iid: n for iid, n in self.index.match(block_hashes).items()
+                if iid in recs and recs[iid].info.block_size == block_size}
 
     def _forget(self, iid: str) -> None:
         self.index.remove(iid)

@@ -1,7 +1,7 @@
 """The cluster-wide prefix index: which instance holds which block hash,
 kept exact from each instance's KV events (libs/common/kv_events.py). Pure:
 the live scheduler feeds it from the instances' event streams
-(services/scheduler/kv_index.py); a simulator can feed it from its engines.
+(libs/common/kv_index.py); a simulator can feed it from its engines.
 
 Each instance's entries come from a snapshot, then from its batches in
 order; a batch that does not follow the last one applied is refused (the

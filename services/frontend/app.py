@@ -212,6 +212,7 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
                 metrics.INSTANCE_FREENESS.labels(iid).set(rec.status.freeness)
                 metrics.INSTANCE_RUNNING.labels(iid).set(rec.status.num_running)
                 metrics.INSTANCE_WAITING.labels(iid).set(rec.status.num_waiting)
+        metrics.BYPASS_PREFIX_INSTANCES.set(router.prefix_synced())
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -30,6 +30,9 @@ class FrontendConfig(CommonConfig):
                                   "under way finish for up to this long", min=0.0)
     dispatch_timeout_s: float = opt(1.0, "give up on the scheduler after this long (then bypass)", min=0.01)
     bypass_retry_s: float = opt(1.0, "in bypass, ask the scheduler again after this long", min=0.0)
+    bypass_prefix_index: bool = opt(True, "while the scheduler's policy is prefix-aware, follow every instance's KV "
+                                    "events, so that bypass dispatch (the same policy) counts cached prefixes "
+                                    "from its first request (off: bypass sees no prefix)")
     dispatch_stream: bool = opt(True, "ask the scheduler for placements over one long-lived stream "
                                       "(DispatchStream); off: a unary Dispatch call per request")
     max_resumes: int = opt(1, "a request whose instance died, stalled or failed it resumes on another instance at "

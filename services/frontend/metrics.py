@@ -15,6 +15,8 @@ E2E = Histogram("ferry_request_latency_seconds", "End-to-end request latency",
 PER_INSTANCE = Counter("ferry_instance_requests_total", "Requests dispatched per instance", ["instance"])
 TOKENS = Counter("ferry_generated_tokens_total", "Tokens delivered to clients")
 BYPASS = Gauge("ferry_dispatch_bypass", "1 while the scheduler is unreachable and the frontend dispatches")
+BYPASS_PREFIX_INSTANCES = Gauge("ferry_bypass_prefix_index_instances", "Instances whose cached prefixes this "
+                                "frontend follows for bypass dispatch (while the scheduler's policy is prefix-aware)")
 BYPASS_DISPATCHES = Counter("ferry_bypass_dispatches_total", "Requests dispatched by the frontend itself")
 MIGRATIONS_FOLLOWED = Counter("ferry_migrations_followed_total", "Streams re-attached after a migration")
 RESUMES = Counter("ferry_resumes_total", "Requests resumed on another instance after a failure")

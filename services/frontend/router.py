@@ -1,6 +1,13 @@
 """Where a request goes: ask the scheduler; when it is unreachable, dispatch
 locally from the last view of the meta store (bypass), and go back to the
-scheduler when it returns."""
+scheduler when it returns.
+
+Bypass runs the scheduler's own policy, as its last reply named it (a name
+this frontend does not know, or none heard yet: ``llumnix``). Where that
+policy is prefix-aware, the frontend follows the instances' KV events
+(libs/common/kv_index.py) from the reply that names it on, so that a bypass
+dispatch counts the cached prefixes from its first request; a prefix-blind
+policy stops the streams."""
 
 from __future__ import annotations
 
@@ -18,8 +25,9 @@ from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common import rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable
+from libs.common.kv_index import KvIndexWatcher
 from libs.common.logging import get_logger
-from libs.common.policies import POLICIES, Dispatcher, DispatchRequest, blocks_for, get
+from libs.common.policies import POLICIES, Dispatcher, DispatchRequest, demand_blocks, get
 from libs.common.policies.phases import place
 from libs.common.prefix_hash import block_hashes
 from libs.common.types import Priority
@@ -45,14 +53,16 @@ class Dispatched(NamedTuple):
 class Router:
     def __init__(self, scheduler: str, meta_store: str, dispatch_timeout_s: float = 1.0,
                  bypass_retry_s: float = 1.0, status_interval_s: float = 0.0, stall_timeout_s: float = 60.0,
-                 dispatch_stream: bool = True):
+                 dispatch_stream: bool = True, prefix_index: bool = True):
         self.scheduler_address = scheduler
         self.dispatch_timeout_s = dispatch_timeout_s
         self.bypass_retry_s = bypass_retry_s
         self.view = ClusterView(meta_store, min_update_interval_s=status_interval_s)
-        # Bypass dispatch runs Llumnix's own scoring (the scheduler's policy is
-        # not known here); round robin covers a view without statuses.
+        # Bypass dispatch runs the scheduler's policy as its replies name it
+        # (llumnix until one does); round robin covers a view without statuses.
         self._local = Dispatcher(get("llumnix"))
+        self.prefix_index = prefix_index  # follow KV events while the scheduler's policy is prefix-aware
+        self.kv_index: KvIndexWatcher | None = None
         self._rr = Dispatcher(get("round_robin"))
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, ipb_grpc.InstanceStub] = {}
@@ -72,6 +82,7 @@ class Router:
         self.watchdog.start()
 
     async def close(self) -> None:
+        await self._follow_prefixes(False)
         await self._stream.close()
         await self.watchdog.stop()
         await self.view.stop()
@@ -142,6 +153,7 @@ class Router:
             reply, down = await self._ask_scheduler(req)
             if reply is not None:
                 self._send_hashes = self._policy_uses_prefix(reply.policy)
+                await self._adopt(reply.policy)
                 if self.bypass:
                     log.info("scheduler is back; leaving bypass mode")
                     self.bypass = False
@@ -153,12 +165,33 @@ class Router:
             self.bypass = True
             metrics.BYPASS.set(1)
             self._bypass_until = time.monotonic() + self.bypass_retry_s
-        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude)
+        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude, token_ids)
 
     @staticmethod
     def _policy_uses_prefix(name: str) -> bool:
         p = POLICIES.get(name)
         return p is None or p.uses_prefix
+
+    async def _adopt(self, name: str) -> None:
+        """The scheduler's policy, for bypass: the same policy here (a name
+        unknown here keeps the last one), and the prefix index while it is
+        prefix-aware."""
+        if name in POLICIES and name != self._local.name:
+            self._local = Dispatcher(get(name))
+            log.info("bypass dispatch follows the scheduler's policy", policy=name)
+        await self._follow_prefixes(self.prefix_index and self._local.policy.uses_prefix)
+
+    async def _follow_prefixes(self, on: bool) -> None:
+        if on and self.kv_index is None:
+            self.kv_index = KvIndexWatcher(self.view)
+            self.kv_index.start()
+        elif not on and self.kv_index is not None:
+            kv, self.kv_index = self.kv_index, None
+            await kv.stop()
+
+    def prefix_synced(self) -> int:
+        """Instances whose cached prefixes bypass dispatch knows now."""
+        return 0 if self.kv_index is None else len(self.kv_index.synced)
 
     async def _ask_scheduler(self, req: spb.DispatchRequest) -> tuple[spb.DispatchReply | None, str]:
         """The scheduler's reply, or (None, why) when it is unavailable (the
@@ -190,9 +223,14 @@ class Router:
                 raise from_grpc(e) from e
             return None, e.code().name
 
-    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude) -> Dispatched:
+    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None) -> Dispatched:
         metrics.BYPASS_DISPATCHES.inc()
         req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude)
+        bs = self.block_size() if token_ids and self.kv_index is not None and self._local.policy.uses_prefix else 0
+        if bs:
+            hashes = block_hashes(token_ids, bs)
+            req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude, prefix_blocks=len(hashes),
+                                  hits=self.kv_index.hits(hashes, bs))
         views = self.view.views()
         placed = place(self._local, views, req) if views else None
         iid, decode = (placed.prefill, placed.decode) if placed else (None, None)
@@ -202,9 +240,10 @@ class Router:
                 raise Unavailable("no instance available (scheduler unreachable, none known)")
             iid = ids[self._rr.next_round_robin(len(ids))]
         rec = self.view.records[iid]
-        self.view.add_pending(iid, request_id, blocks_for(num_prompt_tokens, rec.info.block_size))
+        hit = req.hits.get(iid, 0) if rec.info.block_size == bs else 0
+        self.view.add_pending(iid, request_id, demand_blocks(num_prompt_tokens, rec.info.block_size, hit))
         if decode is None:
             return Dispatched(iid, rec.info.address, priority)
         drec = self.view.records[decode]
-        self.view.add_pending(decode, request_id, blocks_for(num_prompt_tokens + 1, drec.info.block_size))
+        self.view.add_pending(decode, request_id, demand_blocks(num_prompt_tokens + 1, drec.info.block_size))
         return Dispatched(iid, rec.info.address, priority, decode, drec.info.address)

@@ -70,7 +70,8 @@ async def run_frontend(config: FrontendConfig, freeze_heap: bool = False) -> Non
     files = raise_open_file_limit()
     tokenizer = load_tokenizer(config.model)
     router = Router(config.scheduler, config.meta_store, config.dispatch_timeout_s, config.bypass_retry_s,
-                    config.status_interval_s, config.stall_timeout_s, config.dispatch_stream)
+                    config.status_interval_s, config.stall_timeout_s, config.dispatch_stream,
+                    config.bypass_prefix_index)
     router.start()
     admission = Admission(config.max_in_flight)
     app = create_app(config, router, tokenizer, admission)

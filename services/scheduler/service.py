@@ -23,7 +23,7 @@ from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
-from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, blocks_for, get
+from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, demand_blocks, get
 from libs.common.policies.index import DispatchIndex
 from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
@@ -147,7 +147,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         rec = view.records[placed.prefill]
         hit = req.hits.get(placed.prefill, 0) if rec.info.block_size == request.block_size else 0
         view.add_pending(placed.prefill, request.request_id,
-                         max(1, blocks_for(request.num_prompt_tokens, rec.info.block_size) - hit))
+                         demand_blocks(request.num_prompt_tokens, rec.info.block_size, hit))
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
         reply = pb.DispatchReply(instance_id=placed.prefill, address=rec.info.address,
                                  policy=self.svc.dispatcher.name, run_priority=int(run))
@@ -155,7 +155,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             drec = view.records[placed.decode]
             # Its KV lands there within a prompt's time: count it now, as a dispatch.
             view.add_pending(placed.decode, request.request_id,
-                             blocks_for(request.num_prompt_tokens + 1, drec.info.block_size))
+                             demand_blocks(request.num_prompt_tokens + 1, drec.info.block_size))
             reply.decode_instance_id, reply.decode_address = placed.decode, drec.info.address
         return reply
 
@@ -233,7 +233,7 @@ class SchedulerService(Service):
         self.launcher = None
         self.autoscaler = None
         self.kunserve = None
-        self.kv_index = None  # services/scheduler/kv_index.py: the prefix index and its streams (every scheduler)
+        self.kv_index = None  # libs/common/kv_index.py: the prefix index and its streams (every scheduler)
         self.prompt_hashes = PromptHashes()  # of recent dispatches, for Policy.pairs_by_move_cost
         # Every scheduler dispatches; the leader alone runs the loops below
         # (services/scheduler/leader.py), with a previous leader's state.
@@ -272,11 +272,7 @@ class SchedulerService(Service):
         ``block_size`` tokens a block) its prefix cache holds, from the
         prefix index (instances whose stream is not synced are not in it;
         instances of another block size hold none of these hashes)."""
-        if self.kv_index is None or block_size <= 0:
-            return {}
-        recs = self.view.records
-        return {iid: n for iid, n in self.kv_index.index.match(block_hashes).items()
-                if iid in recs and recs[iid].info.block_size == block_size}
+        return {} if self.kv_index is None else self.kv_index.hits(block_hashes, block_size)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self), server)
@@ -292,7 +288,7 @@ class SchedulerService(Service):
 
         self.view.start()
         if c.prefix_index:
-            from services.scheduler.kv_index import KvIndexWatcher
+            from libs.common.kv_index import KvIndexWatcher
 
             self.kv_index = KvIndexWatcher(self.view)
             self.kv_index.start()

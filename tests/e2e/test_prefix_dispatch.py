@@ -2,7 +2,10 @@
 prefix one instance holds goes there under llumnix-prefix, through the
 frontend (which sends the prompt's block hashes) and the scheduler (which
 looks them up in its prefix index). Prefix-blind llumnix, on the same two
-idle instances, sends it to the lower id, which then computes the prompt."""
+idle instances, sends it to the lower id, which then computes the prompt.
+With the scheduler killed, the frontend's bypass runs the same policy with
+its own prefix index (followed since the first reply named a prefix-aware
+policy), and places the next such prompt the same way."""
 
 from __future__ import annotations
 
@@ -21,6 +24,33 @@ from tests.e2e.test_faults import wait_for
 from tests.helpers import expected_fake_tokens, stream_completion
 
 PROMPT = [97 + (i * 7) % 26 for i in range(200)]  # token ids of the fake vocabulary
+PROMPT2 = [97 + (i * 11) % 26 for i in range(200)]
+
+
+async def warm(address: str, prompt: list[int], request_id: str) -> None:
+    """The instance computes ``prompt`` (asked directly, not through the scheduler)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=cpb.SamplingParams(max_tokens=4),
+            priority=cpb.PRIORITY_NORMAL))
+        async for _ in call:
+            pass
+
+
+def metric(text: str, name: str, instance: str = "") -> float | None:
+    key = f'{name}{{instance="{instance}"}}' if instance else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+async def frontend_sees(http, prefix_instances: int) -> bool:
+    """The frontend's view: both instances idle, and its prefix index
+    following ``prefix_instances`` of them."""
+    m = (await http.get("/metrics")).text
+    loads = [metric(m, f"ferry_instance_{k}", i) for i in ("instance-0", "instance-1") for k in ("running", "waiting")]
+    return loads == [0, 0, 0, 0] and metric(m, "ferry_bypass_prefix_index_instances") == prefix_instances
 
 
 async def cached(address: str) -> set[int]:
@@ -53,13 +83,7 @@ async def test_a_repeated_prompt_goes_where_its_prefix_is(tmp_path_factory, poli
     try:
         insts = {i.name: i for i in c.instances()}
         assert set(insts) == {"instance-0", "instance-1"}
-        # instance-1 computes the prompt first (asked directly, not through the scheduler)
-        async with grpc.aio.insecure_channel(insts["instance-1"].address) as ch:
-            call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
-                request_id="warm", prompt_token_ids=PROMPT, sampling=cpb.SamplingParams(max_tokens=4),
-                priority=cpb.PRIORITY_NORMAL))
-            async for _ in call:
-                pass
+        await warm(insts["instance-1"].address, PROMPT, "warm")  # instance-1 computes the prompt first
         prefix = set(block_hashes(PROMPT, 16))
         assert prefix <= await cached(insts["instance-1"].address)
         assert await wait_for(lambda: indexed(c.scheduler, "instance-1", prefix), timeout=20)
@@ -74,5 +98,17 @@ async def test_a_repeated_prompt_goes_where_its_prefix_is(tmp_path_factory, poli
         assert prefix <= await cached(insts[expected].address)
         if expected == "instance-1":
             assert not prefix & await cached(insts[other].address)
+
+            # bypass: the scheduler is gone; the frontend places by its own prefix index
+            c.kill("scheduler")
+            await warm(insts["instance-1"].address, PROMPT2, "warm2")
+            prefix2 = set(block_hashes(PROMPT2, 16))
+            async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
+                assert await wait_for(lambda: frontend_sees(http, 2), 20)
+                text, _ = await stream_completion(http, {"prompt": PROMPT2, "max_tokens": 8})
+                assert text == bytes(expected_fake_tokens(PROMPT2, 8)).decode()
+                assert metric((await http.get("/metrics")).text, "ferry_bypass_dispatches_total") == 1
+            assert prefix2 <= await cached(insts[expected].address)
+            assert not prefix2 & await cached(insts[other].address)
     finally:
         c.stop()

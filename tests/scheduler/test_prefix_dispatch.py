@@ -4,10 +4,9 @@ longest held prefix from the prefix index, passed to a prefix-aware policy;
 pending dispatches count the demand net of the hit; instances of another
 block size, and prefix-blind policies, get no hits."""
 
-from types import SimpleNamespace
-
 from libs.pb import scheduler_pb2 as spb
 from libs.common.kv_events import KvSnapshot
+from libs.common.kv_index import KvIndexWatcher
 from libs.common.prefix_hash import block_hashes
 from libs.common.prefix_index import PrefixIndex
 from libs.common.types import InstanceInfo, InstanceRecord, InstanceStatus
@@ -35,7 +34,7 @@ def scheduler(policy: str, holders: dict[str, int], sizes: dict[str, int] | None
     hashes = block_hashes(TOKENS, 16)
     for iid, n in holders.items():
         index.reset(KvSnapshot(iid, 0, {h: (hashes[i - 1] if i else None) for i, h in enumerate(hashes[:n])}))
-    svc.kv_index = SimpleNamespace(index=index)
+    svc.kv_index = KvIndexWatcher(svc.view, index)  # not started: the index as given
     return svc
 
 

@@ -13,6 +13,7 @@ from libs.common.policies.base import (
     InstanceView,
     Policy,
     blocks_for,
+    demand_blocks,
     fit_key,
     hit_blocks,
 )
@@ -31,4 +32,4 @@ def get(name: str) -> Policy:
 
 
 __all__ = ["POLICIES", "POLICY_NAMES", "DispatchRequest", "Dispatcher", "InstanceView", "Policy", "blocks_for",
-           "fit_key", "get", "hit_blocks"]
+           "demand_blocks", "fit_key", "get", "hit_blocks"]

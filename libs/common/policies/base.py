@@ -47,6 +47,13 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // max(1, block_size))
 
 
+def demand_blocks(tokens: int, block_size: int, hit: int = 0) -> int:
+    """The blocks a dispatched prompt of ``tokens`` will take where ``hit``
+    of its blocks are cached (at least one: a dispatch is counted pending
+    until the instance reports it)."""
+    return max(1, blocks_for(tokens, block_size) - hit)
+
+
 def hit_blocks(v: InstanceView, req: DispatchRequest) -> int:
     """The blocks of ``req``'s prompt that ``v`` would not compute: its
     longest held prefix, at most ``(prompt tokens - 1) // block size`` (an
