@@ -143,6 +143,14 @@ class SimRunner:
     def expect(self, key: str, at: float, seconds: float) -> None:
         pass
 
+    @property
+    def at_boundary(self) -> Callable | None:
+        return self.inst.at_boundary
+
+    @at_boundary.setter
+    def at_boundary(self, fn: Callable | None) -> None:
+        self.inst.at_boundary = fn  # called at each step's end, before the outputs are recorded
+
     def to_boundary_s(self) -> float:
         inst = self.inst
         return max(0.0, inst.clock.t - inst.k.now) if inst._stepping else 0.0

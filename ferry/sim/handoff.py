@@ -64,8 +64,8 @@ class HandoffLog:
         start = handoffs.hand_off
 
         def hand_off(request_id: str, dest_id: str, dest_address: str, mode: HandoffMode,
-                     request: EngineRequest | None = None) -> asyncio.Task:
-            task = start(request_id, dest_id, dest_address, mode, request)
+                     request: EngineRequest | None = None, exported=None) -> asyncio.Task:
+            task = start(request_id, dest_id, dest_address, mode, request, exported)
             prompt = self.cluster.prompt_lens[request_id]
             rec = HandoffRecord(request_id, HandoffMode(mode).value, inst.instance_id, dest_id, prompt,
                                 fallback=(mode is not HandoffMode.PER_LAYER and handoff_mode(

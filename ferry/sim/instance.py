@@ -207,6 +207,7 @@ class SimInstance:
         self.heartbeat_s = heartbeat_s
         self.hop_s = hop_s
         self.on_step = on_step
+        self.at_boundary: Callable | None = None
         self.on_report = on_report
         # Agent state read by status reports and by the migration model.
         self.terminating = False
@@ -285,6 +286,8 @@ class SimInstance:
         self._stepping = False
         self.steps += 1
         if outputs:
+            if self.at_boundary is not None:  # runner.EngineRunner.at_boundary
+                self.at_boundary(outputs)
             self.on_step(self, outputs)
         self._publish()
         self._boundary()

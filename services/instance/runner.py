@@ -48,6 +48,9 @@ class EngineRunner:
         self.loop = loop
         self.on_step = on_step
         self.on_kv_events = on_kv_events
+        # Called on the engine thread with each step's outputs, right after the step and before they
+        # reach the loop (Handoffs.at_boundary: export what the step held); its errors are logged.
+        self.at_boundary: Callable[[list[TokenOutput]], None] | None = None
         self.idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._guests: queue.SimpleQueue = queue.SimpleQueue()
@@ -259,6 +262,8 @@ class EngineRunner:
                     self.last_step_s = time.perf_counter() - t
                     self._recent_steps.append(self.last_step_s)
                     self.steps += 1
+                    if self.at_boundary is not None and outputs:
+                        self._at_boundary(outputs)
                     self._publish(outputs)
                     continue
                 if changed:
@@ -274,6 +279,12 @@ class EngineRunner:
                 self.loop.call_soon_threadsafe(self.on_step, [], None)
             except RuntimeError:  # loop closed during shutdown
                 pass
+
+    def _at_boundary(self, outputs: list[TokenOutput]) -> None:
+        try:
+            self.at_boundary(outputs)
+        except Exception as e:  # noqa: BLE001 - an optimization: what it skipped is done at the next boundary
+            log.warning("step boundary hook failed", error=repr(e))
 
     def _publish(self, outputs: list[TokenOutput]) -> None:
         load = self.engine.load()

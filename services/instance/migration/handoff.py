@@ -17,9 +17,12 @@ because a per-layer handoff must reserve before the prompt computes), then
 ``add``, which gives the request to the engine, and ``start``, the one
 function that starts a handoff given its mode:
 - serialized: ``add`` has the engine hold the request right after the step
-  that produced its first token (EngineRequest.hold_after_prefill); that
-  token starts the handoff (``on_output``) and the whole prompt KV goes in
-  one last stage (SourceMigration(handoff=True));
+  that produced its first token (EngineRequest.hold_after_prefill); on the
+  engine thread, at that step's boundary, the held request is exported
+  (``at_boundary``, the runner's hook), and the token starts the handoff
+  (``on_output``) with that export: the whole prompt KV goes in one last
+  stage (SourceMigration(handoff=True)) without waiting for the engine's
+  next boundary, a whole step later;
 - per-layer: ``add`` starts the handoff at once and the handoff adds the
   request itself, with the engine's layer tap on, in one engine-thread call
   (layerwise.LayerwiseHandoff): the destination reserves the prompt's blocks
@@ -37,9 +40,10 @@ from typing import Any
 
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode, handoff_mode
-from libs.common.types import TokenOutput
+from libs.common.types import RequestPhase, TokenOutput
 from services.instance.engine.base import EngineBroken, EngineError, EngineRequest
 from services.instance.migration.host import MigrationHost
+from services.instance.migration.source import Exported, export_suspended
 
 log = get_logger("migration")
 
@@ -68,6 +72,10 @@ class Handoffs:
         self.per_layer_threshold = per_layer_threshold
         self.plans: dict[str, HandoffPlan] = {}  # request id -> planned, not started yet
         self.running: dict[str, asyncio.Task] = {}
+        # Serialized plans' requests exported where the engine held them: written on the engine
+        # thread (at_boundary) before the step's outputs reach the loop, taken by on_output.
+        self.exported: dict[str, Exported] = {}
+        host.runner.at_boundary = self.at_boundary
 
     def plan(self, request_id: str, dest_id: str, dest_address: str, num_prompt_tokens: int) -> HandoffPlan:
         mode = handoff_mode(num_prompt_tokens, self.per_layer_threshold)
@@ -80,6 +88,20 @@ class Handoffs:
     def forget(self, request_id: str) -> None:
         """The request ended (or its client went away) before its prompt did."""
         self.plans.pop(request_id, None)
+        self.exported.pop(request_id, None)
+
+    def at_boundary(self, outputs: list[TokenOutput]) -> None:
+        """On the engine thread, right after a step (the runner's hook):
+        each request of a serialized plan that this step held after its
+        first token (an output, and suspended now: only a hold suspends
+        within a step) is exported at once."""
+        engine = self.host.engine
+        for out in outputs:
+            if out.finish_reason is not None or out.request_id not in self.plans:
+                continue
+            phase = engine.request_phase(out.request_id)
+            if phase is not None and phase[0] == RequestPhase.SUSPENDED:
+                self.exported[out.request_id] = export_suspended(engine, out.request_id, 0, self.host.clock)
 
     async def add(self, request: EngineRequest, plan: HandoffPlan | None) -> None:
         """Give a new request to the engine, ready for its planned handoff
@@ -106,19 +128,23 @@ class Handoffs:
         starts its handoff; a final one ends the plan (a one-token request
         has nothing to hand)."""
         p = self.plans.get(out.request_id)
+        exported = self.exported.pop(out.request_id, None)
         if p is None:
             return
         del self.plans[out.request_id]
         if out.finish_reason is not None:
             return
-        self.start(p)
+        self.start(p, exported=exported)
 
-    def start(self, p: HandoffPlan, request: EngineRequest | None = None) -> asyncio.Task | None:
+    def start(self, p: HandoffPlan, request: EngineRequest | None = None,
+              exported: Exported | None = None) -> asyncio.Task | None:
         """The one place a handoff starts, by mode; None if it could not
         (the request then decodes here). Per-layer: ``request`` is not in the
-        engine yet and the handoff adds it."""
+        engine yet and the handoff adds it. Serialized: ``exported``, the
+        request's export where it was held (None: the handoff exports it at
+        the engine's next boundary)."""
         try:
-            task = self.hand_off(p.request_id, p.dest_id, p.dest_address, p.mode, request)
+            task = self.hand_off(p.request_id, p.dest_id, p.dest_address, p.mode, request, exported)
         except Exception as e:  # noqa: BLE001 - the request must not stay held: it decodes here
             log.warning("handoff not started; decoding here", request_id=p.request_id, mode=p.mode.value,
                         error=repr(e))

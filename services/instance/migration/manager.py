@@ -28,7 +28,7 @@ from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.peer import DestinationPeer
 from libs.common.policies.migration import next_to_migrate
 from services.instance.migration.selection import status_without
-from services.instance.migration.source import Fault, SourceMigration, failpoint_faults
+from services.instance.migration.source import Exported, Fault, SourceMigration, failpoint_faults
 
 log = get_logger("migration")
 
@@ -153,13 +153,15 @@ class MigrationManager:
         return out
 
     def hand_off(self, request_id: str, dest_id: str, dest_address: str,
-                 mode: HandoffMode = HandoffMode.SERIALIZED, request: EngineRequest | None = None) -> asyncio.Task:
+                 mode: HandoffMode = HandoffMode.SERIALIZED, request: EngineRequest | None = None,
+                 exported: Exported | None = None) -> asyncio.Task:
         """Start a Splitwise handoff as a task of this manager, so that it
         outlives whoever started it. Serialized: the request's prompt is done
         (one last stage). Per-layer: ``request`` is added by the handoff, with
         the engine's layer tap on, and its KV streams while the prompt
-        computes (layerwise.py). Raises ResourceExhausted if the request is
-        migrating already."""
+        computes (layerwise.py). ``exported``: a serialized handoff's export,
+        taken where the engine held the request (Handoffs.at_boundary).
+        Raises ResourceExhausted if the request is migrating already."""
         if request_id in self.outgoing:
             raise ResourceExhausted(f"request {request_id!r} is already migrating")
         peer = self._peers(dest_address)
@@ -168,7 +170,7 @@ class MigrationManager:
                                    request=request, fault=self.fault)
         else:
             mig = SourceMigration(self.host, request_id, dest_id, dest_address, peer, self.config, self.fault,
-                                  handoff=True)
+                                  handoff=True, exported=exported)
         self.outgoing[request_id] = mig
         self.host.changed()
         return self._spawn_run(mig)

@@ -40,7 +40,7 @@ from services.instance.migration.messages import (
 from services.instance.migration.peer import DestinationPeer
 from services.instance.migration.states import Machine, SourceState
 from services.instance.streams import Event
-from libs.common.types import RequestPhase
+from libs.common.types import RequestPhase, RequestState
 
 log = get_logger("migration")
 S = SourceState
@@ -74,6 +74,20 @@ def failpoint_faults(name: str) -> None:
         os._exit(17)
 
 
+# (suspended, the clock when it was, its state, its blocks not yet sent)
+Exported = tuple[bool, float, RequestState | None, list[int]]
+
+
+def export_suspended(engine, request_id: str, sent: int, clock: Callable[[], float]) -> Exported:
+    """On the engine thread, between two steps, a suspended request: its
+    state (counted as migrated once more) and its blocks after the first
+    ``sent`` (the partial last block included). Downtime starts here."""
+    t = clock()
+    state = engine.export_state(request_id)
+    state.num_migrations += 1
+    return True, t, state, engine.all_blocks(request_id)[sent:]
+
+
 def _noticed(task: asyncio.Task) -> None:
     """A commit notice's answer, for the log (an optimization: nothing depends on it)."""
     if not task.cancelled() and task.exception() is not None:
@@ -83,7 +97,7 @@ def _noticed(task: asyncio.Task) -> None:
 class SourceMigration:
     def __init__(self, host: MigrationHost, request_id: str, dest_id: str, dest_address: str,
                  peer: DestinationPeer, config: MigrationConfig, fault: Fault = failpoint_faults,
-                 handoff: bool = False, expected_ack_ms: float = 10.0):
+                 handoff: bool = False, expected_ack_ms: float = 10.0, exported: Exported | None = None):
         self.host = host
         self.engine = host.engine
         self.runner = host.runner
@@ -100,6 +114,9 @@ class SourceMigration:
         self.preemptions = 0
         self.dest_failed = False  # the destination could not be reached or refused
         self.handoff = handoff
+        # A held handoff's export, taken at the boundary where its engine held it (Handoffs.at_boundary):
+        # the last stage starts without waiting for the next step boundary.
+        self.exported = exported
         # The engine's shared KV cache as last offered, if the destination mapped it (shared_kv.py).
         self.shared = None
         self.expected_ack_ms = expected_ack_ms  # suspend -> commit acknowledged, of recent migrations
@@ -294,9 +311,13 @@ class SourceMigration:
         self._to(S.SUSPEND, stage=stage)
         if self.config.join_notice and not self.handoff:
             self._announce_commit()
-        # One engine-thread call at a step boundary: suspend, export, and list
-        # what is left to copy (a second call would wait a whole step).
-        suspended, t_suspend, state, rest = await self.runner.call(self._suspend_and_export)
+        if self.exported is not None:  # a held handoff, exported where it was held
+            suspended, t_suspend, state, rest = self.exported
+            self._still_wanted()
+        else:
+            # One engine-thread call at a step boundary: suspend, export, and list
+            # what is left to copy (a second call would wait a whole step).
+            suspended, t_suspend, state, rest = await self.runner.call(self._suspend_and_export)
         if not suspended:
             raise MigrationAborted("request finished or was preempted before suspend")
         if self._fuse_last_stage():
@@ -306,6 +327,8 @@ class SourceMigration:
         # A handoff's only stage is its first: the prompt's blocks cached at the destination are linked.
         full = state.num_computed_tokens // self.engine.block_size if stage == 0 else -1
         linked = await self._pre_allocate(stage, len(rest), last=True, full=full)
+        if self.exported is not None:
+            self._still_wanted()  # before its blocks are read
         rest = rest[linked:]
         self._to(S.COPY_LAST, stage=stage, blocks=len(rest), linked=linked)
         nbytes = await self._copy(stage, rest)
@@ -314,6 +337,8 @@ class SourceMigration:
         self._to(S.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         next_index = len(state.output_token_ids)
         _cancel_now_if_asked()
+        if self.exported is not None:
+            self._still_wanted()
         await self.peer.commit(self.id, state)
         self.fault("source.crash_after_commit")  # tests: killed before the client learns where it went
         self._hand_over(t_suspend, next_index, S.DONE)
@@ -366,21 +391,26 @@ class SourceMigration:
         self.m.to(done, blocks=self.out.blocks, bytes=self.out.bytes,
                   commit_ack_ms=round(self.out.commit_ack_ms, 3))
 
-    def _suspend_and_export(self):
+    def _suspend_and_export(self) -> Exported:
         """On the engine thread, between two steps: take the request out of
-        the batch; its state (counted as migrated once more); its blocks not
-        yet copied (the partial last block included). Downtime starts here.
-        A handoff's request may be suspended already: held by the engine
-        after its prompt, for this handoff."""
+        the batch, and export it (export_suspended). A handoff's request may
+        be suspended already: held by the engine after its prompt, for this
+        handoff."""
         phase = self.engine.request_phase(self.request_id)
         held = self.handoff and phase is not None and phase[0] == RequestPhase.SUSPENDED
         if not held and not self.engine.suspend_request(self.request_id):
             return False, 0.0, None, []
-        t = self.host.clock()
-        state = self.engine.export_state(self.request_id)
-        state.num_migrations += 1
-        rest = self.engine.all_blocks(self.request_id)[self.sent:]
-        return True, t, state, rest
+        return export_suspended(self.engine, self.request_id, self.sent, self.host.clock)
+
+    def _still_wanted(self) -> None:
+        """A handoff exported at its hold has not asked the engine since:
+        the request must still be held there (an abort drops it). NOTE: a
+        dict lookup from the event loop, as Destination._commit's; an abort
+        queued behind it is the race of any migration's last stage (the
+        stream it closes is not followed)."""
+        phase = self.engine.request_phase(self.request_id)
+        if phase is None or phase[0] != RequestPhase.SUSPENDED:
+            raise MigrationAborted("request finished or was aborted at the source")
 
     def _drop(self) -> None:
         """On the engine thread: forget the request after the commit."""

@@ -199,6 +199,37 @@ async def _until(cond, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def test_a_serialized_handoff_does_not_wait_for_the_next_prefill_step():
+    """The request is exported where the engine held it (Handoffs.at_boundary),
+    so its handoff commits while the prefill instance's next step (1 s here,
+    another request keeps it busy) is still running: it used to wait for
+    that step's end before its last stage could start."""
+    c = Cluster()
+    p = c.add("p", fake(delay_ms=1000.0))
+    c.add("d", fake())
+    at_commit = []
+
+    async def commit():
+        at_commit.append(p.runner.steps)
+
+    c.peer_wrappers["d"] = lambda peer: HookedPeer(peer, before={"commit": commit})
+    try:
+        busy = Client(c, "busy")
+        busy_task = asyncio.create_task(busy.run("p", prompt_of(20), 6))
+        await busy.wait_tokens(1, timeout_s=30)
+        cl = Client(c, "r")
+        task = asyncio.create_task(cl.run("p", prompt_of(50), 8, handoff="d"))
+        await cl.wait_tokens(1, timeout_s=30)
+        at_first = p.runner.steps
+        assert await asyncio.wait_for(task, 30) == fake_generate(prompt_of(50), 8)
+        assert cl.path == ["p", "d"]
+        assert at_commit == [at_first]  # no prefill step ended between the first token and the commit
+        await asyncio.wait_for(busy_task, 30)
+        await clean(c)
+    finally:
+        await c.stop()
+
+
 async def test_a_destination_that_became_prefill_refuses(pd):
     """The decode instance's role changed after the dispatch chose it: it
     refuses, and the request decodes where it prefilled."""
