@@ -1,4 +1,7 @@
-import json, glob, os, statistics as st, sys
+import json
+import glob
+import os
+import statistics as st
 metrics = [("TTFT mean", lambda r: r["ttft_ms"]["mean"]), ("TTFT p99", lambda r: r["ttft_ms"]["p99"]),
            ("decode p99", lambda r: r["decode_ms"]["p99"]), ("e2e mean", lambda r: r["e2e_ms"]["mean"]),
            ("e2e p99", lambda r: r["e2e_ms"]["p99"]), ("preempt loss mean", lambda r: r["preemption_loss_ms_mean"]),
