@@ -94,8 +94,12 @@ class Handoffs:
         """On the engine thread, right after a step (the runner's hook):
         each request of a serialized plan that this step held after its
         first token (an output, and suspended now: only a hold suspends
-        within a step) is exported at once."""
+        within a step) is exported at once. Exports of requests gone from
+        the engine are dropped (a client that left between the hold and its
+        token's delivery: nothing takes its export)."""
         engine = self.host.engine
+        for rid in [r for r in list(self.exported) if engine.request_phase(r) is None]:
+            self.exported.pop(rid, None)
         for out in outputs:
             if out.finish_reason is not None or out.request_id not in self.plans:
                 continue
