@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from ferry.bench import sse
 from libs.pb import instance_pb2 as ipb
@@ -19,6 +20,18 @@ def expected_fake_tokens(prompt: list[int], n: int) -> list[int]:
 
 def expected_fake_text(text: str, n: int) -> str:
     return bytes(fake_generate(list(text.encode()), n)).decode()
+
+
+def metric(text: str, name: str, missing_ok: bool = False, **labels: str) -> float | None:
+    """The sample ``name`` with exactly ``labels`` in a /metrics page;
+    absent: AssertionError (None with ``missing_ok``)."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    if missing_ok:
+        return None
+    raise AssertionError(f"{name} {labels or ''} not in /metrics")
 
 
 def check_integrity(address: str) -> ipb.CheckIntegrityReply:

@@ -7,14 +7,7 @@ import json
 import httpx
 
 from tests.conftest import start_fake_cluster
-from tests.helpers import expected_fake_text
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+from tests.helpers import expected_fake_text, metric
 
 
 async def _stream(http, prompt, n):
@@ -45,16 +38,16 @@ async def test_scheduler_killed_mid_run_loses_no_request(tmp_path_factory):
             during = await wave("during", 20)
             assert all(await first) and all(during)
             m = (await http.get("/metrics")).text
-            assert _metric(m, "ferry_dispatch_bypass") == 1
-            assert _metric(m, "ferry_bypass_dispatches_total") >= 20
+            assert metric(m, "ferry_dispatch_bypass") == 1
+            assert metric(m, "ferry_bypass_dispatches_total") >= 20
             # Both instances served in bypass (least loaded, not one instance for all).
-            assert _metric(m, 'ferry_instance_requests_total{instance="instance-0"}') > 0
-            assert _metric(m, 'ferry_instance_requests_total{instance="instance-1"}') > 0
+            assert metric(m, "ferry_instance_requests_total", instance="instance-0") > 0
+            assert metric(m, "ferry_instance_requests_total", instance="instance-1") > 0
 
             cluster.restart("scheduler")
             await asyncio.sleep(1.2)  # past the bypass retry interval
             assert all(await wave("after", 4))
             m = (await http.get("/metrics")).text
-            assert _metric(m, "ferry_dispatch_bypass") == 0
+            assert metric(m, "ferry_dispatch_bypass") == 0
     finally:
         cluster.stop()

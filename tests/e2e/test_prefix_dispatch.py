@@ -21,7 +21,7 @@ from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common.prefix_hash import block_hashes
 from tests.conftest import start_fake_cluster
 from tests.e2e.test_faults import wait_for
-from tests.helpers import expected_fake_tokens, stream_completion
+from tests.helpers import expected_fake_tokens, metric, stream_completion
 
 PROMPT = [97 + (i * 7) % 26 for i in range(200)]  # token ids of the fake vocabulary
 PROMPT2 = [97 + (i * 11) % 26 for i in range(200)]
@@ -37,19 +37,12 @@ async def warm(address: str, prompt: list[int], request_id: str) -> None:
             pass
 
 
-def metric(text: str, name: str, instance: str = "") -> float | None:
-    key = f'{name}{{instance="{instance}"}}' if instance else name
-    for line in text.splitlines():
-        if line.startswith(key + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 async def frontend_sees(http, prefix_instances: int) -> bool:
     """The frontend's view: both instances idle, and its prefix index
     following ``prefix_instances`` of them."""
     m = (await http.get("/metrics")).text
-    loads = [metric(m, f"ferry_instance_{k}", i) for i in ("instance-0", "instance-1") for k in ("running", "waiting")]
+    loads = [metric(m, f"ferry_instance_{k}", True, instance=i) for i in ("instance-0", "instance-1")
+             for k in ("running", "waiting")]
     return loads == [0, 0, 0, 0] and metric(m, "ferry_bypass_prefix_index_instances") == prefix_instances
 
 
