@@ -97,6 +97,8 @@ class Handoffs:
         within a step) is exported at once. Exports of requests gone from
         the engine are dropped (a client that left between the hold and its
         token's delivery: nothing takes its export)."""
+        if not self.plans and not self.exported:  # every step of every instance: nothing planned, nothing to do
+            return
         engine = self.host.engine
         for rid in [r for r in list(self.exported) if engine.request_phase(r) is None]:
             self.exported.pop(rid, None)
