@@ -208,7 +208,8 @@ class Autoscaler:
     """The scheduler's scaling loop: sample the view, decide, act."""
 
     def __init__(self, view, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
-                 drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0, state: LeaderState | None = None):
+                 drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0, state: LeaderState | None = None,
+                 register_timeout_s: float = 30.0):
         """``view``: the cluster view (libs/common/cluster_view.py);
         ``launcher``: what starts and stops instances (launcher.py,
         k8s_launcher.py); ``state``: what a next leader takes over."""
@@ -224,6 +225,11 @@ class Autoscaler:
         self.policy = policy
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
+        # A launch counts as under way until the view lists the newcomer (a
+        # local launch returns when its health check serves, before it has
+        # registered): else a tick in between sees one fewer than min and
+        # launches again. Bounded, for one that never registers.
+        self.register_timeout_s = register_timeout_s
         self.window: deque[Snapshot] = deque()
         self.last_action_at: float | None = None
         self.launching: set[asyncio.Task] = set()
@@ -320,6 +326,7 @@ class Autoscaler:
                 self.replacing.started(time.monotonic())
                 ev.instance_id = await self.launcher.launch()
                 ev.done_at = time.monotonic()
+                await self._registered(ev.instance_id)
             except Exception as e:  # noqa: BLE001
                 log.error("launch failed", error=repr(e))
             finally:
@@ -329,6 +336,16 @@ class Autoscaler:
         t = asyncio.create_task(run())
         self.launching.add(t)
         t.add_done_callback(self.launching.discard)
+
+    async def _registered(self, instance_id: str) -> None:
+        """Until the view lists ``instance_id`` (or ``register_timeout_s``)."""
+        deadline = time.monotonic() + self.register_timeout_s
+        while not any(v.instance_id == instance_id for v in self.view.views()):
+            if time.monotonic() > deadline:
+                log.warning("launched instance not in the view; no longer counted as launching",
+                            instance_id=instance_id, timeout_s=self.register_timeout_s)
+                return
+            await asyncio.sleep(min(0.05, self.interval_s))
 
     async def _scale_in(self, now: float, d: Decision) -> None:
         self.last_action_at = now
