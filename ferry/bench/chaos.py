@@ -22,7 +22,7 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.sse import StreamError, stream_completion
+from ferry.bench.sse import Completion, StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
@@ -66,6 +66,16 @@ class Stats:
     orders_aborted: int = 0
     orders_failed: int = 0
     abort_reasons: collections.Counter = field(default_factory=collections.Counter)
+    # One record per lost request (when, its id, what went wrong): a loss in a
+    # long run must be traceable to the logs.
+    lost_requests: list[dict] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def lose(self, kind: str, request_id: str | None, detail: str = "") -> None:
+        self.lost += 1
+        self.errors_by_kind[kind] += 1
+        self.lost_requests.append({"at_s": round(time.monotonic() - self.t0, 2), "kind": kind,
+                                   "request_id": request_id, "detail": detail[:300]})
 
 
 async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, dict | None]:
@@ -73,17 +83,21 @@ async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, di
     return c.text, c.final
 
 
-def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None) -> None:
+def _failed(stats: Stats, e: Exception, request_id: str | None) -> None:
+    stats.lose(e.kind if isinstance(e, StreamError) else type(e).__name__, request_id, str(e))
+
+
+def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None,
+             request_id: str | None = None) -> None:
     want = expected_fake_text(prompt, n)
     if text == want:
         stats.completed += 1
     else:
-        stats.lost += 1
         # Tokens delivered more than once: the answer is longer than it must
         # be, or repeats its own tail where the expected text goes on.
         extra = max(0, len(text) - len(want))
         stats.duplicated_tokens += extra
-        stats.errors_by_kind["wrong_tokens"] += 1
+        stats.lose("wrong_tokens", request_id, f"{len(text)} characters, {len(want)} expected")
     if final:
         stats.resumes += final.get("resumes", 0)
         stats.migrations += final.get("migrations", 0)
@@ -99,13 +113,17 @@ async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Eve
         prompt, n = f"{tag} {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
         i += 1
         stats.requests += 1
+        seen = Completion()  # what arrived before a failure (its request id)
+
+        async def note(c: Completion) -> None:
+            seen.request_id = c.request_id
+
         try:
-            text, final = await _stream(http, prompt, n)
+            done = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note)
         except Exception as e:  # noqa: BLE001 - every failure is counted by kind
-            stats.lost += 1
-            stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
+            _failed(stats, e, seen.request_id)
             continue
-        _account(stats, prompt, n, text, final)
+        _account(stats, prompt, n, done.text, done.final, done.request_id)
 
 
 async def _scheduler_view(address: str, timeout: float = 1.0) -> spb.ClusterViewReply:
@@ -194,10 +212,9 @@ class Chaos:
             try:
                 c = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note_id)
             except Exception as e:  # noqa: BLE001
-                self.stats.lost += 1
-                self.stats.errors_by_kind[e.kind if isinstance(e, StreamError) else type(e).__name__] += 1
+                _failed(self.stats, e, ids[0] if ids else None)
                 return
-            _account(self.stats, prompt, n, c.text, c.final)
+            _account(self.stats, prompt, n, c.text, c.final, c.request_id)
 
         self.victims.append(asyncio.create_task(victim()))
         for _ in range(100):
@@ -306,7 +323,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                        for k in range(concurrency)]
             if migration_load:
                 clients.append(asyncio.create_task(chaos.migration_load(stop)))
-            chaos.t0 = time.monotonic()
+            chaos.t0 = stats.t0 = time.monotonic()
             end = chaos.t0 + duration_s
             j = 0
             await asyncio.sleep(min(every, duration_s) * rng.uniform(0.5, 1.0))
@@ -330,7 +347,8 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
         "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
         "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
         "integrity_errors": integrity_errors, "live_instances_at_end": live,
-        "errors_by_kind": dict(stats.errors_by_kind), "resumes": stats.resumes,
+        "errors_by_kind": dict(stats.errors_by_kind), "lost_requests": stats.lost_requests,
+        "resumes": stats.resumes,
         "migrations": stats.migrations,
         # Committed migrations seen by completed requests' clients (`migrations`) and the steady load's orders.
         "migration_orders": {"orders": stats.orders, "committed": stats.orders_committed,
@@ -383,6 +401,8 @@ def print_report(res: dict) -> None:
     print(f"migration load: {mo.get('orders', 0)} orders, {mo.get('committed', 0)} committed, "
           f"{mo.get('aborted', 0)} aborted, {mo.get('failed', 0)} failed  {mo.get('abort_reasons', {})}")
     print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
+    for lost in res.get("lost_requests", []):
+        print(f"  lost at {lost['at_s']:.1f}s  {lost['kind']}  {lost['request_id']}  {lost['detail']}")
 
 
 @click.command("chaos")
