@@ -116,7 +116,7 @@ _STATUS_SCALARS = (
     "instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running",
     "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
-    "waiting_demand_blocks", "engine_steps", "unschedulable", "shared_blocks",
+    "waiting_demand_blocks", "engine_steps", "unschedulable", "shared_blocks", "running_prefill_tokens",
 )
 _PREFIX_FIELDS = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks",
                   "preempted_queries", "preempted_hits")
@@ -151,7 +151,7 @@ def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
         "migrating_out": m.migrating_out,
         "requests": tuple(map(load_from_pb, m.requests)) if m.requests else (),
         "used_blocks": m.used_blocks, "waiting_demand_blocks": m.waiting_demand_blocks,
-        "engine_steps": m.engine_steps,
+        "running_prefill_tokens": m.running_prefill_tokens, "engine_steps": m.engine_steps,
         "role": _ROLE_OF.get(m.role, Role.MIXED),  # a role from a newer peer: treated as mixed
         "unschedulable": m.unschedulable, "prefix_cache": prefix, "shared_blocks": m.shared_blocks})
     return s

@@ -181,6 +181,7 @@ class InstanceStatus:
     requests: tuple[RequestLoad, ...] = ()
     used_blocks: int = 0
     waiting_demand_blocks: int = 0
+    running_prefill_tokens: int = 0  # prompt tokens running requests have yet to compute (chunked prefill)
     engine_steps: int = 0  # steps run since start (progress, for the frontend's stall check)
     role: Role = Role.MIXED  # Splitwise: which phases this instance runs
     unschedulable: bool = False  # its engine is stuck in a step (services/instance/hang.py)

@@ -28,7 +28,8 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
         num_preemptions=load.num_preemptions, migrating_in=migrating_in,
         migrating_out=migrating_out, requests=summary.requests,
         used_blocks=load.total_blocks - load.free_blocks - load.reserved_blocks,
-        waiting_demand_blocks=load.waiting_demand_blocks, engine_steps=engine_steps, role=role,
+        waiting_demand_blocks=load.waiting_demand_blocks, running_prefill_tokens=load.running_prefill_tokens,
+        engine_steps=engine_steps, role=role,
         unschedulable=unschedulable,
         prefix_cache=load.prefix_cache, shared_blocks=load.shared_blocks,
     )
@@ -47,7 +48,10 @@ def material(load: EngineLoad) -> tuple:
     """What a status report carries, but for token counts: the inputs of
     dispatch and migration (blocks, queue, states, priorities). A step that
     changes only token counts does not call for a report; the heartbeat
-    carries the counts."""
+    carries the counts (``running_prefill_tokens`` too: a prompt computed in
+    chunks holds all its blocks from the first chunk on, so its progress is a
+    count; a report it is in may be a heartbeat old, and over-states what is
+    left)."""
     return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
             load.num_preemptions, load.reserved_blocks,
             tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests), load.shared_blocks)

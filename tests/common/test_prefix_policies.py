@@ -16,11 +16,13 @@ BS, TOTAL = 16, 1000
 PROMPT = 1600  # 100 blocks
 
 
-def view(iid, used=0, running=0, waiting=0, waiting_demand=0, hol=0, pending_blocks=0, pending_requests=0):
+def view(iid, used=0, running=0, waiting=0, waiting_demand=0, hol=0, pending_blocks=0, pending_requests=0,
+         running_prefill=0):
     free = TOTAL - used
     st = InstanceStatus(iid, total_blocks=TOTAL, free_blocks=free, block_size=BS, num_running=running,
                         num_waiting=waiting, head_of_line_demand_blocks=hol, waiting_demand_blocks=waiting_demand,
-                        freeness=(free - hol) / max(1, running), used_blocks=used)
+                        freeness=(free - hol) / max(1, running), used_blocks=used,
+                        running_prefill_tokens=running_prefill)
     return InstanceView(iid, st, pending_blocks, pending_requests)
 
 
@@ -93,6 +95,19 @@ def test_llumnix_prefix_queued_prefill_outweighs_a_short_hit():
     y = view("Y", used=100, running=2)
     assert Dispatcher(get("llumnix-prefix")).choose([x, y], request({"X": 10})) == "Y"
     assert Dispatcher(get("llumnix-prefix")).choose([x, y], request({"X": 90})) == "X"
+
+
+@pytest.mark.parametrize("policy", ["llumnix-prefix", "dynamo-kv"])
+def test_a_prompt_still_computed_in_chunks_counts_as_queued_prefill(policy):
+    # X holds 40 of the prompt's 100 blocks, and a running request there has
+    # 1,600 prompt tokens left to compute in chunks; Y holds nothing, idle.
+    # Without those tokens X is cheaper (960 missed against 1,600); with them
+    # 2,560 against 1,600.
+    y = view("Y", used=100, running=2)
+    busy = view("X", used=100, running=2, running_prefill=1600)
+    idle = view("X", used=100, running=2)
+    assert Dispatcher(get(policy)).choose([idle, y], request({"X": 40})) == "X"
+    assert Dispatcher(get(policy)).choose([busy, y], request({"X": 40})) == "Y"
 
 
 def test_llumnix_prefix_is_llumnix_without_hits_or_queues():

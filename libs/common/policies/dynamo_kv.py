@@ -7,7 +7,8 @@ Here, per instance, in blocks of its size:
 + decode blocks`` with
 
 - active prefill: freeness.queued_prefill_tokens / block size (waiting
-  demand net of hits plus unreported dispatches);
+  demand net of hits plus unreported dispatches, plus what running requests
+  have left of prompts computed in chunks);
 - prompt blocks: ``blocks_for(prompt tokens)``; overlap: the instance's
   longest cached prefix of the prompt (from the KV-event index, as Dynamo's
   KvIndexer);

@@ -66,11 +66,10 @@ def memory_load(v: InstanceView) -> float:
 def queued_prefill_tokens(v: InstanceView) -> int:
     """Prompt tokens an instance has yet to compute before a new request's:
     its waiting requests' demand (reported net of their cached prefixes) and
-    the dispatches not yet in a report, in tokens (blocks x block size).
-    NOTE: a running request whose prompt is still being computed in chunks
-    is not counted (statuses do not report its uncomputed tokens)."""
+    the dispatches not yet in a report, in tokens (blocks x block size), and
+    what its running requests have left of prompts computed in chunks."""
     s = v.status
-    return (s.waiting_demand_blocks + v.pending_blocks) * max(1, s.block_size)
+    return (s.waiting_demand_blocks + v.pending_blocks) * max(1, s.block_size) + s.running_prefill_tokens
 
 
 def active_requests(v: InstanceView) -> int:

@@ -11,7 +11,8 @@ prompt it holds (base.hit_blocks) and its block size ``bs``:
   blocks and headroom as Algorithm 1) with that demand;
 - prefill cost in tokens: the missed tokens ``prompt - hit * bs`` plus the
   instance's queued prefill tokens (freeness.queued_prefill_tokens: waiting
-  demand net of hits plus unreported dispatches, in tokens).
+  demand net of hits plus unreported dispatches, in tokens, plus what
+  running requests have left of prompts computed in chunks).
 
 The key, larger is better: where the request fits and leaves freeness of at
 least ``ROOMY`` (the default migrate-out threshold: the instance would not

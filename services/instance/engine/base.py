@@ -120,6 +120,8 @@ class EngineLoad:
     # (each request's physical_blocks counts only the blocks it holds alone).
     shared_blocks: int = 0
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
+    # Prompt tokens running requests have yet to compute (chunked prefill).
+    running_prefill_tokens: int = 0
 
 
 class EngineError(Exception):

@@ -53,6 +53,17 @@ def test_batch_equals_alone_and_chunked_prefill(make_engine, kind):
     assert run(e) == alone
 
 
+def test_the_load_reports_what_running_prompts_have_left_to_compute(make_engine, kind):
+    e = make_engine(**kind, num_blocks=64, max_num_batched_tokens=7)
+    e.add_request(req("long", PROMPTS["p40"], max_tokens=3))
+    left = []
+    while e.has_work():
+        e.step()
+        left.append(e.load().running_prefill_tokens)
+    # 40 prompt tokens, 7 a step: 33, 26, ... 5 left; then decoding adds none.
+    assert left[:6] == [33, 26, 19, 12, 5, 0] and set(left[6:]) == {0}
+
+
 def test_preemption_recomputes_the_same_tokens(make_engine, kind):
     e = make_engine(**kind, num_blocks=6, watermark=0.0)  # 96 tokens of KV for 4 requests of 17+30
     for i in range(4):

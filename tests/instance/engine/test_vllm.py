@@ -79,7 +79,7 @@ def test_prefix_caching_is_vllms_and_its_events_name_ferrys_hashes(facts):
 def test_no_block_leaks_after_every_path(facts):
     total = facts["total"]
     for key in ("after_ref", "after_again", "after_resume", "after_migrate", "after_dest_aborts", "after_dropped",
-                "after_aborted", "after_lite", "end"):
+                "after_aborted", "after_lite", "after_chunked", "end"):
         assert facts[key] == {"free": total, "total": total}, key
     assert facts["abort_installed"] is True
     assert facts["reserve_too_many"] is None
@@ -92,6 +92,11 @@ def test_lite_serving(facts):
     assert facts["seeded_equal"]
     assert facts["abort_running"] is True and facts["abort_unknown"] is False
     assert facts["too_long"] == "EngineError"
+
+
+def test_the_load_counts_a_prompt_computed_in_chunks(facts):
+    # 150 prompt tokens, 16 a step: 134 and 118 left; none once it decodes.
+    assert facts["chunk_left"] == [134, 118] and facts["chunk_left_after"] == 0
 
 
 def test_priority_reaches_vllm_and_status(facts):

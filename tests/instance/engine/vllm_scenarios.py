@@ -182,6 +182,19 @@ def main() -> None:
         facts["too_long"] = "accepted"
     except Exception as ex:  # noqa: BLE001
         facts["too_long"] = type(ex).__name__
+    # A prompt vLLM computes in chunks (its token budget lowered for the
+    # purpose): the load counts what the running request has left of it.
+    budget = e.scheduler.max_num_scheduled_tokens
+    e.scheduler.max_num_scheduled_tokens = 16
+    e.add_request(EngineRequest("chunked", tuple(range(1000, 1150)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    facts["chunk_left"] = []
+    for _ in range(2):
+        e.step()
+        facts["chunk_left"].append(e.load().running_prefill_tokens)
+    e.scheduler.max_num_scheduled_tokens = budget
+    run(e)
+    facts["chunk_left_after"] = e.load().running_prefill_tokens
+    facts["after_chunked"] = settle(e)
     # Priority: Ferry's HIGH is vLLM's lower value (served first by its priority policy).
     e.add_request(EngineRequest("lo", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), Priority.NORMAL, 1.0))
     e.add_request(EngineRequest("hi", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), Priority.HIGH, 2.0))

@@ -287,6 +287,9 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         reqs = [RequestLoad(r.request_id, r.priority, state, self._own_blocks(r, shared), r.num_tokens)
                 for state, queue in ((RequestPhase.RUNNING, s.running), (RequestPhase.WAITING, s.waiting)) for r in queue]
         demands = [s.demand_blocks(r) for r in s.waiting]
+        # A running request with more than one token to compute is computing
+        # its prompt in chunks (a decoding one computes one token a step).
+        prefill = sum(n for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
         return EngineLoad(
             total_blocks=self.pool.capacity,
             free_blocks=self.pool.num_free,
@@ -294,6 +297,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             requests=tuple(reqs),
             head_of_line_demand_blocks=demands[0] if demands else 0,
             waiting_demand_blocks=sum(demands),
+            running_prefill_tokens=prefill,
             num_preemptions=s.num_preemptions,
             reserved_blocks=self.pool.num_reserved,
             shared_blocks=len(shared),

@@ -285,6 +285,7 @@ class VllmEngine(Engine, MigrationHooks):
         reqs: list[RequestLoad] = []
         demands: list[tuple[tuple, int]] = []
         shared: set[int] = set()
+        prefill = 0  # prompt tokens running requests have yet to compute (chunked prefill)
         blocks = self.pool.blocks
         for state, queue in ((RequestPhase.RUNNING, s.running), (RequestPhase.WAITING, list(s.waiting) + list(s.kv_holding_waiting))):
             for v in queue:
@@ -299,6 +300,8 @@ class VllmEngine(Engine, MigrationHooks):
                         shared.add(b)
                         mine -= 1
                 reqs.append(RequestLoad(rid, self.reqs[rid].priority, state, mine, v.num_tokens))
+                if state == RequestPhase.RUNNING and v.num_tokens - v.num_computed_tokens > 1:
+                    prefill += v.num_tokens - v.num_computed_tokens
                 if state == RequestPhase.WAITING:
                     need = max(0, cdiv(v.num_tokens + 1, self._block_size) - len(ids))
                     if not ids:
@@ -311,7 +314,7 @@ class VllmEngine(Engine, MigrationHooks):
             head_of_line_demand_blocks=demands[0][1] if demands else 0,
             waiting_demand_blocks=sum(d for _, d in demands), num_preemptions=self._num_preemptions,
             reserved_blocks=len(self.sconn.reserved) if self.sconn else 0, shared_blocks=len(shared),
-            prefix_cache=self.prefix_cache_stats())
+            prefix_cache=self.prefix_cache_stats(), running_prefill_tokens=prefill)
 
     def _hit_saves(self, v) -> int:
         """Free blocks a waiting request's prefix-cache hit spares it: the
