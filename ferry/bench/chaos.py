@@ -143,8 +143,9 @@ async def _instance_status(address: str) -> ipb.InstanceStatus:
 
 class Chaos:
     def __init__(self, cluster: LocalCluster, n_instances: int, seed: int, down_s: float = 1.0,
-                 stats: Stats | None = None):
+                 stats: Stats | None = None, recover_timeout_s: float = 60.0):
         self.c = cluster
+        self.recover_timeout_s = recover_timeout_s
         self.stats = stats or Stats()
         self.victims: list[asyncio.Task] = []  # the long requests of migration-peer faults
         self.n = n_instances
@@ -190,6 +191,11 @@ class Chaos:
                 await asyncio.sleep(self.down_s)
                 await asyncio.to_thread(self.c.restart, f.target)
         while not await self.healthy(http):
+            if time.monotonic() - t > self.recover_timeout_s:
+                # A cluster that does not come back (a restarted process that
+                # fails at start) ends the run with its name, not a hang.
+                raise RuntimeError(f"fault {kind} on {f.target or '-'}: not recovered in {self.recover_timeout_s:g} s "
+                                   f"(logs: {self.c.spec.log_dir})")
             await asyncio.sleep(0.1)
         f.recovery_s = round(time.monotonic() - t, 2)
         self.faults.append(f)

@@ -25,3 +25,25 @@ async def test_a_small_rolling_restart_loses_cuts_and_recomputes_nothing(tmp_pat
     assert res["answered"] > 0 and res["lost"] == 0 and res["cut"] == 0 and res["text_mismatches"] == 0, res
     assert res["recomputed_tokens"] == 0 and res["resumes"] == 0, res
     assert res["leaked_blocks"] == 0
+
+
+async def test_a_chaos_fault_the_cluster_never_recovers_from_ends_the_run_with_its_name():
+    # A restarted process that fails at its start: the run must stop with the
+    # fault's name, not wait for its recovery forever (the CI's 90 minutes).
+    from types import SimpleNamespace
+
+    import pytest
+
+    from ferry.bench.chaos import Chaos
+
+    done = []
+    cluster = SimpleNamespace(spec=SimpleNamespace(log_dir="/logs/here"), kill=done.append, restart=done.append)
+    chaos = Chaos(cluster, 2, seed=0, down_s=0.0, recover_timeout_s=0.3)
+
+    async def never(http):
+        return False
+
+    chaos.healthy = never
+    with pytest.raises(RuntimeError, match="fault scheduler on scheduler: not recovered in 0.3 s .logs: /logs/here"):
+        await chaos.inject("scheduler", http=None)
+    assert done == ["scheduler", "scheduler"] and chaos.faults == []
