@@ -225,11 +225,13 @@ class Autoscaler:
         self.policy = policy
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
-        # A launch counts as under way until the view lists the newcomer (a
-        # local launch returns when its health check serves, before it has
-        # registered): else a tick in between sees one fewer than min and
-        # launches again. Bounded, for one that never registers.
+        # An instance the launcher runs counts as being launched until the
+        # view lists it: a local launch returns when its health check serves,
+        # before it has registered; an adopted one (a new leader) may not have
+        # registered yet either. Else a tick in between sees one fewer than
+        # min and launches again. Bounded, for one that never registers.
         self.register_timeout_s = register_timeout_s
+        self._unlisted_since: dict[str, float] = {}
         self.window: deque[Snapshot] = deque()
         self.last_action_at: float | None = None
         self.launching: set[asyncio.Task] = set()
@@ -301,7 +303,7 @@ class Autoscaler:
         await self._check_drains(now)
         add_sample(self.window, self.sample(now), self.policy)
         d = decide(list(self.window), self.policy, now=now, last_action_at=self.last_action_at,
-                   launching=len(self.launching), draining=len(self.draining),
+                   launching=len(self.launching) + self._unlisted(now), draining=len(self.draining),
                    stoppable=frozenset(self.launcher.stoppable()))
         if d.action == SCALE_OUT:
             self._scale_out(now, d)
@@ -326,7 +328,6 @@ class Autoscaler:
                 self.replacing.started(time.monotonic())
                 ev.instance_id = await self.launcher.launch()
                 ev.done_at = time.monotonic()
-                await self._registered(ev.instance_id)
             except Exception as e:  # noqa: BLE001
                 log.error("launch failed", error=repr(e))
             finally:
@@ -337,15 +338,22 @@ class Autoscaler:
         self.launching.add(t)
         t.add_done_callback(self.launching.discard)
 
-    async def _registered(self, instance_id: str) -> None:
-        """Until the view lists ``instance_id`` (or ``register_timeout_s``)."""
-        deadline = time.monotonic() + self.register_timeout_s
-        while not any(v.instance_id == instance_id for v in self.view.views()):
-            if time.monotonic() > deadline:
+    def _unlisted(self, now: float) -> int:
+        """Instances the launcher runs that the view does not list yet
+        (for at most ``register_timeout_s`` each)."""
+        listed = {v.instance_id for v in self.view.views()}
+        running = set(self.launcher.instances())
+        for iid in [i for i in self._unlisted_since if i in listed or i not in running]:
+            del self._unlisted_since[iid]
+        n = 0
+        for iid in running - listed:
+            since = self._unlisted_since.setdefault(iid, now)
+            if now - since < self.register_timeout_s:
+                n += 1
+            elif now - since < self.register_timeout_s + self.interval_s:
                 log.warning("launched instance not in the view; no longer counted as launching",
-                            instance_id=instance_id, timeout_s=self.register_timeout_s)
-                return
-            await asyncio.sleep(min(0.05, self.interval_s))
+                            instance_id=iid, timeout_s=self.register_timeout_s)
+        return n
 
     async def _scale_in(self, now: float, d: Decision) -> None:
         self.last_action_at = now

@@ -179,7 +179,7 @@ async def test_a_launched_instance_that_dies_is_replaced_with_back_off():
 
     view = SimpleNamespace(views=lambda: [], synced=asyncio.Event())
     launcher = Launcher()
-    a = Autoscaler(view, launcher, AutoscalePolicy(min_instances=0, max_instances=10), register_timeout_s=0)
+    a = Autoscaler(view, launcher, AutoscalePolicy(min_instances=0, max_instances=10))
     a.replacing.base_s = 0.05
     launcher.dead = ["auto-1"]
     await a.tick()
@@ -200,7 +200,9 @@ async def test_a_launch_counts_until_the_view_lists_the_newcomer():
     """A local launch returns when the instance's health check serves; it
     registers with the meta store, and reaches the view, a little later.
     Ticks in between must not see one fewer than min and launch again (CI:
-    two launched where min asked for one more)."""
+    two launched where min asked for one more). The same for an instance a
+    new leader adopted before it registered; one that never registers stops
+    counting after ``register_timeout_s``."""
     import asyncio
     from types import SimpleNamespace
 
@@ -214,26 +216,34 @@ async def test_a_launch_counts_until_the_view_lists_the_newcomer():
         return [SimpleNamespace(instance_id=i, status=st, pending_requests=0) for i in listed]
 
     class Launcher:
-        launched = 0
+        def __init__(self):
+            self.running = []
 
         def instances(self):
-            return []
+            return list(self.running)
 
         def stoppable(self):
             return []
 
         async def launch(self):
-            self.launched += 1
-            return f"auto-{self.launched}"
+            self.running.append(f"auto-{len(self.running) + 1}")
+            return self.running[-1]
 
     launcher = Launcher()
     a = Autoscaler(SimpleNamespace(views=views), launcher, AutoscalePolicy(min_instances=3, max_instances=3),
-                   interval_s=0.01)
+                   interval_s=0.01, register_timeout_s=0.5)
     assert (await a.tick()).action == "scale_out"
-    for _ in range(5):  # launched, not yet registered
+    await asyncio.wait_for(asyncio.gather(*a.launching), 2)
+    for _ in range(5):  # launched and serving, not yet registered
         await asyncio.sleep(0.02)
         assert (await a.tick()).action == "none"
-    assert launcher.launched == 1 and a.launching
+    assert launcher.running == ["auto-1"]
     listed.append("auto-1")
-    await asyncio.wait_for(asyncio.gather(*a.launching), 2)
-    assert (await a.tick()).action == "none" and launcher.launched == 1
+    assert (await a.tick()).action == "none" and launcher.running == ["auto-1"]
+    # A new leader's autoscaler: the adopted instance has not registered yet.
+    listed.remove("auto-1")
+    b = Autoscaler(SimpleNamespace(views=views), launcher, AutoscalePolicy(min_instances=3, max_instances=3),
+                   interval_s=0.01, register_timeout_s=0.5)
+    assert (await b.tick()).action == "none"
+    await asyncio.sleep(0.6)  # it never does: replaced
+    assert (await b.tick()).action == "scale_out"
