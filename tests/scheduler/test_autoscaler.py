@@ -231,7 +231,7 @@ async def test_a_launch_counts_until_the_view_lists_the_newcomer():
 
     launcher = Launcher()
     a = Autoscaler(SimpleNamespace(views=views), launcher, AutoscalePolicy(min_instances=3, max_instances=3),
-                   interval_s=0.01, register_timeout_s=0.5)
+                   interval_s=0.01)
     assert (await a.tick()).action == "scale_out"
     await asyncio.wait_for(asyncio.gather(*a.launching), 2)
     for _ in range(5):  # launched and serving, not yet registered
