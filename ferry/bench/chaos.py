@@ -154,6 +154,16 @@ class Chaos:
         self.faults: list[Fault] = []
         self.t0 = time.monotonic()
 
+    @property
+    def t0(self) -> float:
+        """When the load started: one clock for the faults and the lost
+        requests (``Stats.t0``)."""
+        return self.stats.t0
+
+    @t0.setter
+    def t0(self, t: float) -> None:
+        self.stats.t0 = t
+
     def _live_static(self):
         return [i for i in self.c.instances() if i.alive()]
 
@@ -329,7 +339,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                        for k in range(concurrency)]
             if migration_load:
                 clients.append(asyncio.create_task(chaos.migration_load(stop)))
-            chaos.t0 = stats.t0 = time.monotonic()
+            chaos.t0 = time.monotonic()
             end = chaos.t0 + duration_s
             j = 0
             await asyncio.sleep(min(every, duration_s) * rng.uniform(0.5, 1.0))
