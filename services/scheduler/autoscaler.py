@@ -231,7 +231,7 @@ class Autoscaler:
         # registered yet either. Else a tick in between sees one fewer than
         # min and launches again. Bounded, for one that never registers.
         self.register_timeout_s = register_timeout_s
-        self._unlisted_since: dict[str, float] = {}
+        self._unlisted_since: dict[str, float | None] = {}  # None: timed out
         self.window: deque[Snapshot] = deque()
         self.last_action_at: float | None = None
         self.launching: set[asyncio.Task] = set()
@@ -348,9 +348,12 @@ class Autoscaler:
         n = 0
         for iid in running - listed:
             since = self._unlisted_since.setdefault(iid, now)
+            if since is None:
+                continue  # timed out already
             if now - since < self.register_timeout_s:
                 n += 1
-            elif now - since < self.register_timeout_s + self.interval_s:
+            else:
+                self._unlisted_since[iid] = None
                 log.warning("launched instance not in the view; no longer counted as launching",
                             instance_id=iid, timeout_s=self.register_timeout_s)
         return n
