@@ -300,8 +300,9 @@ class VllmEngine(Engine, MigrationHooks):
                         shared.add(b)
                         mine -= 1
                 reqs.append(RequestLoad(rid, self.reqs[rid].priority, state, mine, v.num_tokens))
-                if state == RequestPhase.RUNNING and v.num_tokens - v.num_computed_tokens > 1:
-                    prefill += v.num_tokens - v.num_computed_tokens
+                left = v.num_tokens - v.num_computed_tokens
+                if state == RequestPhase.RUNNING and left > 1:  # computing its prompt in chunks
+                    prefill += left
                 if state == RequestPhase.WAITING:
                     need = max(0, cdiv(v.num_tokens + 1, self._block_size) - len(ids))
                     if not ids:
