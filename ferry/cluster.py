@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +23,11 @@ from libs.common.procs import _BOOTSTRAP_OWNED, OWNER_PID_ENV, ferry_command, fr
 
 class StartupError(RuntimeError):
     pass
+
+
+class StartupStopped(Exception):
+    """A stop was asked (``should_stop``) before every service was healthy;
+    every service has been stopped."""
 
 
 @dataclass
@@ -196,8 +202,11 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.credentials.env()}
         if self.spec.replicated:
             env[OWNER_PID_ENV] = str(os.getpid())  # what schedulers launch dies with this process
+        # A process group of its own: a terminal's Ctrl-C (or hang-up) reaches
+        # only the process that started the cluster, which stops the services
+        # in order (stop()); each still dies with it (its parent-death signal).
         child.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      stdin=subprocess.DEVNULL, env=env)
+                                      stdin=subprocess.DEVNULL, env=env, process_group=0)
         if out:
             out.close()
         return child
@@ -249,9 +258,11 @@ class LocalCluster:
                       "--meta-store", self.meta_store, "--model", model, "--grpc-port", str(self.spec.grpc_port),
                       *self.spec.frontend_args], self.spec.port)
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] | None = None) -> None:
         """Start every service and wait until all are healthy. On failure,
-        stop everything and raise StartupError naming the culprit."""
+        stop everything and raise StartupError naming the culprit; once
+        ``should_stop()`` is true (a signal came), stop everything and raise
+        StartupStopped, without waiting for the rest of the start-up."""
         self.spec.check_roles()
         try:
             if self.spec.etcd:
@@ -266,17 +277,24 @@ class LocalCluster:
             self.children.append(self.frontend_child())
             for c in self.children:
                 self._spawn(c)
-            self.wait_healthy(timeout_s)
+            self.wait_healthy(timeout_s, should_stop)
         except BaseException:
             self.stop()
             raise
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float, should_stop: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         pending = list(self.children)
         while pending:
+            # Before the liveness checks: a Ctrl-C reaches the whole process
+            # group, so the services may be gone because they were told to go.
+            if should_stop is not None and should_stop():
+                raise StartupStopped(f"stopped during start-up ({len(pending)} of {len(self.children)} services "
+                                     "not healthy yet)")
             for c in list(pending):
                 if not c.alive():
+                    if should_stop is not None and should_stop():  # it may have been told to go, too
+                        raise StartupStopped(f"stopped during start-up ({c.name} already gone)")
                     code = c.proc.returncode if c.proc else None
                     raise StartupError(f"{c.name} exited with code {code} during start-up"
                                        + (f" (log: {c.log_path})" if c.log_path else ""))

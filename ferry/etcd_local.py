@@ -64,7 +64,8 @@ class LocalEtcd:
             # Not a preexec_fn (see ferry/cluster.py): a small interpreter
             # sets the parent-death signal, which survives its exec of etcd.
             cmd = [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *cmd]
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     process_group=0)  # as the services (ferry/cluster.py): its starter stops it
         if out is not subprocess.DEVNULL:
             out.close()
         self.wait_ready(timeout_s)

@@ -9,7 +9,7 @@ import time
 
 import click
 
-from ferry.cluster import ClusterSpec, LocalCluster, StartupError, usable_cores
+from ferry.cluster import ClusterSpec, LocalCluster, StartupError, StartupStopped, usable_cores
 from ferry.supervise import Supervisor
 from libs.common import cpu_features, rpc
 from libs.common.policies import POLICY_NAMES
@@ -129,8 +129,14 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: the services are in their own groups
     try:
-        cluster.start(timeout_s=600 if real else 60)
+        # A signal during start-up (a model may take minutes to load) stops
+        # at once, not once every service is healthy.
+        cluster.start(timeout_s=600 if real else 60, should_stop=lambda: stopping)
+    except StartupStopped as e:
+        click.echo(f"ferry up: {e}; stopped all services", err=True)
+        sys.exit(0)
     except StartupError as e:
         click.echo(f"ferry up: {e}; stopped all services", err=True)
         sys.exit(1)

@@ -69,6 +69,53 @@ def test_child_dying_at_startup_is_named_and_nothing_is_left():
         blocker.close()
 
 
+def test_a_stop_asked_during_start_up_stops_every_service_without_waiting_for_the_rest(tmp_path):
+    """A signal while the services start (a real model can take minutes to
+    load): every service is stopped at once, not once all are healthy."""
+    from ferry.cluster import ClusterSpec, LocalCluster, StartupStopped
+
+    cluster = LocalCluster(ClusterSpec(engine="fake", instances=2, port=free_port(), log_dir=str(tmp_path)))
+    asked = []
+
+    def should_stop():
+        asked.append(time.monotonic())
+        return len(asked) > 1  # the second poll: the services were spawned and are not all healthy yet
+
+    t0 = time.monotonic()
+    with pytest.raises(StartupStopped, match="stopped during start-up"):
+        cluster.start(timeout_s=60, should_stop=should_stop)
+    assert len(asked) == 2 and asked[1] - t0 < 5
+    assert len(cluster.children) == 5
+    for c in cluster.children:
+        assert not c.alive()
+
+
+def test_ctrl_c_during_start_up_stops_everything_and_exits_zero():
+    """Ctrl-C reaches the whole process group: the services go as told, and
+    `ferry up` says it stopped, not that a service died."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ferry", "up", "--engine", "fake", "--instances", "2",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        seen = []
+        t0 = time.monotonic()
+        while len(seen) < 5 and time.monotonic() - t0 < 30:  # every service spawned (the signal handler is set)
+            seen = _descendants(proc.pid)
+            time.sleep(0.01)
+        assert len(seen) == 5
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert "exited with code" not in err, err
+        assert "stopped during start-up" in err or "ferry up: stopped" in err, err
+        _, alive = psutil.wait_procs(seen, timeout=10)
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_children_die_with_a_killed_parent():
     port = free_port()
     proc = _ferry_up("--instances", "1", "--port", str(port))
@@ -119,7 +166,7 @@ def test_up_passes_scheduler_arguments_to_the_scheduler(monkeypatch):
         def __init__(self, spec):
             seen["spec"] = spec
 
-        def start(self, timeout_s):
+        def start(self, timeout_s, should_stop=None):
             raise StartupError("stub: not started")
 
     monkeypatch.setattr(up_mod, "LocalCluster", Stub)
