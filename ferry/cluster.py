@@ -286,8 +286,8 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         pending = list(self.children)
         while pending:
-            # Before the liveness checks: a Ctrl-C reaches the whole process
-            # group, so the services may be gone because they were told to go.
+            # Before the liveness checks: whoever asked for the stop may have
+            # signalled the services too (their groups, a container's stop).
             if should_stop is not None and should_stop():
                 raise StartupStopped(f"stopped during start-up ({len(pending)} of {len(self.children)} services "
                                      "not healthy yet)")

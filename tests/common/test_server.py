@@ -94,7 +94,6 @@ def test_freezing_the_heap_leaves_only_new_objects_to_collect():
     assert r.returncode == 0, r.stderr
 
 
-
 def test_what_start_up_froze_is_freed_at_exit():
     """A frozen object in a reference cycle is freed at exit: the heap is
     thawed first. Frozen, the interpreter's last collection skipped it, and an
