@@ -285,15 +285,16 @@ class LocalCluster:
     def wait_healthy(self, timeout_s: float, should_stop: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         pending = list(self.children)
+        stop_asked = should_stop or (lambda: False)
         while pending:
             # Before the liveness checks: whoever asked for the stop may have
             # signalled the services too (their groups, a container's stop).
-            if should_stop is not None and should_stop():
+            if stop_asked():
                 raise StartupStopped(f"stopped during start-up ({len(pending)} of {len(self.children)} services "
                                      "not healthy yet)")
             for c in list(pending):
                 if not c.alive():
-                    if should_stop is not None and should_stop():  # it may have been told to go, too
+                    if stop_asked():  # it may have been told to go, too
                         raise StartupStopped(f"stopped during start-up ({c.name} already gone)")
                     code = c.proc.returncode if c.proc else None
                     raise StartupError(f"{c.name} exited with code {code} during start-up"
