@@ -43,16 +43,7 @@ ENGINE_TOKEN_RANGE = {"fake": (97, 123), "sim": (97, 123)}  # the byte tokenizer
 
 
 @dataclass(frozen=True)
-class ServingOptions:
-    arrivals: str = "poisson:2"
-    lengths: str = "M-M"
-    prefix: str = "none"  # prefix structure (ferry/measure/prefixes.py)
-    num_requests: int = 100
-    seed: int = 0
-    time_scale: float = 1.0
-    high_priority_fraction: float = 0.0
-    max_model_len: int | None = None  # clip to this (default: what the frontend reports)
-    traces_dir: str | None = None
+class ServingOptions(prefixes.WorkloadOptions):  # max_model_len None: what the frontend reports
     url: str | None = None
     scheduler: str | None = None  # for cluster sampling with --url
     instances: int = 2
@@ -254,8 +245,7 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
             cluster = start_cluster(opts, dispatch, log_dir)
             url, scheduler = cluster.url, cluster.scheduler
         max_len = opts.max_model_len or frontend_max_model_len(url)
-        work = prefixes.build(opts.arrivals, opts.lengths, opts.num_requests, opts.prefix, opts.seed,
-                              opts.time_scale / opts.scale, opts.high_priority_fraction, max_len, opts.traces_dir)
+        work = opts.workload(opts.scale, max_len)
         if work.clip and work.clip.clipped:
             click.echo(f"[{label}] {work.clip.line()}", err=True)
         samples: list[dict] = []

@@ -65,6 +65,28 @@ def tokens_of(segments, seed: int, lo: int, hi: int) -> list[int]:
 
 # --- the spec ----------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class WorkloadOptions:
+    """What a run sends, shared by the live benchmark (ferry/bench/serving.py)
+    and the simulator (ferry/sim/run.py): the same options give both the same
+    requests."""
+    arrivals: str = "poisson:2"
+    lengths: str = "M-M"
+    prefix: str = "none"  # prefix structure (module doc)
+    num_requests: int = 100
+    seed: int = 0
+    time_scale: float = 1.0
+    high_priority_fraction: float = 0.0
+    max_model_len: int | None = None  # clip to this (None: the caller's default)
+    traces_dir: str | None = None
+
+    def workload(self, slowdown: float, max_model_len: int | None) -> Workload:
+        """The requests, with arrivals stretched by ``time_scale / slowdown``
+        and prompts clipped to ``max_model_len``."""
+        return build(self.arrivals, self.lengths, self.num_requests, self.prefix, self.seed,
+                     self.time_scale / slowdown, self.high_priority_fraction, max_model_len, self.traces_dir)
+
+
 def build(arrivals: str, lengths: str, num_requests: int, prefix: str = "none", seed: int = 0,
           time_scale: float = 1.0, high_priority_fraction: float = 0.0, max_model_len: int | None = None,
           folder=None) -> Workload:

@@ -73,16 +73,7 @@ WARMUP_S = 1.0  # the cluster is up and has reported before the first request
 
 
 @dataclass(frozen=True)
-class SimOptions:
-    arrivals: str = "poisson:2"
-    lengths: str = "M-M"
-    prefix: str = "none"  # prefix structure (ferry/measure/prefixes.py)
-    num_requests: int = 100
-    seed: int = 0
-    time_scale: float = 1.0
-    high_priority_fraction: float = 0.0
-    max_model_len: int | None = None
-    traces_dir: str | None = None
+class SimOptions(prefixes.WorkloadOptions):  # max_model_len None: the profile's
     instances: int = 2
     profile: str = "llama-7b-a10"
     sim_slowdown: float = 1.0
@@ -440,9 +431,7 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     ``extend(cluster)``: wires more onto the cluster before it runs (KunServe)
     and returns an object whose ``summary()`` goes into ``sim["extension"]``."""
     label = label or policy
-    work = prefixes.build(opts.arrivals, opts.lengths, opts.num_requests, opts.prefix, opts.seed,
-                          opts.time_scale / opts.sim_slowdown, opts.high_priority_fraction, max_model_len_of(opts),
-                          opts.traces_dir)
+    work = opts.workload(opts.sim_slowdown, max_model_len_of(opts))
     if work.clip and work.clip.clipped and opts.report_clip:
         click.echo(f"[{label}] {work.clip.line()}", err=True)
     t_wall = time.perf_counter()
