@@ -29,7 +29,7 @@ up: $(STAMP)
 # The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole files
 # (--dist loadfile: a file's module-scoped clusters start once, in one worker).
 # Most tests wait on processes they started, so two workers keep CI's 2 cores busy:
-# about 19 minutes instead of 30 there. TEST_WORKERS=0 runs it in this process.
+# about 21 minutes instead of 30 there. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) check-protos
