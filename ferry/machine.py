@@ -22,10 +22,52 @@ def torch_view() -> dict:
             "onednn_bf16": bf16, "threads": torch.get_num_threads()}
 
 
+# Run in a child with ONEDNN_VERBOSE=1: oneDNN's ISA in effect and the kernel it
+# picks for bf16 matmuls of 1, 16 and 256 rows (AMX shows as ..._amx).
+_ONEDNN_PROBE = """
+import json, os, sys, tempfile
+import torch
+fd, path = tempfile.mkstemp()
+saved = os.dup(1)
+os.dup2(fd, 1)
+try:
+    for m in (1, 16, 256):
+        try:
+            torch.mm(torch.randn(m, 256).bfloat16(), torch.randn(256, 256).bfloat16())
+        except RuntimeError:
+            pass
+finally:
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+lines = open(path).read().splitlines()
+isa = next((ln.split("isa:", 1)[1] for ln in lines if ",isa:" in ln), "")
+mm = sorted({ln.split(",")[6] for ln in lines if ",exec,cpu,matmul," in ln})
+print(json.dumps({"isa": isa, "bf16_matmul": mm}))
+"""
+
+
+def onednn_view() -> dict:
+    """oneDNN's instruction set here (capped by ONEDNN_MAX_CPU_ISA, if set) and
+    whether its bf16 matmuls use AMX: the kernels that decide bf16 rounding
+    (docs/determinism.md). Probed once per CPU and cap, in a child."""
+    import torch
+
+    from libs.common import native_probe
+
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
+    r = native_probe.probe("onednn-isa", _ONEDNN_PROBE, {"torch": torch.__version__, "cap": cap}, timeout_s=120,
+                           env={"ONEDNN_VERBOSE": "1"})
+    kernels = r.report.get("bf16_matmul", []) if r.ok else []
+    return {"max_cpu_isa": cap or None, "isa": r.report.get("isa", "") if r.ok else None,
+            "bf16_matmul": kernels, "amx": any("amx" in k for k in kernels),
+            **({} if r.ok else {"probe_failed": r.reason})}
+
+
 def describe() -> dict:
     from services.instance.engine import vllm_kernels
 
-    return {"cpu": cpu_features.describe(), "torch": torch_view(), "vllm": vllm_kernels.describe()}
+    return {"cpu": cpu_features.describe(), "torch": torch_view(), "onednn": onednn_view(),
+            "vllm": vllm_kernels.describe()}
 
 
 def line(d: dict | None = None) -> str:
@@ -38,7 +80,15 @@ def line(d: dict | None = None) -> str:
         vllm = f"{v['version']} build {v['build']} ({v['needs']}) runs here"
     else:
         vllm = f"{v['version']} cannot run here: {v.get('why_not')}"
-    return f"CPU {cpu_features.summary()}; torch {d['torch']['capability']}; vLLM kernels {vllm}"
+    dnn = d.get("onednn") or {}
+    if dnn.get("bf16_matmul"):
+        amx = "AMX" if dnn.get("amx") else "no AMX"
+        onednn = f"oneDNN bf16 matmul {', '.join(dnn['bf16_matmul'])} ({amx})"
+    else:
+        onednn = "oneDNN: no bf16 matmul"
+    if dnn.get("max_cpu_isa"):
+        onednn += f", ONEDNN_MAX_CPU_ISA={dnn['max_cpu_isa']}"
+    return f"CPU {cpu_features.summary()}; torch {d['torch']['capability']}; {onednn}; vLLM kernels {vllm}"
 
 
 def write_json(path: str, obj: dict, indent: int = 1) -> None:

@@ -61,6 +61,10 @@ def _loopback(host: str) -> bool:
               help="frontend gRPC Generate API port (-1 = off)")
 @click.option("--api-key", default="", help="require this Bearer token (generated and printed when --host is not a "
                                            "loopback address and none is given)")
+@click.option("--deterministic", is_flag=True,
+              help="every instance in its deterministic mode: a request's tokens and logprobs bit for bit the same "
+                   "whatever its batch, cache hits, chunking, preemption, handoff or migration (ferry serve "
+                   "instance --deterministic; docs/determinism.md)")
 @click.option("--instance-arg", "instance_args", multiple=True,
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
 @click.option("--scheduler-arg", "scheduler_args", multiple=True,
@@ -79,8 +83,8 @@ def _loopback(host: str) -> bool:
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, instance_args,
-       scheduler_args, cluster_token, pin_cores, etcd, restart, log_format, log_level) -> None:
+def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, deterministic,
+       instance_args, scheduler_args, cluster_token, pin_cores, etcd, restart, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
@@ -90,7 +94,8 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
         click.echo(f"ferry up: --host {host} is reachable from other machines: clients need the API key "
                    f"{api_key} (Authorization: Bearer …; --api-key to choose one)", err=True)
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
-                       dispatch=dispatch, grpc_port=grpc_port, instance_args=list(instance_args),
+                       dispatch=dispatch, grpc_port=grpc_port,
+                       instance_args=(["--deterministic"] if deterministic else []) + list(instance_args),
                        scheduler_args=list(scheduler_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
                        log_format=log_format, log_level=log_level,

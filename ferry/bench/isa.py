@@ -25,9 +25,7 @@ MARK = "FERRY_BENCH_ISA"
 def caps(isa: str) -> dict[str, str]:
     if isa != "avx2":
         raise ValueError(f"unknown ISA cap {isa!r}; supported: avx2")
-    flags = " ".join(sorted(f for f in cpu_features.flags() if not f.startswith(("avx512", "amx"))))
-    return {MARK: isa, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-            "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FERRY_VLLM_CPU_BUILD": "_C_AVX2", "FERRY_CPU_FLAGS": flags}
+    return {MARK: isa, **cpu_features.cap_env(isa)}
 
 
 def reexec_capped(isa: str | None) -> dict[str, str] | None:

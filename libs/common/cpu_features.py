@@ -86,6 +86,37 @@ def summary() -> str:
     return f"{arch()} {model}: {level(fl)} ({shown})"
 
 
+# Caps that make this CPU run a lower kind's code paths (levels below its own):
+# torch's dispatch (ATEN_CPU_CAPABILITY), oneDNN (ONEDNN_MAX_CPU_ISA), MKL
+# (MKL_ENABLE_INSTRUCTIONS), vLLM's kernel build (FERRY_VLLM_CPU_BUILD) and
+# Ferry's own decisions (FERRY_CPU_FLAGS without the flags above the cap). They
+# must be in the environment before torch is imported (a child process).
+# name -> (the level it emulates, ATen, oneDNN, MKL, vLLM build, flag prefixes dropped)
+CAPS = {
+    "avx2": ("AVX2", "avx2", "AVX2", "AVX2", "_C_AVX2", ("avx512", "amx")),
+    "avx512": ("AVX-512", "avx512", "AVX512_CORE", "AVX512", "_C_AVX512", ("avx512_bf16", "avx512_fp16", "amx")),
+    "avx512_bf16": ("AVX-512 BF16", "avx512", "AVX512_CORE_BF16", "AVX512", "_C", ("avx512_fp16", "amx")),
+}
+
+
+def cap_env(name: str, fl: frozenset[str] | None = None) -> dict[str, str]:
+    """The environment that runs this CPU as the kind ``name`` (CAPS)."""
+    try:
+        _, aten, onednn, mkl, build, dropped = CAPS[name]
+    except KeyError:
+        raise ValueError(f"unknown ISA cap {name!r}; supported: {', '.join(CAPS)}") from None
+    fl = flags() if fl is None else fl
+    kept = " ".join(sorted(f for f in fl if not f.startswith(dropped)))
+    return {"ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn, "MKL_ENABLE_INSTRUCTIONS": mkl,
+            "FERRY_VLLM_CPU_BUILD": build, "FERRY_CPU_FLAGS": kept}
+
+
+def caps_below(fl: frozenset[str] | None = None) -> list[str]:
+    """The caps whose level is below this CPU's: the other kinds it can run."""
+    here = LEVELS.index(level(fl))
+    return [name for name, c in CAPS.items() if LEVELS.index(c[0]) < here]
+
+
 def describe() -> dict:
     """The CPU as a benchmark's JSON records it (the engines' own views added by their callers)."""
     fl = flags()

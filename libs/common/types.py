@@ -72,10 +72,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Log-probabilities of each output token and of the ``logprobs`` most likely
+    # ones (None: none); vLLM's definition: the model's log-softmax before any
+    # sampling parameter. Cost only where asked for.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """One output token's log-probabilities (SamplingParams.logprobs)."""
+
+    logprob: float  # the chosen token's
+    top: tuple[tuple[int, float], ...] = ()  # the most likely (token id, logprob), best first
 
 
 class FinishReason(str, enum.Enum):
@@ -98,6 +110,7 @@ class TokenOutput:
     stats: dict | None = None
     # With FinishReason.ERROR: (libs.common.errors.Code value, message).
     error: tuple[str, str] | None = None
+    logprobs: Logprobs | None = None  # when the request asked for them (SamplingParams.logprobs)
 
 
 class RequestPhase(str, enum.Enum):

@@ -36,6 +36,9 @@ class InstanceConfig(CommonConfig):
     device: str = opt("cpu", "torch device (native engine)")
     dtype: str = opt("auto", "weights/KV dtype (native; auto = bf16 where the CPU or GPU has it, else fp32)",
                      choices=("auto", "float32", "bfloat16", "float16"))
+    deterministic: bool = opt(False, "a request's tokens and logprobs bit for bit independent of its batch, prefix-cache "
+                              "hits, chunking, preemption and recompute (native on CPU: fixed-shape matmuls, checked "
+                              "at start, docs/determinism.md; vllm: its batch-invariant mode, GPUs only)")
     torch_threads: int = opt(0, "native: torch intra-op threads (0 = torch's default, one per core); set 1 "
                              "when several instances share a machine's cores", min=0)
     cpus: str = opt("", "pin this instance to these CPU cores, e.g. '0' or '0-3,8' (default: any core); "
@@ -137,7 +140,7 @@ class InstanceConfig(CommonConfig):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
             seed=self.seed, share_kv=self.migration_shared_kv, prefix_caching=self.prefix_caching,
-            extra=self._engine_extra(),
+            deterministic=self.deterministic, extra=self._engine_extra(),
         )
 
     def _engine_extra(self) -> dict:

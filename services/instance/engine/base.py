@@ -383,4 +383,7 @@ class EngineConfig:
     prefix_caching: bool = True
     profile: str = "llama-7b-a10"  # sim engine: profile name or path
     seed: int = 0
+    # A request's tokens (and logprobs) bit for bit independent of its batch, cache hits,
+    # chunking and recompute (native: native/batch_invariant.py; vllm: its batch-invariant mode).
+    deterministic: bool = False
     extra: dict = field(default_factory=dict)

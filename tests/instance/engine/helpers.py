@@ -58,3 +58,52 @@ def migrate(src: Engine, dst: Engine, rid: str) -> int:
     src.drop_request(rid)
     assert src.request_phase(rid) is None
     return len(state.output_token_ids)
+
+
+def collect(engine: Engine, outputs: dict | None = None, max_steps: int = 100_000) -> dict:
+    """Step until idle; returns {request_id: [TokenOutput]} (with their logprobs, if asked for)."""
+    outputs = {} if outputs is None else outputs
+    for _ in range(max_steps):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+        engine.check_integrity()
+    assert not engine.has_work()
+    return outputs
+
+
+def exact(outs: list) -> list[tuple]:
+    """What the deterministic mode keeps bit for bit: each token, its logprob and its top logprobs."""
+    return [(o.token_id, o.logprobs.logprob if o.logprobs else None, o.logprobs.top if o.logprobs else None)
+            for o in outs]
+
+
+# How far a token's logprob may move from arithmetic alone in the default mode,
+# when its rows are computed in another batch, chunk or cached prefix
+# (docs/determinism.md: seen up to 0.15 nats in bf16 and 3e-5 in fp32 on this
+# project's CPUs); a wrong KV or a lost token moves it by whole nats.
+LOGPROB_NOISE = {"bfloat16": 0.5, "float32": 1e-3}
+
+
+def assert_bounded_divergence(ref: list, got: list, noise: float, greedy: bool = True) -> int:
+    """The default mode's promise where two runs' arithmetic may differ (outputs
+    with logprobs, k >= 2): the same tokens with logprobs within ``noise``, up to
+    the first position where the runs choose differently; there, both chosen
+    tokens are among both runs' top logprobs, each within ``noise`` of itself
+    in the other run, and (greedy) the two are a near-tie: within 2 * noise in
+    the reference. Past it the requests are different texts. Returns the
+    number of tokens before it."""
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        lr, lg = r.logprobs, g.logprobs
+        if r.token_id == g.token_id:
+            assert abs(lr.logprob - lg.logprob) <= noise, f"position {i}: logprob {lr.logprob} vs {lg.logprob}"
+            continue
+        top_r, top_g = dict(lr.top), dict(lg.top)
+        for t in (r.token_id, g.token_id):
+            assert t in top_r and t in top_g, f"position {i}: token {t} is not among both runs' top logprobs"
+            assert abs(top_r[t] - top_g[t]) <= noise, f"position {i}: token {t}: {top_r[t]} vs {top_g[t]}"
+        if greedy:
+            assert top_r[r.token_id] - top_r[g.token_id] <= 2 * noise, f"position {i}: not a near-tie"
+        return i
+    return len(ref)

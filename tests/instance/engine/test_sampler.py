@@ -11,7 +11,7 @@ import torch
 from libs.common.types import FinishReason, SamplingParams
 from services.instance.engine.base import RequestFailed
 from services.instance.engine.core.request import Request
-from services.instance.engine.native.sampler import new_generator, sample
+from services.instance.engine.native.sampler import new_generator, sample, skip_draws
 from tests.instance.engine.helpers import req
 from tests.instance.engine.test_failures import drain
 
@@ -69,3 +69,39 @@ def test_native_four_requests_with_a_subnormal_temperature_finish_like_greedy(ma
     assert all(f.finish_reason is FinishReason.LENGTH for f in finals.values()), finals
     for i in range(4):
         assert tokens[f"tiny{i}"] == tokens["greedy"]
+
+
+def test_skipped_draws_leave_the_generator_where_real_draws_did():
+    """skip_draws (a resumed seeded request) relies on one draw taking the same
+    part of the generator's stream whatever the row's probabilities."""
+    torch.manual_seed(3)
+    real, skipped = new_generator(11), new_generator(11)
+    for _ in range(6):
+        logits = torch.randn(1, 500) * 4
+        logits[0, torch.rand(500) < 0.8] = float("-inf")  # most of the vocabulary filtered out
+        r = Request("r", [1], SamplingParams(max_tokens=9, temperature=0.8, top_k=40))
+        r.generator = real
+        sample(logits, [r], frozenset())
+    skip_draws(skipped, 6, 500)
+    assert torch.equal(real.get_state(), skipped.get_state())
+    assert not torch.equal(new_generator(11).get_state(), skipped.get_state())
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_chosen_and_the_top_tokens():
+    """vLLM's definition: before temperature, top-k/p and min_tokens' masks."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, 300) * 3
+    want = logits.log_softmax(-1)
+    reqs = [Request("a", [1], SamplingParams(max_tokens=4, logprobs=5, temperature=0.7, top_k=3, seed=1)),
+            Request("b", [1], SamplingParams(max_tokens=4, min_tokens=2, logprobs=0))]
+    for i, r in enumerate(reqs):
+        r.generator = new_generator(i)
+    eos = int(logits[1].argmax())  # banned for b by min_tokens: not its logprob's business
+    got = sample(logits.clone(), reqs, frozenset({eos}))
+    a, b = got
+    assert a.logprobs.logprob == pytest.approx(float(want[0, a.token]), abs=0)
+    top = want[0].topk(5)
+    assert [t for t, _ in a.logprobs.top] == top.indices.tolist()
+    assert [v for _, v in a.logprobs.top] == top.values.tolist()
+    assert b.token != eos and b.logprobs.top == ()
+    assert b.logprobs.logprob == float(want[1, b.token])

@@ -23,7 +23,7 @@ from services.instance.engine.base import (
     RequestFailed,
 )
 from services.instance.engine.core.block_pool import BlockPool
-from services.instance.engine.core.executor import Executor
+from services.instance.engine.core.executor import Executor, Sampled
 from services.instance.engine.core.probe import executor_works
 from services.instance.engine.core.prefix_engine import PrefixCaching
 from services.instance.engine.core.request import Request, RequestStatus
@@ -110,6 +110,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)
         req.hold_after_prefill = request.hold_after_prefill
         self.executor.init_request(req)
+        if request.resume_token_ids:
+            self.executor.resume_sampler(req, len(request.resume_token_ids))
         self.executor.expect_context(n_ctx)
         self.requests[rid] = req
         self.scheduler.add_waiting(req)
@@ -141,14 +143,19 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             req.on_computed(now)
             if not samples:
                 continue
-            req.output_token_ids.append(int(tok))
+            logprobs = None
+            if isinstance(tok, Sampled):
+                tok, logprobs = tok.token, tok.logprobs
+            tok = int(tok)
+            req.output_token_ids.append(tok)
             if not req.first_token_time:
                 req.first_token_time = now
-            reason = self._stop_reason(req, int(tok))
+            reason = self._stop_reason(req, tok)
             stats = None
             if reason is not None:  # counters travel with the final token to the client
                 stats = self._final_stats(req)
-            outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, int(tok), reason, stats))
+            outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, tok, reason, stats,
+                                       logprobs=logprobs))
             if reason is not None:
                 self._finish(req, reason)
             elif req.hold_after_prefill:

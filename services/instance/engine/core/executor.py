@@ -4,11 +4,22 @@ access to the KV storage."""
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
+from libs.common.types import Logprobs
 from services.instance.engine.base import EngineError, KvLayout, LayerKv
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
 from services.instance.engine.shared_kv import KvShare
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A sampled token with its log-probabilities (a request that asked for
+    them, SamplingParams.logprobs); executors return plain ints otherwise."""
+
+    token: int
+    logprobs: Logprobs
 
 
 class Executor(abc.ABC):
@@ -23,10 +34,11 @@ class Executor(abc.ABC):
     def kv_layout(self) -> KvLayout: ...
 
     @abc.abstractmethod
-    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | Sampled | None]:
         """Compute KV for every chunk (writing it into the chunk's blocks) and
         return, aligned with ``chunks``, the next token of every chunk that
-        ``samples`` (None for the others). Raise base.RequestFailed naming
+        ``samples`` (None for the others): an int, or a ``Sampled`` with its
+        logprobs where the request asked for them. Raise base.RequestFailed naming
         the requests when the failure is theirs; it must be raised before any
         request's sampler state (RNG) moved, so that the step can run again
         for the others with the same result."""
@@ -90,6 +102,11 @@ class Executor(abc.ABC):
     # --- per-request sampler state (native only) ----------------------------------
     def init_request(self, req: Request) -> None:
         """Called once when a request enters the engine."""
+
+    def resume_sampler(self, req: Request, num_tokens: int) -> None:
+        """A request resumed with ``num_tokens`` already delivered (by recompute,
+        EngineRequest.resume_token_ids): its sampler as it was after drawing
+        them, so that a seeded request goes on with the draws it would have had."""
 
     def rng_state(self, req: Request) -> bytes:
         return b""

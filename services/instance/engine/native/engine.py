@@ -79,18 +79,36 @@ def default_block_size(device: str, dtype: str) -> int:
     return 32 if kernel and vllm_kernels.ops() is not None else 16
 
 
-def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool, vllm_kernels: bool = True):
+def _build_model(mcfg: ModelConfig, path, device, dtype, seed: int, share: bool, vllm_kernels: bool = True,
+                 deterministic_len: int = 0):
     """Weights are read-only after loading, so engines in one process (tests,
     the bench) may share them: extra={"share_weights": True}. ``vllm_kernels``:
-    projections packed for vLLM's matmul handler where installed (linear.py)."""
-    key = (str(path) if path else repr(mcfg), str(device), dtype, seed, vllm_kernels)
+    projections packed for vLLM's matmul handler where installed (linear.py).
+    ``deterministic_len``: the deterministic mode's model for up to that many
+    positions (batch_invariant.py)."""
+    key = (str(path) if path else repr(mcfg), str(device), dtype, seed, vllm_kernels, deterministic_len)
     if share and key in _SHARED:
         return _SHARED[key]
     model = random_model(mcfg, device, dtype, seed=seed) if path is None else load_model(path, mcfg, device, dtype)
-    model.pack_weights(vllm=vllm_kernels)
+    if deterministic_len:
+        model.make_deterministic(deterministic_len, vllm=vllm_kernels)
+    else:
+        model.pack_weights(vllm=vllm_kernels)
     if share:
         _SHARED[key] = model
     return model
+
+
+def check_deterministic_config(config: EngineConfig, device: torch.device) -> None:
+    """What the deterministic mode needs before a model is built for it (batch_invariant.py)."""
+    if device.type != "cpu":
+        raise EngineError("the native engine's deterministic mode runs on CPU only; on CUDA it is not built yet "
+                          "(use --engine vllm, whose batch-invariant mode runs on CUDA)")
+    if config.block_size % cpu_kernels.BLOCK_ALIGN:
+        raise EngineError(f"the deterministic mode needs blocks of a multiple of {cpu_kernels.BLOCK_ALIGN} positions "
+                          f"(vLLM's CPU attention over the paged cache), not {config.block_size}")
+    if config.extra.get("vllm_kernels", True) is False:
+        raise EngineError("the deterministic mode needs vLLM's CPU kernels (attention); not with vllm_kernels off")
 
 
 class NativeEngine(CoreEngine):
@@ -106,8 +124,18 @@ class NativeEngine(CoreEngine):
         self.model_config = mcfg
         self.model_dir = path
         vllm_kernels = bool(config.extra.get("vllm_kernels", True))
-        model = _build_model(mcfg, path, device, dtype, config.seed, bool(config.extra.get("share_weights")),
-                             vllm_kernels)
+        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        if config.deterministic:
+            check_deterministic_config(config, device)
+        try:
+            model = _build_model(mcfg, path, device, dtype, config.seed, bool(config.extra.get("share_weights")),
+                                 vllm_kernels, deterministic_len=max_len if config.deterministic else 0)
+        except RuntimeError as e:
+            if not config.deterministic:
+                raise
+            # e.g. bf16 on a CPU whose oneDNN has no bf16 matmul (AVX2): nothing runs the slabs
+            raise EngineError(f"the deterministic mode cannot run {dtype} matmuls through oneDNN here "
+                              f"({cpu_features.level()}): {e}") from None
         layout_bytes = (mcfg.num_hidden_layers * 2 * config.block_size * mcfg.num_key_value_heads
                         * mcfg.head_dim * torch.tensor([], dtype=dtype).element_size())
         num_blocks = config.num_blocks or max(1, int(self._kv_bytes(config, device) // layout_bytes))
@@ -116,8 +144,8 @@ class NativeEngine(CoreEngine):
         runner = ModelRunner(model, num_blocks, config.block_size, device, dtype, eos, seed=config.seed,
                              decode_cache_bytes=None if dc_gb is None else int(float(dc_gb) * 2**30),
                              vllm_kernels=vllm_kernels, share_kv=config.share_kv,
-                             kv_staging=bool(config.extra.get("kv_staging", True)))
-        max_len = min(config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+                             kv_staging=bool(config.extra.get("kv_staging", True)),
+                             deterministic=config.deterministic)
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)
         self.dtype = dtype
@@ -136,7 +164,10 @@ class NativeEngine(CoreEngine):
         r = self.executor
         if r.kernels is None:
             return f"{str(self.dtype).removeprefix('torch.')} on {r.device.type}, torch path"
-        proj = type(r.model.lm_head_packed).__name__ if r.model.lm_head_packed is not None else "F.linear"
+        head = r.model.lm_head_packed
+        proj = type(head).__name__ if head is not None else "F.linear"
+        if r.invariance:
+            proj = f"{head.kernel} (deterministic: {r.invariance})"
         return (f"{str(self.dtype).removeprefix('torch.')} on cpu, vLLM kernels {vllm_kernels.loaded_build()} "
                 f"(attention{' in place' if r.paged_kernels else ''}, RMSNorm), projections {proj}")
 

@@ -15,15 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.instance.engine.native.attention import AttentionMeta, paged_attention
+from services.instance.engine.native.batch_invariant import RopeTable, Slabs
 from services.instance.engine.native.config import ModelConfig
 from services.instance.engine.native.cpu_kernels import CpuKernels
 from services.instance.engine.native.linear import (
+    HEAD_TILE,
     Linear,
     RowSplit,
     TorchPacked,
     VllmPacked,
     pack_weight,
     packing_supported,
+    slab_weight,
 )
 
 # Remote attention (KunServe's live KV exchange, kunserve.py): (n, attend) says
@@ -61,8 +64,14 @@ class Rotary(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", config.inv_freq(), persistent=False)
+        self.table: RopeTable | None = None  # the deterministic mode's (batch_invariant.py)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None and self.table.dtype == dtype:
+            return self.table(positions, dtype)
+        return self.compute(positions, dtype)
+
+    def compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin()
@@ -163,7 +172,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
-        self.lm_head_packed: TorchPacked | VllmPacked | RowSplit | None = None
+        self.lm_head_packed: TorchPacked | VllmPacked | RowSplit | Slabs | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -181,6 +190,21 @@ class LlamaModel(nn.Module):
                     m.pack(vllm)
             self.lm_head_packed = pack_weight(self.lm_head_weight, vllm)
         return True
+
+    def make_deterministic(self, max_positions: int, vllm: bool = True) -> None:
+        """The deterministic mode's pieces (batch_invariant.py): slab
+        projections, LM head and MLPs, RoPE from a table. On a model that
+        pack_weights did not pack (the engine builds it for this mode)."""
+        w = self.embed_tokens.weight
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack(vllm, slabs=True)
+        self.lm_head_packed = slab_weight(self.lm_head_weight, vllm, tile=HEAD_TILE)
+        self.rotary.table = RopeTable(self.rotary, max_positions, w.dtype)
+
+    @property
+    def deterministic(self) -> bool:
+        return isinstance(self.lm_head_packed, Slabs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMeta, logits_index: torch.Tensor,
@@ -257,9 +281,11 @@ class LlamaModel(nn.Module):
             layer = DecoderLayer(self.config, i).to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
             layer.load_state_dict(state)
             if self.lm_head_packed is not None:  # this model runs prepacked projections: pack them alike
+                packed = self.lm_head_packed
+                vllm = isinstance(packed, (VllmPacked, RowSplit)) or getattr(packed, "kernel", "").startswith("vLLM")
                 for m in layer.modules():
                     if isinstance(m, Linear):
-                        m.pack(isinstance(self.lm_head_packed, (VllmPacked, RowSplit)))
+                        m.pack(vllm, slabs=self.deterministic)
             built[i] = layer
         return built
 

@@ -13,7 +13,8 @@ from services.instance.engine.base import EngineError, KvLayout
 from services.instance.engine.core.executor import Executor, TappedChunk, tapped_chunks
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk
-from services.instance.engine.native import cpu_kernels
+from libs.common import cpu_features
+from services.instance.engine.native import batch_invariant, cpu_kernels
 from services.instance.engine.native.attention import (
     AttentionMeta,
     build_dense,
@@ -31,6 +32,7 @@ from services.instance.engine.native.sampler import (
     new_generator,
     sample,
     set_generator_state,
+    skip_draws,
 )
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -42,7 +44,7 @@ class ModelRunner(Executor):
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0,
                  decode_cache_bytes: int | None = None, vllm_kernels: bool = True, share_kv: bool = True,
-                 kv_staging: bool = True):
+                 kv_staging: bool = True, deterministic: bool = False):
         cfg = model.config
         self.model = model
         self.device = device
@@ -54,6 +56,8 @@ class ModelRunner(Executor):
         # With blocks the kernel can read, it attends over the paged cache in place (K transposed
         # within each block): no dense decode copy, no gathered context (attention.py).
         self.paged_kernels = self.kernels is not None and block_size % cpu_kernels.BLOCK_ALIGN == 0
+        # The deterministic mode (batch_invariant.py): what its check verified here, in words.
+        self.invariance = self._check_invariance(dtype) if deterministic else ""
         self._layout = KvLayout(_DTYPE_NAMES[dtype], block_size, cfg.num_hidden_layers,
                                 cfg.num_key_value_heads, cfg.head_dim, k_transposed=self.paged_kernels)
         # The fused transfer layout; see attention.py for why it is also fine for attention.
@@ -95,6 +99,19 @@ class ModelRunner(Executor):
     @property
     def kv_layout(self) -> KvLayout:
         return self._layout
+
+    def _check_invariance(self, dtype: torch.dtype) -> str:
+        if not self.paged_kernels:
+            raise EngineError("the deterministic mode needs vLLM's CPU attention kernel over the paged cache: "
+                              "the vllm extra installed and runnable here (vllm_kernels.py), blocks of a multiple "
+                              f"of {cpu_kernels.BLOCK_ALIGN}")
+        if not self.model.deterministic:
+            raise EngineError("the deterministic mode needs a model built for it (LlamaModel.make_deterministic)")
+        try:
+            return batch_invariant.check(self.model, self.kernels, dtype)
+        except batch_invariant.NotInvariant as e:
+            raise EngineError(f"the deterministic mode does not hold on this CPU ({cpu_features.level()}, "
+                              f"{torch.get_num_threads()} threads): {e}") from None
 
     def set_kv_staging(self, on: bool) -> None:
         """On CUDA: KV transfer through kv_staging.py (on) or the plain path
@@ -526,6 +543,10 @@ class ModelRunner(Executor):
         if seed is None:
             seed = int(self._seeds.integers(0, 2**63 - 1))
         req.generator = new_generator(seed)
+
+    def resume_sampler(self, req: Request, num_tokens: int) -> None:
+        if not req.sampling.greedy:
+            skip_draws(req.generator, num_tokens, self.vocab_size)
 
     def rng_state(self, req: Request) -> bytes:
         return generator_state(req.generator)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from libs.common.types import GREEDY_TEMPERATURE
+from libs.common.types import GREEDY_TEMPERATURE, Logprobs
 from services.instance.engine.base import RequestFailed
+from services.instance.engine.core.executor import Sampled
 from services.instance.engine.core.request import Request
 
 
@@ -23,6 +24,18 @@ def generator_state(g: torch.Generator) -> bytes:
 
 def set_generator_state(g: torch.Generator, state: bytes) -> None:
     g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+def skip_draws(g: torch.Generator, n: int, vocab: int) -> None:
+    """Advance ``g`` past the draws of ``n`` sampled tokens: ``sample`` draws
+    one multinomial over the whole vocabulary per token, which takes the same
+    amount of the generator's stream whatever the probabilities (checked by
+    tests/instance/engine/test_sampler.py), so n draws from any distribution
+    leave it where the n real ones did."""
+    if n:
+        uniform = torch.full((vocab,), 1.0 / vocab)
+        for _ in range(n):
+            torch.multinomial(uniform, 1, generator=g)
 
 
 def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -41,8 +54,27 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
 
 
-def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> list[int]:
+def raw_logprobs(logits: torch.Tensor, reqs: list[Request]) -> dict[int, torch.Tensor]:
+    """Row -> the log-softmax of the model's logits, for the requests that asked
+    for logprobs (vLLM's raw logprobs: before temperature, top-k/p, penalties)."""
+    rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+    if not rows:
+        return {}
+    lp = logits[rows].float().log_softmax(dim=-1)
+    return {i: lp[j] for j, i in enumerate(rows)}
+
+
+def with_logprobs(token: int, lp: torch.Tensor, k: int) -> Sampled:
+    top = ()
+    if k:
+        values, ids = lp.topk(min(k, lp.shape[-1]))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return Sampled(token, Logprobs(float(lp[token]), top))
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> list[int | Sampled]:
     """logits: fp32 [B, vocab], one row per request."""
+    lps = raw_logprobs(logits, reqs)  # NOTE: before the masks below change the logits
     logits = logits.float()
     for i, r in enumerate(reqs):  # min_tokens: stop tokens are not allowed yet (rare, cheap)
         sp = r.sampling
@@ -78,4 +110,7 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
                                 "for its temperature)", [reqs[rows[j]].request_id for j in bad], code="internal")
         for j, i in enumerate(rows):
             out[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator).item()
-    return out.tolist()
+    tokens = out.tolist()
+    for i, lp in lps.items():
+        tokens[i] = with_logprobs(tokens[i], lp, reqs[i].sampling.logprobs)
+    return tokens

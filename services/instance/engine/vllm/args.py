@@ -99,6 +99,17 @@ def default_block_size(device: str = "cpu", dtype: str = "auto") -> int:
     return 32 if _cpu_platform() else 16
 
 
+def batch_invariant() -> None:
+    """The deterministic mode on vLLM: its own batch-invariant mode
+    (``VLLM_BATCH_INVARIANT=1``, read when its engine starts), which vLLM has
+    on NVIDIA and AMD GPUs only; its CPU build has none, so there the mode is
+    refused rather than claimed."""
+    if _cpu_platform():
+        raise EngineError("--deterministic: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT) runs on NVIDIA and "
+                          "AMD GPUs only, not in its CPU build; on CPU use the native engine's deterministic mode")
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+
+
 def _cpu_platform() -> bool:
     from vllm.platforms import current_platform
 

@@ -79,6 +79,8 @@ class VllmEngine(Engine, MigrationHooks):
             raise EngineError(str(e)) from None
         log.info("vLLM runs here", **platform, cpu=cpu_features.summary())
         vargs.in_process()
+        if config.deterministic:
+            vargs.batch_invariant()
         model = vargs.resolve_model(config.model)
         vargs.offline_if_local(model)  # before vLLM (and the hub client) is imported
         from vllm.engine.llm_engine import LLMEngine
