@@ -169,13 +169,16 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="the native engine's prefix cache (each round's prompts are new: no hits either way)")
 @click.option("--vllm-log", type=click.Path(dir_okay=False), default=None, help="vLLM's own log (default: dropped)")
+@click.option("--deterministic", is_flag=True,
+              help="also the native engine in its deterministic mode (docs/determinism.md), taking turns with the "
+                   "default on the same prompts: its tokens/s and the ratio to the default per round")
 @click.option("--cap-isa", type=click.Choice(["avx2"]), default=None,
               help="run as on a CPU without AVX-512: torch, oneDNN, MKL, vLLM (both engines) and Ferry's own "
                    "choices capped at AVX2 (ferry/bench/isa.py; the instruction set, not the machine)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
            threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, prefix_caching,
-           cap_isa, vllm_log, json_path):
+           deterministic, cap_isa, vllm_log, json_path):
     """Native engine throughput vs transformers generate and vLLM (same weights, same run)."""
     from ferry.bench.isa import reexec_capped
 
@@ -199,13 +202,21 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     bss, hf_bss = int_list(batch_sizes), int_list(hf_batch_sizes, allow_empty=True)
     block_size = 16 if no_vllm_kernels else default_block_size(device, dtype)  # as `ferry serve instance` picks
     need_blocks = max(bss) * -(-(prompt_len + output_len) // block_size) + 8
+    def native_engine(det: bool = False):
+        return create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
+                                          num_blocks=need_blocks, block_size=block_size,
+                                          max_num_batched_tokens=max_num_batched_tokens, share_kv=not no_shared_kv,
+                                          prefix_caching=prefix_caching, deterministic=det,
+                                          extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
+
     t0 = time.perf_counter()
-    eng = create_engine(EngineConfig(engine="native", model=model, device=device, dtype=dtype,
-                                     num_blocks=need_blocks, block_size=block_size,
-                                     max_num_batched_tokens=max_num_batched_tokens, share_kv=not no_shared_kv,
-                                     prefix_caching=prefix_caching,
-                                     extra={"warmup": True, "vllm_kernels": not no_vllm_kernels}))
+    eng = native_engine()
     ready_s = time.perf_counter() - t0
+    det = None
+    if deterministic:
+        t0 = time.perf_counter()
+        det = native_engine(det=True)
+        det_ready_s = time.perf_counter() - t0
     dt = str(eng.dtype).replace("torch.", "")
     vocab = eng.model_config.vocab_size
     try:
@@ -222,17 +233,23 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
                                      "RowSplit": "F.linear at 1 row, else vLLM onednn_mm"}.get(
                   type(getattr(eng.executor.model, "lm_head_packed", None)).__name__, "F.linear"),
               "isa_caps": isa_caps, "native_tok_s": {}, "native_runs": {}, "transformers_tok_s": {},
-              "vllm": None, "matches_reference": None}
+              "vllm": None, "matches_reference": None,
+              "deterministic": None if det is None else {
+                  "compute_path": det.compute_path(), "ready_s": round(det_ready_s, 2), "tok_s": {}, "runs": {},
+                  "over_default": {}, "over_default_rounds": {}, "phases": {}, "cpu_ms_per_token": {}}}
     vl = _start_vllm(vllm, model, dt, prompt_len + output_len + 16, vllm_log, max_num_batched_tokens) \
         if vllm else None
     result["vllm"] = vl if isinstance(vl, dict) else None
     for bs in bss:
         _measure(eng, vl if not isinstance(vl, dict) else None, bs,
-                 lambda rep, bs=bs: _prompts(bs, prompt_len, vocab, bs + 1000 * rep), output_len, repeats, result)
+                 lambda rep, bs=bs: _prompts(bs, prompt_len, vocab, bs + 1000 * rep), output_len, repeats, result,
+                 det)
     if vl is not None and not isinstance(vl, dict):
         vl.close()
-    eng.check_integrity()
-    del eng
+    for e in (eng, det):
+        if e is not None:
+            e.check_integrity()
+    del eng, det
     if not no_reference and model not in SHAPES:
         from transformers import AutoModelForCausalLM
 
@@ -271,16 +288,16 @@ def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log
         return {"python": python, "version": version, "error": str(e)}
 
 
-def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result: dict) -> None:
-    """``repeats`` rounds of native and vLLM (if running) on the same prompts
-    (``prompts_of(round)``: new ones every round, the same for both sides),
-    taking turns (who goes first alternates), so each round's ratio is
-    measured under the same machine load. Beside wall-clock tok/s, CPU
-    milliseconds per output token (all of each side's processes): on a
-    loaded machine the share of the cores each side gets swings, its CPU
-    cost per token much less."""
+def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result: dict, det=None) -> None:
+    """``repeats`` rounds of native, the deterministic native engine (``det``)
+    and vLLM (if running) on the same prompts (``prompts_of(round)``: new ones
+    every round, the same for every side), taking turns (the order reverses
+    every round), so each round's ratios are measured under the same machine
+    load. Beside wall-clock tok/s, CPU milliseconds per output token (all of
+    each side's processes): on a loaded machine the share of the cores each
+    side gets swings, its CPU cost per token much less."""
     key = str(bs)
-    runs: dict[str, list[dict]] = {"native": [], "vllm": []}
+    runs: dict[str, list[dict]] = {"native": [], "deterministic": [], "vllm": []}
 
     def vllm_run(prompts) -> dict:
         first = vl.generate(prompts, 1)  # its prefill: the same prompts with one output token
@@ -289,6 +306,8 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
     for rep in range(repeats):
         prompts = prompts_of(rep)
         turns = [("native", lambda: native_run(eng, prompts, output_len))]
+        if det is not None:
+            turns.append(("deterministic", lambda: native_run(det, prompts, output_len)))
         if vl is not None:
             turns.append(("vllm", lambda: vllm_run(prompts)))
         for name, run in turns[:: -1 if rep % 2 else 1]:
@@ -300,6 +319,14 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
     result["native_tok_s"][key] = round(statistics.median(native), 2)
     result.setdefault("native_cpu_ms_per_token", {})[key] = _cpu_ms(runs["native"])
     result.setdefault("native_phases", {})[key] = _phases(runs["native"], output_len)
+    if det is not None:
+        d, mine = result["deterministic"], [r["tok_s"] for r in runs["deterministic"]]
+        d["runs"][key] = [round(x, 2) for x in mine]
+        d["tok_s"][key] = round(statistics.median(mine), 2)
+        d["cpu_ms_per_token"][key] = _cpu_ms(runs["deterministic"])
+        d["phases"][key] = _phases(runs["deterministic"], output_len)
+        d["over_default_rounds"][key] = [round(m / n, 3) for m, n in zip(mine, native)]
+        d["over_default"][key] = round(statistics.median(d["over_default_rounds"][key]), 3)
     if vl is None:
         return
     v = result["vllm"] = result["vllm"] or {
@@ -357,6 +384,17 @@ def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:
         click.echo(f"{bs:>5}  {n.get('prefill_s', '-')!s:>16}" + (f"  {v.get('prefill_s', '-')!s:>6}" if vllm else "")
                    + f"  {n.get('decode_step_ms', '-')!s:>21}"
                    + (f"  {v.get('decode_step_ms', '-')!s:>6}" if vllm else ""))
+    d = r.get("deterministic")
+    if d:
+        click.echo(f"deterministic mode: {d['compute_path']}")
+        click.echo(f"{'batch':>5}  {'det. tok/s':>10}  {'det./default':>12}  {'rounds':>22}  {'prefill s':>9}"
+                   f"  {'decode ms/step':>14}")
+        for bs in bss:
+            k = str(bs)
+            ph = d["phases"].get(k, {})
+            click.echo(f"{bs:>5}  {d['tok_s'].get(k, '-')!s:>10}  {d['over_default'].get(k, '-')!s:>12}  "
+                       f"{' '.join(str(x) for x in d['over_default_rounds'].get(k, [])):>22}  "
+                       f"{ph.get('prefill_s', '-')!s:>9}  {ph.get('decode_step_ms', '-')!s:>14}")
     if r["vllm"] is None:
         click.echo("vLLM: not run (no interpreter with vllm; --vllm-python PATH)")
     elif r["vllm"].get("error"):
