@@ -9,6 +9,9 @@ from libs.common.errors import InvalidArgument
 from libs.common.kv_events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvSnapshot
 from libs.common.types import (
     GenerateOrder,
+    Grammar,
+    GrammarKind,
+    Logprobs,
     Moved,
     StreamEvent,
     InstanceInfo,
@@ -53,19 +56,55 @@ def priority_from_pb(value: int) -> Priority:
 
 
 def sampling_to_pb(s: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(
+    m = pb.SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, has_seed=s.seed is not None,
         seed=s.seed or 0, max_tokens=s.max_tokens, stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,
+        has_logprobs=s.logprobs is not None, logprobs=s.logprobs or 0,
+        has_prompt_logprobs=s.prompt_logprobs is not None, prompt_logprobs=s.prompt_logprobs or 0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        has_repetition_penalty=s.repetition_penalty != 1.0, repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p, logit_bias=dict(s.logit_bias), allowed_token_ids=list(s.allowed_token_ids),
+        bad_words=[pb.TokenSequence(token_ids=list(w)) for w in s.bad_words],
     )
+    if s.grammar is not None:
+        g = m.grammar
+        g.kind, g.spec, g.strict, g.compact = s.grammar.kind.value, s.grammar.spec, s.grammar.strict, s.grammar.compact
+    return m
 
 
 def sampling_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    grammar = None
+    if m.grammar.kind:
+        try:
+            grammar = Grammar(GrammarKind(m.grammar.kind), m.grammar.spec, m.grammar.strict, m.grammar.compact)
+        except ValueError:
+            raise InvalidArgument(f"unknown grammar kind {m.grammar.kind!r}; known: "
+                                  f"{', '.join(k.value for k in GrammarKind)}", param="sampling.grammar") from None
     return SamplingParams(
         temperature=m.temperature, top_p=m.top_p if m.top_p != 0 else 1.0, top_k=m.top_k,  # 0: unset
         seed=m.seed if m.has_seed else None, max_tokens=m.max_tokens,
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos, min_tokens=m.min_tokens,
+        logprobs=m.logprobs if m.has_logprobs else None,
+        prompt_logprobs=m.prompt_logprobs if m.has_prompt_logprobs else None,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty if m.has_repetition_penalty else 1.0, min_p=m.min_p,
+        logit_bias=tuple(sorted(m.logit_bias.items())), allowed_token_ids=tuple(m.allowed_token_ids),
+        bad_words=tuple(tuple(w.token_ids) for w in m.bad_words), grammar=grammar,
     )
+
+
+def logprobs_to_pb(lp: Logprobs | None) -> pb.TokenLogprobs:
+    if lp is None:
+        return pb.TokenLogprobs(none=True)
+    return pb.TokenLogprobs(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top])
+
+
+def logprobs_from_pb(m: pb.TokenLogprobs) -> Logprobs | None:
+    if m.none:
+        return None
+    return Logprobs(m.logprob, tuple(zip(m.top_token_ids, m.top_logprobs)))
 
 
 def info_to_pb(i: InstanceInfo) -> pb.InstanceInfo:
@@ -261,7 +300,9 @@ def order_from_pb(m: ipb.GenerateRequest) -> GenerateOrder:
 def stream_event_to_pb(e: StreamEvent) -> ipb.TokenEvent:
     m = ipb.TokenEvent(index=e.index, token_ids=e.token_ids, finish_reason=e.finish_reason,
                        num_prompt_tokens=e.num_prompt_tokens, num_preemptions=e.num_preemptions,
-                       preemption_loss_ms=e.preemption_loss_ms, num_migrations=e.num_migrations)
+                       preemption_loss_ms=e.preemption_loss_ms, num_migrations=e.num_migrations,
+                       logprobs=[logprobs_to_pb(lp) for lp in e.logprobs],
+                       prompt_logprobs=[logprobs_to_pb(lp) for lp in e.prompt_logprobs])
     if e.moved is not None:
         m.moved.instance_id, m.moved.address = e.moved.instance_id, e.moved.address
         m.moved.next_index = e.moved.next_index
@@ -274,4 +315,6 @@ def stream_event_from_pb(m: ipb.TokenEvent) -> StreamEvent:
     moved = Moved(m.moved.instance_id, m.moved.address, m.moved.next_index) if m.HasField("moved") else None
     error = (m.error_code, m.error_message) if m.error_code or m.error_message else None
     return StreamEvent(m.index, tuple(m.token_ids), m.finish_reason, moved, error, m.num_prompt_tokens,
-                       m.num_preemptions, m.preemption_loss_ms, m.num_migrations)
+                       m.num_preemptions, m.preemption_loss_ms, m.num_migrations,
+                       tuple(logprobs_from_pb(x) for x in m.logprobs),
+                       tuple(logprobs_from_pb(x) for x in m.prompt_logprobs))

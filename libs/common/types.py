@@ -62,13 +62,40 @@ class Role(str, enum.Enum):
 GREEDY_TEMPERATURE = 1e-5
 
 
+class GrammarKind(str, enum.Enum):
+    """What a structured output's ``spec`` is (vLLM's structured_outputs names)."""
+
+    JSON = "json"  # a JSON schema (its text)
+    JSON_OBJECT = "json_object"  # any JSON object (no spec)
+    REGEX = "regex"
+    CHOICE = "choice"  # one of the strings of a JSON list
+    GRAMMAR = "grammar"  # an EBNF grammar (GBNF), as xgrammar and llama.cpp write them
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A structured output: the engine masks every token the grammar does not
+    allow next (native: xgrammar; vllm: its own backend)."""
+
+    kind: GrammarKind
+    spec: str = ""
+    # JSON schemas: no properties beyond the schema's (OpenAI's strict, xgrammar's strict_mode).
+    strict: bool = True
+    compact: bool = False  # JSON without whitespace between its tokens (vLLM's disable_any_whitespace)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
+    """What a request asks of the sampler, as vLLM defines each field. Every
+    field moves with a migration, a handoff and a resume; what the sampler
+    derives from the tokens so far (penalty counts, the grammar's state) is
+    rebuilt from them wherever the request runs."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: the prompt only (its prompt_logprobs), no token sampled
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -76,10 +103,28 @@ class SamplingParams:
     # ones (None: none); vLLM's definition: the model's log-softmax before any
     # sampling parameter. Cost only where asked for.
     logprobs: int | None = None
+    # The same for every prompt token but the first (None: none); such a
+    # request is computed whole, not from a cached prefix (as vLLM).
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0  # minus this for every token the output has
+    frequency_penalty: float = 0.0  # minus this times how often the output has it
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / p if > 0, else x p
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    allowed_token_ids: tuple[int, ...] = ()  # only these (empty: any)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the logits before the draw (penalties,
+        biases, masks, a grammar): requests without take the plain path."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids or self.bad_words or self.grammar is not None)
 
 
 @dataclass(frozen=True)
@@ -111,6 +156,8 @@ class TokenOutput:
     # With FinishReason.ERROR: (libs.common.errors.Code value, message).
     error: tuple[str, str] | None = None
     logprobs: Logprobs | None = None  # when the request asked for them (SamplingParams.logprobs)
+    # With SamplingParams.prompt_logprobs, on the request's first output: one per prompt token.
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
 
 class RequestPhase(str, enum.Enum):
@@ -269,3 +316,7 @@ class StreamEvent:
     num_preemptions: int = 0
     preemption_loss_ms: float = 0.0
     num_migrations: int = 0
+    # With SamplingParams.logprobs: one per token of token_ids, in order.
+    logprobs: tuple[Logprobs, ...] = ()
+    # With SamplingParams.prompt_logprobs, once: one per prompt token (None for the first).
+    prompt_logprobs: tuple[Logprobs | None, ...] = ()

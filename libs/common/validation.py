@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from libs.common.types import SamplingParams
+
 
 def out_of_vocab(ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
     """(position, id) of the first id outside 0 .. vocab_size-1, or None."""
@@ -25,19 +27,48 @@ def out_of_vocab_message(what: str, ids: Sequence[int], vocab_size: int) -> str 
             f"(0..{vocab_size - 1})")
 
 
-def sampling_problem(temperature: float, top_p: float, top_k: int, max_tokens: int, min_tokens: int) -> str | None:
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound; vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+MAX_BAD_WORDS = 100
+
+
+def sampling_problem(sp: SamplingParams, vocab_size: int | None = None) -> str | None:
     """What is wrong with sampling parameters (NaN and infinities included),
-    or None. The one rule set for the gRPC APIs and the engines."""
-    if not math.isfinite(temperature) or temperature < 0:
-        return f"temperature must be a finite number >= 0, got {temperature}"
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        return f"top_p must be in (0, 1], got {top_p}"
-    if top_k < 0:
-        return f"top_k must be >= 0 (0 = off), got {top_k}"
-    if max_tokens < 1:
-        return f"max_tokens must be >= 1, got {max_tokens}"
-    if not 0 <= min_tokens <= max_tokens:
-        return f"min_tokens must be in [0, max_tokens], got {min_tokens}"
+    or None. The one rule set for the gRPC APIs and the engines; token ids
+    are checked against ``vocab_size`` where it is known."""
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {sp.temperature}"
+    if not math.isfinite(sp.top_p) or not 0 < sp.top_p <= 1:
+        return f"top_p must be in (0, 1], got {sp.top_p}"
+    if sp.top_k < 0:
+        return f"top_k must be >= 0 (0 = off), got {sp.top_k}"
+    if sp.max_tokens < 0 or (sp.max_tokens == 0 and sp.prompt_logprobs is None):
+        return f"max_tokens must be >= 1 (0 only with prompt logprobs), got {sp.max_tokens}"
+    if not 0 <= sp.min_tokens <= max(sp.max_tokens, 0):
+        return f"min_tokens must be in [0, max_tokens], got {sp.min_tokens}"
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sp, name)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+    for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                         ("min_p", 0.0, 1.0)):
+        v = getattr(sp, name)
+        if not math.isfinite(v) or not lo <= v <= hi:
+            return f"{name} must be in [{lo:g}, {hi:g}], got {v}"
+    if not math.isfinite(sp.repetition_penalty) or not 0 < sp.repetition_penalty <= 2:
+        return f"repetition_penalty must be in (0, 2], got {sp.repetition_penalty}"
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        return f"logit_bias has at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}"
+    if any(not math.isfinite(b) or not -100 <= b <= 100 for _, b in sp.logit_bias):
+        return "logit_bias values must be in [-100, 100]"
+    if len(sp.bad_words) > MAX_BAD_WORDS or any(not w for w in sp.bad_words):
+        return f"bad_words: at most {MAX_BAD_WORDS} non-empty token sequences"
+    if vocab_size:
+        for what, ids in (("logit_bias", [t for t, _ in sp.logit_bias]), ("allowed_token_ids", sp.allowed_token_ids),
+                          ("bad_words", [t for w in sp.bad_words for t in w]), ("stop_token_ids", sp.stop_token_ids)):
+            message = out_of_vocab_message(what, ids, vocab_size)
+            if message:
+                return message
     return None
 
 

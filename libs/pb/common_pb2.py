@@ -24,43 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14libs/pb/common.proto\x12\x08\x66\x65rry.v1\"\xb7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\"\xe9\x01\n\x0bRequestLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x08priority\x18\x02 \x01(\x0e\x32\x12.ferry.v1.Priority\x12*\n\x05state\x18\x03 \x01(\x0e\x32\x1b.ferry.v1.RequestLoad.State\x12\x17\n\x0fphysical_blocks\x18\x04 \x01(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x15\n\rvirtual_usage\x18\x06 \x01(\x01\"0\n\x05State\x12\x0b\n\x07WAITING\x10\x00\x12\x0b\n\x07RUNNING\x10\x01\x12\r\n\tMIGRATING\x10\x02\"\x80\x05\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\"\n\x1ahead_of_line_demand_blocks\x18\t \x01(\x03\x12\x15\n\rvirtual_usage\x18\n \x01(\x01\x12\x10\n\x08\x66reeness\x18\x0b \x01(\x01\x12\x17\n\x0fnormal_freeness\x18\x0c \x01(\x01\x12\x13\n\x0bterminating\x18\r \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\x03\x12\x14\n\x0cmigrating_in\x18\x0f \x01(\x05\x12\x15\n\rmigrating_out\x18\x10 \x01(\x05\x12\'\n\x08requests\x18\x11 \x03(\x0b\x32\x15.ferry.v1.RequestLoad\x12\x13\n\x0bused_blocks\x18\x12 \x01(\x03\x12\x1d\n\x15waiting_demand_blocks\x18\x13 \x01(\x03\x12\x14\n\x0c\x65ngine_steps\x18\x14 \x01(\x04\x12\x1c\n\x04role\x18\x15 \x01(\x0e\x32\x0e.ferry.v1.Role\x12\x15\n\runschedulable\x18\x16 \x01(\x08\x12\x30\n\x0cprefix_cache\x18\x17 \x01(\x0b\x32\x1a.ferry.v1.PrefixCacheStats\x12\x15\n\rshared_blocks\x18\x18 \x01(\x03\x12\x1e\n\x16running_prefill_tokens\x18\x19 \x01(\x03\"\xcb\x01\n\x10PrefixCacheStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x0f\n\x07queries\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\x12\x15\n\rcached_blocks\x18\x06 \x01(\x03\x12\x18\n\x10\x65victable_blocks\x18\x07 \x01(\x03\x12\x19\n\x11preempted_queries\x18\x08 \x01(\x03\x12\x16\n\x0epreempted_hits\x18\t \x01(\x03\"E\n\rKvBlockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x06parent\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_parent\"&\n\x0eKvBlockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x0e\n\x0cKvAllCleared\"\x95\x01\n\x07KvEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.ferry.v1.KvBlockStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.ferry.v1.KvBlockRemovedH\x00\x12)\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x16.ferry.v1.KvAllClearedH\x00\x42\x07\n\x05\x65vent\"S\n\x0cKvEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x11.ferry.v1.KvEvent\"7\n\x07KvBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x04\x12\x13\n\x06parent\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_parent\"Q\n\nKvSnapshot\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x11.ferry.v1.KvBlock\"\xd5\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x15\n\rstarted_at_ms\x18\x08 \x01(\x03\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x14\n\x0cno_migration\x18\n \x01(\t\"s\n\x0eInstanceRecord\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.ferry.v1.InstanceInfo\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.ferry.v1.InstanceStatus\x12\x11\n\tlast_seen\x18\x03 \x01(\x01*2\n\x08Priority\x12\x13\n\x0fPRIORITY_NORMAL\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01*9\n\x04Role\x12\x0e\n\nROLE_MIXED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14libs/pb/common.proto\x12\x08\x66\x65rry.v1\"\xef\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x14\n\x0chas_logprobs\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\x1b\n\x13has_prompt_logprobs\x18\x0c \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x05\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1e\n\x16has_repetition_penalty\x18\x10 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\x11 \x01(\x02\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12;\n\nlogit_bias\x18\x13 \x03(\x0b\x32\'.ferry.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x05\x12*\n\tbad_words\x18\x15 \x03(\x0b\x32\x17.ferry.v1.TokenSequence\x12\"\n\x07grammar\x18\x16 \x01(\x0b\x32\x11.ferry.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"F\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x12\x0f\n\x07\x63ompact\x18\x04 \x01(\x08\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04none\x18\x04 \x01(\x08\"\xe9\x01\n\x0bRequestLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x08priority\x18\x02 \x01(\x0e\x32\x12.ferry.v1.Priority\x12*\n\x05state\x18\x03 \x01(\x0e\x32\x1b.ferry.v1.RequestLoad.State\x12\x17\n\x0fphysical_blocks\x18\x04 \x01(\x05\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\x15\n\rvirtual_usage\x18\x06 \x01(\x01\"0\n\x05State\x12\x0b\n\x07WAITING\x10\x00\x12\x0b\n\x07RUNNING\x10\x01\x12\r\n\tMIGRATING\x10\x02\"\x80\x05\n\x0eInstanceStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\"\n\x1ahead_of_line_demand_blocks\x18\t \x01(\x03\x12\x15\n\rvirtual_usage\x18\n \x01(\x01\x12\x10\n\x08\x66reeness\x18\x0b \x01(\x01\x12\x17\n\x0fnormal_freeness\x18\x0c \x01(\x01\x12\x13\n\x0bterminating\x18\r \x01(\x08\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\x03\x12\x14\n\x0cmigrating_in\x18\x0f \x01(\x05\x12\x15\n\rmigrating_out\x18\x10 \x01(\x05\x12\'\n\x08requests\x18\x11 \x03(\x0b\x32\x15.ferry.v1.RequestLoad\x12\x13\n\x0bused_blocks\x18\x12 \x01(\x03\x12\x1d\n\x15waiting_demand_blocks\x18\x13 \x01(\x03\x12\x14\n\x0c\x65ngine_steps\x18\x14 \x01(\x04\x12\x1c\n\x04role\x18\x15 \x01(\x0e\x32\x0e.ferry.v1.Role\x12\x15\n\runschedulable\x18\x16 \x01(\x08\x12\x30\n\x0cprefix_cache\x18\x17 \x01(\x0b\x32\x1a.ferry.v1.PrefixCacheStats\x12\x15\n\rshared_blocks\x18\x18 \x01(\x03\x12\x1e\n\x16running_prefill_tokens\x18\x19 \x01(\x03\"\xcb\x01\n\x10PrefixCacheStats\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x0f\n\x07queries\x18\x03 \x01(\x03\x12\x0c\n\x04hits\x18\x04 \x01(\x03\x12\x11\n\tevictions\x18\x05 \x01(\x03\x12\x15\n\rcached_blocks\x18\x06 \x01(\x03\x12\x18\n\x10\x65victable_blocks\x18\x07 \x01(\x03\x12\x19\n\x11preempted_queries\x18\x08 \x01(\x03\x12\x16\n\x0epreempted_hits\x18\t \x01(\x03\"E\n\rKvBlockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x13\n\x06parent\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_parent\"&\n\x0eKvBlockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x0e\n\x0cKvAllCleared\"\x95\x01\n\x07KvEvent\x12)\n\x06stored\x18\x01 \x01(\x0b\x32\x17.ferry.v1.KvBlockStoredH\x00\x12+\n\x07removed\x18\x02 \x01(\x0b\x32\x18.ferry.v1.KvBlockRemovedH\x00\x12)\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x16.ferry.v1.KvAllClearedH\x00\x42\x07\n\x05\x65vent\"S\n\x0cKvEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x11.ferry.v1.KvEvent\"7\n\x07KvBlock\x12\x0c\n\x04hash\x18\x01 \x01(\x04\x12\x13\n\x06parent\x18\x02 \x01(\x04H\x00\x88\x01\x01\x42\t\n\x07_parent\"Q\n\nKvSnapshot\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x11.ferry.v1.KvBlock\"\xd5\x01\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x15\n\rstarted_at_ms\x18\x08 \x01(\x03\x12\x12\n\nvocab_size\x18\t \x01(\x05\x12\x14\n\x0cno_migration\x18\n \x01(\t\"s\n\x0eInstanceRecord\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.ferry.v1.InstanceInfo\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.ferry.v1.InstanceStatus\x12\x11\n\tlast_seen\x18\x03 \x01(\x01*2\n\x08Priority\x12\x13\n\x0fPRIORITY_NORMAL\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01*9\n\x04Role\x12\x0e\n\nROLE_MIXED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libs.pb.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=2142
-  _globals['_PRIORITY']._serialized_end=2192
-  _globals['_ROLE']._serialized_start=2194
-  _globals['_ROLE']._serialized_end=2251
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_PRIORITY']._serialized_start=2783
+  _globals['_PRIORITY']._serialized_end=2833
+  _globals['_ROLE']._serialized_start=2835
+  _globals['_ROLE']._serialized_end=2892
   _globals['_SAMPLINGPARAMS']._serialized_start=35
-  _globals['_SAMPLINGPARAMS']._serialized_end=218
-  _globals['_REQUESTLOAD']._serialized_start=221
-  _globals['_REQUESTLOAD']._serialized_end=454
-  _globals['_REQUESTLOAD_STATE']._serialized_start=406
-  _globals['_REQUESTLOAD_STATE']._serialized_end=454
-  _globals['_INSTANCESTATUS']._serialized_start=457
-  _globals['_INSTANCESTATUS']._serialized_end=1097
-  _globals['_PREFIXCACHESTATS']._serialized_start=1100
-  _globals['_PREFIXCACHESTATS']._serialized_end=1303
-  _globals['_KVBLOCKSTORED']._serialized_start=1305
-  _globals['_KVBLOCKSTORED']._serialized_end=1374
-  _globals['_KVBLOCKREMOVED']._serialized_start=1376
-  _globals['_KVBLOCKREMOVED']._serialized_end=1414
-  _globals['_KVALLCLEARED']._serialized_start=1416
-  _globals['_KVALLCLEARED']._serialized_end=1430
-  _globals['_KVEVENT']._serialized_start=1433
-  _globals['_KVEVENT']._serialized_end=1582
-  _globals['_KVEVENTBATCH']._serialized_start=1584
-  _globals['_KVEVENTBATCH']._serialized_end=1667
-  _globals['_KVBLOCK']._serialized_start=1669
-  _globals['_KVBLOCK']._serialized_end=1724
-  _globals['_KVSNAPSHOT']._serialized_start=1726
-  _globals['_KVSNAPSHOT']._serialized_end=1807
-  _globals['_INSTANCEINFO']._serialized_start=1810
-  _globals['_INSTANCEINFO']._serialized_end=2023
-  _globals['_INSTANCERECORD']._serialized_start=2025
-  _globals['_INSTANCERECORD']._serialized_end=2140
+  _globals['_SAMPLINGPARAMS']._serialized_end=658
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=610
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=658
+  _globals['_TOKENSEQUENCE']._serialized_start=660
+  _globals['_TOKENSEQUENCE']._serialized_end=694
+  _globals['_GRAMMAR']._serialized_start=696
+  _globals['_GRAMMAR']._serialized_end=766
+  _globals['_TOKENLOGPROBS']._serialized_start=768
+  _globals['_TOKENLOGPROBS']._serialized_end=859
+  _globals['_REQUESTLOAD']._serialized_start=862
+  _globals['_REQUESTLOAD']._serialized_end=1095
+  _globals['_REQUESTLOAD_STATE']._serialized_start=1047
+  _globals['_REQUESTLOAD_STATE']._serialized_end=1095
+  _globals['_INSTANCESTATUS']._serialized_start=1098
+  _globals['_INSTANCESTATUS']._serialized_end=1738
+  _globals['_PREFIXCACHESTATS']._serialized_start=1741
+  _globals['_PREFIXCACHESTATS']._serialized_end=1944
+  _globals['_KVBLOCKSTORED']._serialized_start=1946
+  _globals['_KVBLOCKSTORED']._serialized_end=2015
+  _globals['_KVBLOCKREMOVED']._serialized_start=2017
+  _globals['_KVBLOCKREMOVED']._serialized_end=2055
+  _globals['_KVALLCLEARED']._serialized_start=2057
+  _globals['_KVALLCLEARED']._serialized_end=2071
+  _globals['_KVEVENT']._serialized_start=2074
+  _globals['_KVEVENT']._serialized_end=2223
+  _globals['_KVEVENTBATCH']._serialized_start=2225
+  _globals['_KVEVENTBATCH']._serialized_end=2308
+  _globals['_KVBLOCK']._serialized_start=2310
+  _globals['_KVBLOCK']._serialized_end=2365
+  _globals['_KVSNAPSHOT']._serialized_start=2367
+  _globals['_KVSNAPSHOT']._serialized_end=2448
+  _globals['_INSTANCEINFO']._serialized_start=2451
+  _globals['_INSTANCEINFO']._serialized_end=2664
+  _globals['_INSTANCERECORD']._serialized_start=2666
+  _globals['_INSTANCERECORD']._serialized_end=2781
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,14 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "min_tokens")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "min_tokens", "has_logprobs", "logprobs", "has_prompt_logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "has_repetition_penalty", "repetition_penalty", "min_p", "logit_bias", "allowed_token_ids", "bad_words", "grammar")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +41,19 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    HAS_REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -43,7 +63,50 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     min_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    has_logprobs: bool
+    logprobs: int
+    has_prompt_logprobs: bool
+    prompt_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    has_repetition_penalty: bool
+    repetition_penalty: float
+    min_p: float
+    logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    grammar: Grammar
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_repetition_penalty: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "spec", "strict", "compact")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    spec: str
+    strict: bool
+    compact: bool
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., strict: _Optional[bool] = ..., compact: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs", "none")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NONE_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    none: bool
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., none: _Optional[bool] = ...) -> None: ...
 
 class RequestLoad(_message.Message):
     __slots__ = ("request_id", "priority", "state", "physical_blocks", "num_tokens", "virtual_usage")

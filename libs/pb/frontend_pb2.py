@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libs.pb import common_pb2 as libs_dot_pb_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libs/pb/frontend.proto\x12\x08\x66\x65rry.v1\x1a\x14libs/pb/common.proto\"\xc2\x01\n\x13TextGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xaf\x01\n\x14TextGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x32W\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.ferry.v1.TextGenerateRequest\x1a\x1e.ferry.v1.TextGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16libs/pb/frontend.proto\x12\x08\x66\x65rry.v1\x1a\x14libs/pb/common.proto\"\x83\x02\n\x13TextGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ferry.v1.SamplingParams\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x08 \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\t \x01(\x08\"\x8c\x02\n\x14TextGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11\x63lient_request_id\x18\x07 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x05\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.ferry.v1.TokenLogprobs\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.ferry.v1.TokenLogprobs2W\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.ferry.v1.TextGenerateRequest\x1a\x1e.ferry.v1.TextGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libs.pb.frontend_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TEXTGENERATEREQUEST']._serialized_start=59
-  _globals['_TEXTGENERATEREQUEST']._serialized_end=253
-  _globals['_TEXTGENERATERESPONSE']._serialized_start=256
-  _globals['_TEXTGENERATERESPONSE']._serialized_end=431
-  _globals['_FRONTEND']._serialized_start=433
-  _globals['_FRONTEND']._serialized_end=520
+  _globals['_TEXTGENERATEREQUEST']._serialized_end=318
+  _globals['_TEXTGENERATERESPONSE']._serialized_start=321
+  _globals['_TEXTGENERATERESPONSE']._serialized_end=589
+  _globals['_FRONTEND']._serialized_start=591
+  _globals['_FRONTEND']._serialized_end=678
 # @@protoc_insertion_point(module_scope)

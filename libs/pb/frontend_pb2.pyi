@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TextGenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "sampling", "priority", "stop", "model", "request_id")
+    __slots__ = ("prompt", "prompt_token_ids", "sampling", "priority", "stop", "model", "request_id", "include_stop_str_in_output", "keep_special_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class TextGenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,10 +25,12 @@ class TextGenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     model: str
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., stop: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    include_stop_str_in_output: bool
+    keep_special_tokens: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., stop: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., request_id: _Optional[str] = ..., include_stop_str_in_output: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TextGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "client_request_id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("request_id", "client_request_id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +38,8 @@ class TextGenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     client_request_id: str
     text: str
@@ -41,4 +47,6 @@ class TextGenerateResponse(_message.Message):
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., client_request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...

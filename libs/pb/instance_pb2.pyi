@@ -198,7 +198,7 @@ class MovedTo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., next_index: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("index", "token_ids", "finish_reason", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations", "error_code", "error_message")
+    __slots__ = ("index", "token_ids", "finish_reason", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations", "error_code", "error_message", "logprobs", "prompt_logprobs")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,8 @@ class TokenEvent(_message.Message):
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -219,7 +221,9 @@ class TokenEvent(_message.Message):
     num_migrations: int
     error_code: str
     error_message: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("request_id", "from_index", "flush_interval_ms")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,19 +16,15 @@ from services.frontend import metrics
 from services.frontend.admission import Admission
 from services.frontend.auth import check_priority
 from services.frontend.body_limit import BodyLimit
-from services.frontend.completions import Prepared, prepare, text_stream, usage
+from services.frontend.completions import check_token_ids, prepare
 from services.frontend.config import FrontendConfig
-from services.frontend.disconnect import ClientGone, unless_disconnected
 from services.frontend.edge import PRIVILEGED, Edge
-from services.frontend.event_stream import EventStream
+from services.frontend.respond import Responder
 from services.frontend.router import Router
-from services.frontend.schema import ChatCompletionRequest, CompletionRequest
+from services.frontend.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.frontend.tokenizer import Tokenizer
 
 log = get_logger(__name__)
-
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (nobody reads it)
-
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
 
@@ -46,12 +41,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if e.get("type") == "json_invalid":
         return "request body is not valid JSON", None
     where = ".".join(loc) if loc else "body"
-    return f"{where}: {e.get('msg', 'invalid value')}", (loc[0] if loc else None)
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if e.get("type") == "extra_forbidden":
+        msg = "unknown field: not supported by Ferry (a field no API here takes is refused, not ignored)"
+    return f"{where}: {msg}", (loc[0] if loc else None)
 
 
 def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
-               admission: Admission | None = None) -> FastAPI:
-    """``admission``: the in-flight bound and drain this frontend's APIs share."""
+               admission: Admission | None = None, tool_parser=None) -> FastAPI:
+    """``admission``: the in-flight bound and drain this frontend's APIs share;
+    ``tool_parser(tools)``: what reads tool_choice auto's calls (tools.HermesParser), or None."""
     app = FastAPI(title="Ferry", version="0.1.0")
     admission = admission or Admission(config.max_in_flight)
     # Outermost last: the key and admission before the body is read.
@@ -88,98 +87,47 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     def vocab() -> int:
         return router.vocab_size(tokenizer.vocab_size)
 
-    async def respond(request: Request, prep: Prepared, stream: bool, include_usage: bool, endpoint: str,
-                      token_ids: bool = False):
-        check_priority(prep.gen.priority, request.scope.get("state", {}).get(PRIVILEGED, False))
-        gen = prep.gen
-        obj = "chat.completion" if prep.kind == "chat" else "text_completion"
-
-        def choice(text: str, finish: str | None, final: bool) -> dict:
-            if prep.kind == "chat":
-                key = "message" if final else "delta"
-                body = {"role": "assistant", "content": text} if final else {"content": text}
-                return {"index": 0, key: body, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-        def extras() -> dict:
-            out = {"instances": gen.instances, "migrations": gen.num_migrations,
-                   "preemptions": gen.num_preemptions, "preemption_loss_ms": gen.preemption_loss_ms,
-                   "resumes": gen.num_resumes, "recomputed_tokens": gen.recomputed_tokens,
-                   "ttft_ms": (gen.first_token_at - gen.arrival) * 1000 if gen.first_token_at else None}
-            if token_ids:
-                out["token_ids"] = list(gen.delivered)
-            return out
-
-        base = {"id": gen.request_id, "created": prep.created, "model": model_name}
-        if not stream:
-            gen.flush_interval_ms = config.nonstream_flush_ms
-
-            async def whole() -> str:
-                return "".join([t async for t in text_stream(router, tokenizer, prep, config.max_resumes)])
-            try:
-                text = await unless_disconnected(request.receive, whole(), "before_response")
-            except ClientGone:
-                metrics.REQUESTS.labels(endpoint, str(CLIENT_CLOSED)).inc()
-                return Response(status_code=CLIENT_CLOSED)
-            metrics.REQUESTS.labels(endpoint, "200").inc()
-            return JSONResponse({**base, "object": obj, "choices": [choice(text, gen.finish_reason, True)],
-                                 "usage": usage(gen), "ferry": extras()})
-
-        chunk_obj = "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
-
-        def chunk(choices: list, **more) -> str:
-            return json.dumps({**base, "object": chunk_obj, "choices": choices, **more})
-
-        # NOTE: the response starts only once the request is placed and its
-        # first token is out: a request that cannot be placed or is refused
-        # gets its own HTTP status (a raised FerryError, answered by the
-        # handler above), never a 200 followed by an error event; and the
-        # first SSE chunk carries the first token (with the role, for chat).
-        texts = text_stream(router, tokenizer, prep, config.max_resumes)
-        try:
-            first = await unless_disconnected(request.receive, anext(texts), "before_first_token")
-        except StopAsyncIteration:
-            first = ""
-        except ClientGone:
-            await texts.aclose()
-            metrics.REQUESTS.labels(endpoint, str(CLIENT_CLOSED)).inc()
-            return Response(status_code=CLIENT_CLOSED)
-
-        def first_choice(text: str) -> dict:
-            if prep.kind == "chat":
-                return {"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None,
-                        "logprobs": None}
-            return choice(text, None, False)
-
-        async def rest():
-            try:
-                async for text in texts:
-                    yield chunk([choice(text, None, False)])
-                yield chunk([choice("", gen.finish_reason, False)], ferry=extras())
-                if include_usage:
-                    yield chunk([], usage=usage(gen))
-                metrics.REQUESTS.labels(endpoint, "200").inc()
-            except FerryError as e:  # after the response started: an error event is all that is left
-                status, body = openai_error(e)
-                metrics.REQUESTS.labels(endpoint, str(status)).inc()
-                yield json.dumps(body)
-            finally:
-                await texts.aclose()
-            yield "[DONE]"
-
-        return EventStream(chunk([first_choice(first)]), rest(), ping_s=15, write_timeout_s=config.client_timeout_s)
+    async def respond(request: Request, body, endpoint: str):
+        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab(), model_name,
+                       tool_parser)
+        check_priority(prep.choices[0].gen.priority, request.scope.get("state", {}).get(PRIVILEGED, False))
+        if body.user or body.safety_identifier:  # who asked, with the request (OpenAI's end-user ids)
+            log.info("request", request_id=prep.request_id, user=body.user, safety_identifier=body.safety_identifier)
+        r = Responder(prep, router, tokenizer, model_name, config.max_resumes)
+        token_ids = bool(getattr(body, "return_token_ids", False))
+        if not body.stream:
+            return await r.whole(request, endpoint, token_ids, config.nonstream_flush_ms)
+        so = body.stream_options
+        return await r.stream(request, endpoint, token_ids, bool(so and so.include_usage),
+                              bool(so and so.continuous_usage_stats), config.client_timeout_s)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, prep, body.stream, include_usage, "/v1/completions", body.return_token_ids)
+        return await respond(request, body, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab())
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, prep, body.stream, include_usage, "/v1/chat/completions")
+        return await respond(request, body, "/v1/chat/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's /tokenize: a prompt or chat messages -> token ids."""
+        if body.messages is not None:
+            ids = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                                add_generation_prompt=body.add_generation_prompt,
+                                                continue_final_message=body.continue_final_message)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": max_len(), "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.token_text(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        """vLLM's /detokenize: token ids -> text."""
+        check_token_ids(body.tokens, vocab(), "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/v1/models")
     async def models():

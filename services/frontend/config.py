@@ -12,7 +12,10 @@ class FrontendConfig(CommonConfig):
     scheduler: str = opt("127.0.0.1:7001", "scheduler address host:port")
     meta_store: str = opt("127.0.0.1:7000", "meta store address host:port")
     model: str = opt("smollm2", "model name or directory (tokenizer, chat template); 'fake' for fake engines")
-    served_model_name: str = opt("", "model name in the API (default: --model)")
+    served_model_name: str = opt("", "model name in the API (default: --model); a request naming another is a 404")
+    tool_call_parser: str = opt("", "read tool_choice 'auto' calls from the model's text with this parser (vLLM's, "
+                                "imported at start: the vllm extra); without one, 'auto' with tools is a 400",
+                                choices=("", "hermes"))
     api_key: str = opt("", "require this Bearer token (comma-separated list allowed)")
     api_key_file: str = opt("", "file with one accepted API key per line")
     require_api_key: bool = opt(False, "refuse to start unless an API key is configured (--api-key, "

@@ -48,6 +48,11 @@ class Generation:
     # Above 0: the instance may hold tokens after the first and send them
     # together this often (for clients that read only the whole completion).
     flush_interval_ms: int = 0
+    logprobs: list = field(default_factory=list)  # with SamplingParams.logprobs: one per delivered token
+    prompt_logprobs: tuple | None = None  # with SamplingParams.prompt_logprobs: one per prompt token
+    # An instance to go to if it can take the request (n > 1: where the first choice
+    # computed the shared prompt: Router.dispatch's affinity).
+    affinity: str = ""
 
 
 async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) -> AsyncIterator[int]:
@@ -82,7 +87,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
         if address is None:
             placed = await router.dispatch(
                 gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude),
-                token_ids=list(gen.prompt_ids) + list(gen.delivered))
+                token_ids=list(gen.prompt_ids) + list(gen.delivered), affinity=gen.affinity)
             instance_id, address, run_priority = placed.instance_id, placed.address, placed.run_priority
             # Splitwise: the decode instance goes with the request; its stream ends
             # with `moved` there once the prompt is done, followed like a migration.
@@ -105,6 +110,8 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
         try:
             async for ev in call:
                 watched.touch()
+                if ev.prompt_logprobs and gen.prompt_logprobs is None:
+                    gen.prompt_logprobs = ev.prompt_logprobs
                 if ev.token_ids:
                     skip = len(gen.delivered) - ev.index  # of these, already delivered
                     if skip < 0:
@@ -121,8 +128,11 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
                             for _ in new:
                                 metrics.ITL.observe(gap)
                         last_token_at = now
-                        for token_id in new:
+                        lps = ev.logprobs[skip:] if ev.logprobs else ()
+                        for k, token_id in enumerate(new):
                             gen.delivered.append(token_id)
+                            if k < len(lps):
+                                gen.logprobs.append(lps[k])
                             yield token_id
                 if ev.finish_reason == "error":
                     err = _request_error(ev, instance_id)

@@ -18,7 +18,7 @@ from libs.common.errors import InvalidArgument
 from libs.common.validation import MAX_CLIENT_REQUEST_ID, sampling_problem, stops_problem
 from services.frontend.admission import Admission
 from services.frontend.auth import Keys, check_priority
-from services.frontend.completions import Prepared, check_token_ids, text_stream
+from services.frontend.completions import Choice, Prepared, Present, check_token_ids, deltas, grammar_problem
 from services.frontend.generation import Generation
 
 
@@ -50,11 +50,13 @@ class FrontendServicer(pb_grpc.FrontendServicer):
             raise InvalidArgument("prompt or prompt_token_ids is required", param="prompt")
         check_token_ids(ids, self.vocab_size(), "prompt_token_ids")
         sampling = convert.sampling_from_pb(request.sampling)
-        check_token_ids(list(sampling.stop_token_ids), self.vocab_size(), "sampling.stop_token_ids")
-        problem = sampling_problem(sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens,
-                                   sampling.min_tokens)
+        problem = sampling_problem(sampling, self.vocab_size())
         if problem:
             raise InvalidArgument(f"sampling: {problem}", param="sampling")
+        if sampling.grammar is not None:
+            problem = grammar_problem(sampling.grammar)
+            if problem:
+                raise InvalidArgument(f"sampling.grammar: {problem}", param="sampling.grammar")
         priority = convert.priority_from_pb(request.priority)
         check_priority(priority, privileged)
         problem = stops_problem(list(request.stop))
@@ -67,13 +69,22 @@ class FrontendServicer(pb_grpc.FrontendServicer):
                 f"{len(ids) + sampling.max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{sampling.max_tokens} for the completion).", param="max_tokens")
         gen = Generation(f"grpc-{uuid.uuid4().hex}", ids, sampling, priority)
-        prep = Prepared(gen, list(request.stop), int(time.time()), "completion")
-        sent = 0
+        present = Present("completion", list(request.stop), request.include_stop_str_in_output,
+                          not request.keep_special_tokens, sampling.logprobs)
+        prep = Prepared(gen.request_id, int(time.time()), present, [ids], [Choice(0, gen, 0)])
         client_id = request.request_id
-        async for text in text_stream(self.router, self.tokenizer, prep, self.max_resumes):
-            yield pb.TextGenerateResponse(request_id=gen.request_id, text=text,
-                                          token_ids=gen.delivered[sent:], client_request_id=client_id)
-            sent = len(gen.delivered)
-        yield pb.TextGenerateResponse(request_id=gen.request_id, token_ids=gen.delivered[sent:],
-                                      finish_reason=gen.finish_reason or "stop", client_request_id=client_id,
-                                      prompt_tokens=len(ids), completion_tokens=len(gen.delivered))
+        prompt_sent = False
+        async for d in deltas(self.router, self.tokenizer, prep, prep.choices[0], self.max_resumes):
+            m = pb.TextGenerateResponse(request_id=gen.request_id, text=d.text, token_ids=d.token_ids,
+                                        client_request_id=client_id,
+                                        logprobs=[convert.logprobs_to_pb(lp) for lp in d.logprobs])
+            if gen.prompt_logprobs and not prompt_sent:
+                m.prompt_logprobs.extend(convert.logprobs_to_pb(lp) for lp in gen.prompt_logprobs)
+                prompt_sent = True
+            yield m
+        final = pb.TextGenerateResponse(request_id=gen.request_id, finish_reason=gen.finish_reason or "stop",
+                                        client_request_id=client_id, prompt_tokens=len(ids),
+                                        completion_tokens=len(gen.delivered))
+        if gen.prompt_logprobs and not prompt_sent:
+            final.prompt_logprobs.extend(convert.logprobs_to_pb(lp) for lp in gen.prompt_logprobs)
+        yield final

@@ -138,14 +138,17 @@ class Router:
         return min(sizes, key=lambda b: (-sizes[b], b)) if sizes else 0
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
-                       exclude: frozenset[str] = frozenset(), token_ids: Sequence[int] | None = None) -> Dispatched:
+                       exclude: frozenset[str] = frozenset(), token_ids: Sequence[int] | None = None,
+                       affinity: str = "") -> Dispatched:
         """Where a new request goes and the priority to run it at. The
         scheduler's policy decides the last; in bypass mode the request keeps
         its own. ``token_ids`` (the tokens the instance will be sent): their
-        full blocks' hashes go with the request, for prefix-aware policies."""
+        full blocks' hashes go with the request, for prefix-aware policies.
+        ``affinity``: the instance to prefer if it can take it (DispatchRequest)."""
         if time.monotonic() >= self._bypass_until:
             req = spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                      priority=int(priority), exclude_instance_ids=sorted(exclude))
+                                      priority=int(priority), exclude_instance_ids=sorted(exclude),
+                                      affinity_instance_id=affinity)
             bs = self.block_size() if token_ids and self._send_hashes else 0
             if bs:
                 req.block_size = bs
@@ -165,7 +168,7 @@ class Router:
             self.bypass = True
             metrics.BYPASS.set(1)
             self._bypass_until = time.monotonic() + self.bypass_retry_s
-        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude, token_ids)
+        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity)
 
     @staticmethod
     def _policy_uses_prefix(name: str) -> bool:
@@ -223,14 +226,15 @@ class Router:
                 raise from_grpc(e) from e
             return None, e.code().name
 
-    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None) -> Dispatched:
+    def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None,
+                          affinity: str = "") -> Dispatched:
         metrics.BYPASS_DISPATCHES.inc()
-        req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude)
+        req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude, affinity=affinity)
         bs = self.block_size() if token_ids and self.kv_index is not None and self._local.policy.uses_prefix else 0
         if bs:
             hashes = block_hashes(token_ids, bs)
             req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude, prefix_blocks=len(hashes),
-                                  hits=self.kv_index.hits(hashes, bs))
+                                  hits=self.kv_index.hits(hashes, bs), affinity=affinity)
         views = self.view.views()
         placed = place(self._local, views, req) if views else None
         iid, decode = (placed.prefill, placed.decode) if placed else (None, None)

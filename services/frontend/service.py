@@ -64,6 +64,16 @@ def raise_open_file_limit() -> int:
     return hard
 
 
+def tool_parser_factory(name: str, tokenizer):
+    """tools -> the parser of tool_choice auto's calls (tools.py), or None; its library is imported now."""
+    if not name:
+        return None
+    from services.frontend.tools import HermesParser
+
+    HermesParser(getattr(tokenizer, "tok", None), [])  # imports vLLM's parser before the first request
+    return lambda tools: HermesParser(tokenizer.tok, tools)
+
+
 async def run_frontend(config: FrontendConfig, freeze_heap: bool = False) -> None:
     """``freeze_heap``: this process is the frontend alone (``ferry serve
     frontend``): freeze its start-up heap (libs.common.server.freeze_startup_heap)."""
@@ -74,7 +84,7 @@ async def run_frontend(config: FrontendConfig, freeze_heap: bool = False) -> Non
                     config.bypass_prefix_index)
     router.start()
     admission = Admission(config.max_in_flight)
-    app = create_app(config, router, tokenizer, admission)
+    app = create_app(config, router, tokenizer, admission, tool_parser_factory(config.tool_call_parser, tokenizer))
     # NOTE: uvicorn's own graceful shutdown cuts what is left after 5 s: the
     # drain below (admission.drain) has let the streams finish first.
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str]):
+    """``include``: the stop string itself is part of the text (vLLM's include_stop_str_in_output)."""
+
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
         self.held = ""
         self.stopped = False
+        self.include = include
 
     def feed(self, text: str) -> str:
         """Text safe to emit now. Sets ``stopped`` when a stop string appears."""
@@ -17,11 +20,12 @@ class StopMatcher:
         if self.stopped:
             return ""
         buf = self.held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, stop = min(found)
             self.stopped = True
             self.held = ""
-            return buf[:cut]
+            return buf[:cut + (len(stop) if self.include else 0)]
         # Hold back the longest suffix that is a prefix of some stop string.
         keep = 0
         for s in self.stops:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from libs.common.errors import Code, FerryError, NotFound
-from libs.common.types import Moved, StreamEvent
+from libs.common.types import Logprobs, Moved, StreamEvent
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Event:
     # reason: the instance cannot go on (its engine died) and the stream's
     # call ends with that status, so the frontend resumes the request elsewhere.
     error: tuple[str, str] | None = None
+    logprobs: Logprobs | None = None  # the token's, when its request asked for them
+    prompt_logprobs: tuple | None = None  # the prompt's, with the request's first output (when asked for)
 
     @property
     def final(self) -> bool:
@@ -55,7 +57,8 @@ class RequestStream:
             if ev.token_id is None or ev.index >= from_index:
                 yield ev
             elif ev.final:  # a final event on a token already delivered
-                yield Event(ev.index, None, ev.finish_reason, ev.moved_to, ev.stats, ev.error)
+                yield Event(ev.index, None, ev.finish_reason, ev.moved_to, ev.stats, ev.error,
+                            prompt_logprobs=ev.prompt_logprobs)
             if ev.final:
                 return
 
@@ -88,7 +91,8 @@ class StreamTable:
             if stream is None:
                 continue
             reason = out.finish_reason.value if out.finish_reason else None
-            stream.push(Event(out.index, out.token_id, reason, stats=out.stats, error=out.error))
+            stream.push(Event(out.index, out.token_id, reason, stats=out.stats, error=out.error,
+                              logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs))
             if reason and stream.attached:
                 self.close(out.request_id)
             if on_output is not None:
@@ -104,15 +108,17 @@ class StreamTable:
         return len(self._streams)
 
 
-def flush_event(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0) -> StreamEvent:
+def flush_event(ev: Event, tokens: list[int], first_index: int, num_prompt_tokens: int = 0,
+                logprobs: list | None = None, prompt_logprobs: tuple | None = None) -> StreamEvent:
     """What goes to the client at once: ``tokens`` (output positions from
-    ``first_index``) and whatever ``ev``, the last event they came with,
-    says (finished, moved, failed, stats)."""
+    ``first_index``, with their ``logprobs`` if any) and whatever ``ev``, the
+    last event they came with, says (finished, moved, failed, stats)."""
     stats = ev.stats or {}
     return StreamEvent(first_index if tokens else ev.index, tuple(tokens), ev.finish_reason or "",
                        Moved(ev.moved_to[0], ev.moved_to[1], ev.index) if ev.moved_to is not None else None,
                        ev.error, num_prompt_tokens, int(stats.get("num_preemptions", 0)),
-                       float(stats.get("preemption_loss_ms", 0.0)), int(stats.get("num_migrations", 0)))
+                       float(stats.get("preemption_loss_ms", 0.0)), int(stats.get("num_migrations", 0)),
+                       tuple(logprobs or ()), tuple(prompt_logprobs or ()))
 
 
 async def serve_stream(streams: StreamTable, stream: RequestStream, from_index: int, num_prompt_tokens: int,
@@ -130,6 +136,8 @@ async def serve_stream(streams: StreamTable, stream: RequestStream, from_index: 
     final = False
     interval_s = max(0, flush_interval_ms) / 1000.0
     held: list[int] = []
+    held_lp: list = []  # their logprobs (when asked for)
+    prompt_lp = None
     held_from = 0
     last_sent: float | None = None
     try:
@@ -137,16 +145,20 @@ async def serve_stream(streams: StreamTable, stream: RequestStream, from_index: 
             final = ev.final
             if ev.error is not None and ev.finish_reason is None:
                 if held:  # what the client has not seen yet goes first
-                    yield flush_event(Event(held_from), held, held_from)
+                    yield flush_event(Event(held_from), held, held_from, logprobs=held_lp, prompt_logprobs=prompt_lp)
                 raise FerryError(ev.error[1], code=Code(ev.error[0]))
+            if ev.prompt_logprobs is not None:
+                prompt_lp = ev.prompt_logprobs
             if ev.token_id is not None:
                 if not held:
                     held_from = ev.index
                 held.append(ev.token_id)
+                if ev.logprobs is not None:
+                    held_lp.append(ev.logprobs)
             now = time.monotonic()
             if final or last_sent is None or now - last_sent >= interval_s:
-                f = flush_event(ev, held, held_from, num_prompt_tokens)
-                held, last_sent = [], now
+                f = flush_event(ev, held, held_from, num_prompt_tokens, held_lp, prompt_lp)
+                held, held_lp, prompt_lp, last_sent = [], [], None, now
                 yield f
     finally:
         if streams.get(rid) is stream:

@@ -25,6 +25,7 @@ from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, U
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, demand_blocks, get
 from libs.common.policies.index import DispatchIndex
+from libs.common.policies.base import affine
 from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
@@ -135,7 +136,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not view.synced.is_set():
             raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
-                              frozenset(request.exclude_instance_ids))
+                              frozenset(request.exclude_instance_ids), affinity=request.affinity_instance_id)
         if self.svc.dispatcher.policy.uses_prefix and request.block_hashes:
             req = dataclasses.replace(req, prefix_blocks=len(request.block_hashes),
                                       hits=self.svc.prefix_hits(list(request.block_hashes), request.block_size))
@@ -250,6 +251,10 @@ class SchedulerService(Service):
     def place(self, req: DispatchRequest) -> Placement | None:
         """Dispatch's decision: the index where it serves (every instance
         mixed), else the policy over the whole view (Splitwise's two steps)."""
+        if req.affinity:
+            near = affine(self.view.views(), req)
+            if near is not None:
+                return Placement(near)
         if self.index is not None:
             self.view.refresh()
             for iid in self._stale:

@@ -67,8 +67,10 @@ def test_models_and_health(fake_cluster):
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
-    ({"prompt": "x", "n": 2}, 400, "n"),
-    ({"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "no_such_field": 1}, 400, "no_such_field"),
     ({"prompt": "x", "priority": "urgent"}, 400, "priority"),
     ({"prompt": "x" * 3000, "max_tokens": 4}, 400, "prompt"),
     ({"prompt": "x" * 100, "max_tokens": 2000}, 400, "max_tokens"),
@@ -95,7 +97,7 @@ def test_context_limit_message_says_the_limits(fake_cluster):
 
 def test_openai_client_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="fake", prompt="x", max_tokens=5, n=3)
+        client.completions.create(model="fake", prompt="x", max_tokens=5, best_of=3)
 
 
 async def test_200_concurrent_streams_get_exactly_their_tokens(fake_cluster):

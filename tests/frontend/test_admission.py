@@ -57,7 +57,7 @@ def test_the_in_flight_bound_and_the_drain():
 
 
 class _RaisingTemplate(ByteTokenizer):
-    def apply_chat_template(self, messages):
+    def apply_chat_template(self, messages, **kw):
         raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
 
 

@@ -61,7 +61,7 @@ class LocalRouter:
         self.view = SimpleNamespace(records=agents)
         self.dispatched: list[str] = []
 
-    async def dispatch(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None) -> Dispatched:
+    async def dispatch(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None, affinity="") -> Dispatched:
         for iid, decode in self.plan:
             if iid not in exclude:
                 self.dispatched.append(iid)

@@ -41,6 +41,23 @@ class DispatchRequest:
     # engines' caches; prefix-blind policies ignore both.
     prefix_blocks: int = 0
     hits: Mapping[str, int] = field(default_factory=dict)
+    # An instance this request should go to if it can take it (n > 1: where the
+    # first choice computed the prompt the others share; "" = none).
+    affinity: str = ""
+
+
+def affine(views: list[InstanceView], req: DispatchRequest) -> str | None:
+    """``req.affinity`` when that instance can take the request now
+    (schedulable, not excluded, it runs prompts, enough free blocks for the
+    request's own demand beside what is pending there); None: dispatch as
+    usual. Every placement asks this first (phases.place, the scheduler's)."""
+    if not req.affinity or req.affinity in req.exclude:
+        return None
+    v = next((v for v in views if v.instance_id == req.affinity), None)
+    if v is None or not v.schedulable or not v.status.role.prefills:
+        return None
+    need = demand_blocks(req.num_prompt_tokens, v.status.block_size, req.hits.get(v.instance_id, 0))
+    return v.instance_id if v.status.free_blocks - v.pending_blocks >= need else None
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

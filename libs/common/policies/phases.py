@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from libs.common.policies.base import Dispatcher, DispatchRequest, InstanceView
+from libs.common.policies.base import Dispatcher, DispatchRequest, InstanceView, affine
 from libs.common.types import Role
 
 # Splitwise (ISCA'24, §4.3): serialized transfer is cheaper below about 512
@@ -90,6 +90,9 @@ def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchReques
     instance is chosen among instances that decode, by the same score, for
     the prompt plus its first token, never the prefill instance itself; where
     none can take it the request decodes where it prefills."""
+    near = affine(views, req)
+    if near is not None:
+        return Placement(near)
     if not is_split(views):
         iid = dispatcher.choose(views, req)
         return None if iid is None else Placement(iid)

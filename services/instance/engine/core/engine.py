@@ -50,16 +50,15 @@ def check_request(request: EngineRequest, max_model_len: int, vocab_size: int) -
         raise EngineError("empty prompt")
     sp = request.sampling
     n_ctx = len(request.prompt_token_ids) + len(request.resume_token_ids)
-    if sp.max_tokens <= len(request.resume_token_ids):
+    if request.resume_token_ids and sp.max_tokens <= len(request.resume_token_ids):
         raise EngineError("max_tokens already reached by resume_token_ids")
     if n_ctx >= max_model_len:
         raise EngineError(f"prompt of {n_ctx} tokens does not fit max_model_len {max_model_len}")
-    problem = sampling_problem(sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.min_tokens)
+    problem = sampling_problem(sp, vocab_size)
     if problem:
         raise EngineError(problem)
     check_token_ids(request.prompt_token_ids, vocab_size, "the prompt")
     check_token_ids(request.resume_token_ids, vocab_size, "resume_token_ids")
-    check_token_ids(sp.stop_token_ids, vocab_size, "stop_token_ids")
     return n_ctx
 
 
@@ -143,6 +142,12 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             req.on_computed(now)
             if not samples:
                 continue
+            if req.sampling.max_tokens == 0:  # the prompt only (its logprobs): done, nothing drawn
+                req.first_token_time = now
+                outputs.append(TokenOutput(req.request_id, 0, None, FinishReason.LENGTH, self._final_stats(req),
+                                           prompt_logprobs=self._take_prompt_logprobs(req)))
+                self._finish(req, FinishReason.LENGTH)
+                continue
             logprobs = None
             if isinstance(tok, Sampled):
                 tok, logprobs = tok.token, tok.logprobs
@@ -155,12 +160,21 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             if reason is not None:  # counters travel with the final token to the client
                 stats = self._final_stats(req)
             outputs.append(TokenOutput(req.request_id, len(req.output_token_ids) - 1, tok, reason, stats,
-                                       logprobs=logprobs))
+                                       logprobs=logprobs, prompt_logprobs=self._take_prompt_logprobs(req)))
             if reason is not None:
                 self._finish(req, reason)
             elif req.hold_after_prefill:
                 self._hold(req)
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request) -> tuple | None:
+        """The prompt's logprobs (None for its first token) with the request's
+        first output, once; None after, or when not asked for."""
+        if req.sampling.prompt_logprobs is None or req.prompt_logprobs_sent:
+            return None
+        req.prompt_logprobs_sent = True
+        return (None,) + tuple(req.prompt_logprobs.get(j) for j in range(1, req.num_prompt_tokens))
 
     def _hold(self, req: Request) -> None:
         """Its prompt is done: out of the batch until its handoff ends
@@ -268,6 +282,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
         sp = req.sampling
         n_out = len(req.output_token_ids)
+        if req.grammar_done:  # its structured output is complete (the grammar accepted a stop token)
+            return FinishReason.STOP
         if n_out >= sp.min_tokens:
             if tok in sp.stop_token_ids:
                 return FinishReason.STOP
@@ -499,6 +515,9 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         r = self._get(request_id)
         if r.status is not RequestStatus.SUSPENDED:
             raise EngineError(f"request {request_id!r} is {r.status.value}, not suspended")
+        if r.sampling.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+            # its prompt's logprobs so far are here, and only sent with its first output
+            raise EngineError(f"request {request_id!r} has prompt logprobs not yet delivered: it stays here")
         return RequestState(
             request_id=r.request_id,
             prompt_token_ids=list(r.prompt_token_ids),

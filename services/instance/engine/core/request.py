@@ -50,6 +50,15 @@ class Request:
         # whatever else changes the KV (none today: one root for all).
         self.hash_root: BlockHash = ROOT
         self.generator = None  # per-request RNG (native sampler), exportable
+        # The structured output's matcher (native: grammar.py), built from the
+        # grammar and the output so far wherever the request runs; ``done``:
+        # the grammar is complete, the request stops (Engine._stop_reason).
+        self.grammar_matcher = None
+        self.grammar_done = False
+        # SamplingParams.prompt_logprobs: by prompt position (1 ..), as the
+        # chunks compute them; sent once, with the first output.
+        self.prompt_logprobs: dict[int, object] = {}
+        self.prompt_logprobs_sent = False
         # counters
         self.first_token_time = 0.0
         self.num_preemptions = 0

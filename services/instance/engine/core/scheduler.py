@@ -97,7 +97,8 @@ class Scheduler:
 
     def prefix_hit(self, req: Request) -> list[int]:
         """The cached blocks a request with no KV would start from."""
-        if req.block_ids or req.num_computed_tokens or not self.prefix_reuse or not self.pool.caching:
+        if (req.block_ids or req.num_computed_tokens or not self.prefix_reuse or not self.pool.caching
+                or req.sampling.prompt_logprobs is not None):  # NOTE: its prompt is computed whole (vLLM)
             return []
         return self.pool.lookup(req.full_block_hashes(self.block_size, (req.num_tokens - 1) // self.block_size))
 

@@ -145,7 +145,7 @@ class NativeEngine(CoreEngine):
                              decode_cache_bytes=None if dc_gb is None else int(float(dc_gb) * 2**30),
                              vllm_kernels=vllm_kernels, share_kv=config.share_kv,
                              kv_staging=bool(config.extra.get("kv_staging", True)),
-                             deterministic=config.deterministic)
+                             deterministic=config.deterministic, tokenizer_dir=path)
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)
         self.dtype = dtype

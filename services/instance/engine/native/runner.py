@@ -10,7 +10,7 @@ import torch
 
 from services.instance.engine import shared_kv
 from services.instance.engine.base import EngineError, KvLayout
-from services.instance.engine.core.executor import Executor, TappedChunk, tapped_chunks
+from services.instance.engine.core.executor import Executor, Sampled, TappedChunk, tapped_chunks
 from services.instance.engine.core.request import Request
 from services.instance.engine.core.scheduler import ScheduledChunk
 from libs.common import cpu_features
@@ -24,13 +24,17 @@ from services.instance.engine.native.attention import (
     slot_rows,
 )
 from services.instance.engine.native.decode_cache import DecodeCache
+from services.instance.engine.native.grammar import Grammars
 from services.instance.engine.native.kv_staging import CudaKvStaging
 from services.instance.engine.native.model import Attend, LlamaModel
 from services.instance.engine.native.kunserve import GuestChunk, LayerPeer, plan_segments
 from services.instance.engine.native.sampler import (
     generator_state,
+    keep_prompt_logprobs,
     new_generator,
+    prompt_logprob_positions,
     sample,
+    samples,
     set_generator_state,
     skip_draws,
 )
@@ -44,12 +48,13 @@ class ModelRunner(Executor):
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: frozenset[int], seed: int = 0,
                  decode_cache_bytes: int | None = None, vllm_kernels: bool = True, share_kv: bool = True,
-                 kv_staging: bool = True, deterministic: bool = False):
+                 kv_staging: bool = True, deterministic: bool = False, tokenizer_dir=None):
         cfg = model.config
         self.model = model
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = cfg.vocab_size
+        self.grammars = Grammars(tokenizer_dir, cfg.vocab_size, eos_token_ids)  # structured outputs (grammar.py)
         # On CPU (bf16 or fp32): vLLM's attention kernel and RMSNorm's fp32 part where they run (cpu_kernels.py).
         self.kernels = (cpu_kernels.load(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype)
                         if vllm_kernels and device.type == "cpu" and dtype in cpu_kernels.DTYPES else None)
@@ -182,21 +187,25 @@ class ModelRunner(Executor):
         return AttentionMeta(None, None, None, self._layout.num_layers, bs, kernels=self.kernels, paged=step)
 
     def _inputs(self, chunks: list[ScheduledChunk], ids: list[int], pos: list[int], meta: AttentionMeta):
-        """(token ids, positions, meta, the rows whose logits are sampled) as tensors."""
-        last_rows, row = [], 0
+        """(token ids, positions, meta, the rows whose logits are needed) as
+        tensors: first the rows that sample (``samples``), then those whose
+        next token is a prompt token its request wants the logprob of
+        (``prompt_rows``)."""
+        last_rows, prompt_rows, row = [], [], 0
         for c in chunks:
+            if samples(c):
+                last_rows.append(row + c.num_new - 1)
+            prompt_rows += [row + j - c.start for j in prompt_logprob_positions(c)]
             row += c.num_new
-            if c.samples:
-                last_rows.append(row - 1)
         dev = self.device
         return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
-                torch.tensor(last_rows, dtype=torch.long, device=dev))
+                torch.tensor(last_rows + prompt_rows, dtype=torch.long, device=dev))
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+    def execute(self, chunks: list[ScheduledChunk]) -> list[int | Sampled | None]:
         ordered, dense = self._order(chunks, self.decode_cache)
         input_ids, positions, meta, logits_index = self._metadata(ordered, dense)
-        sampling = [c.request for c in ordered if c.samples]
+        sampling = [c.request for c in ordered if samples(c)]
         tapped = tapped_chunks(ordered, self._layout)
         after_layer = (lambda i: self._emit_layer(tapped, i)) if tapped else None
         if len(self._segments) == 1:
@@ -209,9 +218,11 @@ class ModelRunner(Executor):
             self.decode_cache.advance(sum(c.num_new == 1 for c in ordered))
         if self._staging is not None:
             self._staging.step_done()
-        tokens = sample(logits, sampling, self.eos_token_ids) if sampling else []
+        if logits.shape[0] > len(sampling):
+            keep_prompt_logprobs(ordered, logits[len(sampling):])
+        tokens = sample(logits[:len(sampling)], sampling, self.eos_token_ids) if sampling else []
         by_id = {r.request_id: t for r, t in zip(sampling, tokens)}
-        return [by_id[c.request.request_id] if c.samples else None for c in chunks]
+        return [by_id.get(c.request.request_id) if c.samples else None for c in chunks]
 
     # --- pipelined execution (kunserve.py) ----------------------------------------------
     def set_pipeline(self, own: range, peers: list[tuple[range, LayerPeer]]) -> None:
@@ -543,6 +554,9 @@ class ModelRunner(Executor):
         if seed is None:
             seed = int(self._seeds.integers(0, 2**63 - 1))
         req.generator = new_generator(seed)
+        if req.sampling.grammar is not None:  # fed the output so far: a migrated or resumed request's state
+            req.grammar_matcher = self.grammars.matcher(req.sampling.grammar, req.output_token_ids)
+            req.grammar_done = req.grammar_matcher.is_terminated()
 
     def resume_sampler(self, req: Request, num_tokens: int) -> None:
         if not req.sampling.greedy:

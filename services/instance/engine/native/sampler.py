@@ -9,6 +9,7 @@ import torch
 from libs.common.types import GREEDY_TEMPERATURE, Logprobs
 from services.instance.engine.base import RequestFailed
 from services.instance.engine.core.executor import Sampled
+from services.instance.engine.native import logits as logits_mod
 from services.instance.engine.core.request import Request
 
 
@@ -73,15 +74,14 @@ def with_logprobs(token: int, lp: torch.Tensor, k: int) -> Sampled:
 
 
 def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[int]) -> list[int | Sampled]:
-    """logits: fp32 [B, vocab], one row per request."""
+    """logits: fp32 [B, vocab], one row per request. Order (vLLM's V1
+    sampler): raw logprobs; masks, biases and penalties (logits.py); greedy
+    argmax, or temperature, min_p, top-k, top-p and the request's own draw;
+    each grammar accepts its token."""
     lps = raw_logprobs(logits, reqs)  # NOTE: before the masks below change the logits
     logits = logits.float()
-    for i, r in enumerate(reqs):  # min_tokens: stop tokens are not allowed yet (rare, cheap)
-        sp = r.sampling
-        if sp.min_tokens and len(r.output_token_ids) < sp.min_tokens:
-            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
-            if banned:
-                logits[i, list(banned)] = float("-inf")
+    logits_mod.ban_stop_tokens(logits, reqs, eos_token_ids)
+    logits_mod.process(logits, reqs)
     # One pass gives the greedy tokens and the finiteness check: max's indices
     # = argmax's (first of ties; 3x faster on CPU), max propagates NaN like amax.
     best = logits.max(dim=-1)
@@ -89,7 +89,8 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
     # that fails (the engine runs it again without the failed rows).
     bad = (~torch.isfinite(best.values)).nonzero().flatten().tolist()
     if bad:
-        raise RequestFailed("the model produced non-finite logits (NaN or infinity) for this request",
+        raise RequestFailed("no token can follow: the model produced non-finite logits (NaN or infinity), or its "
+                            "masks (grammar, allowed_token_ids, bad_words, min_tokens) left none",
                             [reqs[i].request_id for i in bad], code="internal")
     out = best.indices.cpu()
     rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
@@ -101,7 +102,12 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
                             dtype=torch.float32).clamp(min=GREEDY_TEMPERATURE)
         top_k = torch.tensor([reqs[i].sampling.top_k for i in rows], device=sub.device)
         top_p = torch.tensor([reqs[i].sampling.top_p for i in rows], device=sub.device, dtype=torch.float32)
-        probs = _filter(sub / temp.unsqueeze(1), top_k, top_p).softmax(dim=-1).cpu()
+        scaled = sub / temp.unsqueeze(1)
+        min_p = [reqs[i].sampling.min_p for i in rows]
+        if any(min_p):
+            drop = logits_mod.min_p_mask(scaled.softmax(dim=-1), torch.tensor(min_p, device=sub.device))
+            scaled = scaled.masked_fill(drop, float("-inf"))
+        probs = _filter(scaled, top_k, top_p).softmax(dim=-1).cpu()
         # Still before any draw: a row that cannot be drawn from (huge logits
         # over a small temperature) fails alone, as non-finite logits do.
         bad = (~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)).nonzero().flatten().tolist()
@@ -111,6 +117,38 @@ def sample(logits: torch.Tensor, reqs: list[Request], eos_token_ids: frozenset[i
         for j, i in enumerate(rows):
             out[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator).item()
     tokens = out.tolist()
+    for i, r in enumerate(reqs):
+        if r.grammar_matcher is not None:
+            r.grammar_matcher.accept_token(tokens[i])
+            r.grammar_done = r.grammar_matcher.is_terminated()
     for i, lp in lps.items():
         tokens[i] = with_logprobs(tokens[i], lp, reqs[i].sampling.logprobs)
     return tokens
+
+
+def samples(chunk) -> bool:
+    """The chunk's request draws a token this step (a prompt-only request,
+    max_tokens 0, ends with its prompt instead)."""
+    return chunk.samples and chunk.request.sampling.max_tokens > 0
+
+
+def prompt_logprob_positions(chunk) -> range:
+    """The positions among the chunk's rows whose next token is a prompt token
+    its request wants the logprob of (SamplingParams.prompt_logprobs)."""
+    r = chunk.request
+    if r.sampling.prompt_logprobs is None or r.prompt_logprobs_sent:
+        return range(0)
+    return range(chunk.start, min(chunk.end, r.num_prompt_tokens - 1))
+
+
+def keep_prompt_logprobs(chunks, logits: torch.Tensor) -> None:
+    """The prompt rows' logits (in ``_inputs``' order) as each request's
+    prompt logprobs, by the position of the token they predict."""
+    lp = logits.float().log_softmax(dim=-1)
+    row = 0
+    for c in chunks:
+        r = c.request
+        for j in prompt_logprob_positions(c):
+            r.prompt_logprobs[j + 1] = with_logprobs(r.prompt_token_ids[j + 1], lp[row],
+                                                     r.sampling.prompt_logprobs).logprobs
+            row += 1

@@ -5,6 +5,7 @@ request whose prompt is everything it has so far)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import uuid
@@ -122,19 +123,54 @@ def sampling_params(sp: SamplingParams, num_output: int, load_key: str | None = 
     request gets a seed derived from (seed, num_output) on re-adding: vLLM
     keeps its generator inside the model runner, out of any API's reach, so
     the stream cannot go on where it was; a derived seed keeps the rest
-    reproducible instead of replaying the first tokens' randomness."""
-    from vllm.sampling_params import RequestOutputKind
+    reproducible instead of replaying the first tokens' randomness. The
+    prompt's logprobs are asked of the first incarnation only; a prompt-only
+    request (max_tokens 0) runs one token, which the engine drops."""
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
     from vllm.sampling_params import SamplingParams as VSamplingParams
 
     seed = sp.seed
     if seed is not None and num_output:
         seed = (seed * 1_000_003 + num_output) % (2**63)
     extra = {"kv_transfer_params": {"ferry_load": load_key}} if load_key else None
-    return VSamplingParams(
+    structured = None
+    if sp.grammar is not None:
+        g = sp.grammar
+        kind = {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                "grammar": "grammar"}[g.kind.value]
+        value = {"json": g.spec, "json_object": True, "regex": g.spec, "choice": json.loads(g.spec) if g.spec else [],
+                 "grammar": g.spec}[kind]
+        structured = StructuredOutputsParams(**{kind: value}, disable_any_whitespace=g.compact,
+                                             disable_additional_properties=g.strict and kind == "json")
+    v = VSamplingParams(
         n=1, temperature=sp.temperature, top_p=sp.top_p, top_k=max(0, sp.top_k), seed=seed,
-        max_tokens=sp.max_tokens - num_output, min_tokens=max(0, sp.min_tokens - num_output),
+        max_tokens=max(1, sp.max_tokens - num_output), min_tokens=max(0, sp.min_tokens - num_output),
         stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, detokenize=False,
-        output_kind=RequestOutputKind.DELTA, extra_args=extra)
+        output_kind=RequestOutputKind.DELTA, extra_args=extra, logprobs=sp.logprobs,
+        prompt_logprobs=sp.prompt_logprobs if not num_output else None,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, min_p=sp.min_p,
+        logit_bias=dict(sp.logit_bias) or None, allowed_token_ids=list(sp.allowed_token_ids) or None,
+        structured_outputs=structured)
+    if sp.bad_words:  # as token sequences (vLLM's own field takes words it tokenizes)
+        v._bad_words_token_ids = [list(w) for w in sp.bad_words]
+    return v
+
+
+def keeps_state_across_incarnations(sp: SamplingParams) -> bool:
+    """Whether a request re-added to vLLM with its output as prompt goes on
+    exactly (vLLM counts presence and frequency penalties, bad words and a
+    grammar over its own output only, which a new incarnation does not have):
+    such requests are not migrated on this engine."""
+    return not (sp.presence_penalty or sp.frequency_penalty or sp.bad_words or sp.grammar is not None)
+
+
+def logprobs_of(token: int, entry: dict, k: int):
+    """vLLM's {token: Logprob} of one position as Ferry's Logprobs (top ``k`` by rank)."""
+    from libs.common.types import Logprobs
+
+    top = sorted(((t, x) for t, x in entry.items() if x.rank is not None and x.rank <= k), key=lambda p: p[1].rank)
+    return Logprobs(float(entry[token].logprob), tuple((int(t), float(x.logprob)) for t, x in top))
 
 
 def vllm_priority(p: Priority) -> int:

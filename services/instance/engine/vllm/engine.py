@@ -65,6 +65,7 @@ class _Req:
     preemption_loss_ms: float = 0.0
     num_migrations: int = 0
     extra: dict = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
 
 class VllmEngine(Engine, MigrationHooks):
@@ -253,14 +254,31 @@ class VllmEngine(Engine, MigrationHooks):
             reason = _FINISH.get(c.finish_reason) if o.finished else None
             if o.finished and reason is None:
                 reason = FinishReason.STOP
+            sp = r.sampling
+            prompt_lps = None
+            if sp.prompt_logprobs is not None and not r.prompt_logprobs_sent and o.prompt_logprobs is not None:
+                ids = r.prompt
+                prompt_lps = (None,) + tuple(vargs.logprobs_of(t, e, sp.prompt_logprobs)
+                                             for t, e in zip(ids[1:], o.prompt_logprobs[1:]))
+                r.prompt_logprobs_sent = True
+            if sp.max_tokens == 0:  # the prompt only: vLLM's one token is not the client's
+                tokens.append(TokenOutput(r.request_id, 0, None, FinishReason.LENGTH, self._final_stats(r),
+                                          prompt_logprobs=prompt_lps))
+                if not o.finished:
+                    self.llm.abort_request([r.iid], internal=True)
+                self.reqs.pop(r.request_id, None)
+                self.by_iid.pop(r.iid, None)
+                continue
             for i, tok in enumerate(new):
                 r.output.append(int(tok))
                 if not r.first_token_time:
                     r.first_token_time = now
                 last = i == len(new) - 1
                 stats = self._final_stats(r) if last and reason else None
+                lp = (vargs.logprobs_of(int(tok), c.logprobs[i], sp.logprobs)
+                      if sp.logprobs is not None and c.logprobs else None)
                 tokens.append(TokenOutput(r.request_id, len(r.output) - 1, int(tok), reason if last else None,
-                                          stats))
+                                          stats, logprobs=lp, prompt_logprobs=prompt_lps if i == 0 else None))
             if o.finished:
                 if not new:  # finished without a token (vLLM-side abort)
                     tokens.append(TokenOutput(r.request_id, len(r.output), None, FinishReason.ABORT,
@@ -420,8 +438,10 @@ class VllmEngine(Engine, MigrationHooks):
         from vllm.v1.request import RequestStatus
 
         r = self.reqs.get(request_id)
-        if r is None or r.suspended or not self.migratable:
+        if r is None or r.suspended or not self.migratable or not vargs.keeps_state_across_incarnations(r.sampling):
             return False
+        if r.sampling.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+            return False  # its prompt's logprobs come with its first output, here
         v = self._vreq(r)
         if v is None or v.status != RequestStatus.RUNNING:
             return False
