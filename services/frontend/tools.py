@@ -18,11 +18,16 @@ id, type and name (arguments ""), then the arguments' text as it comes.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
 from libs.common.errors import InvalidArgument
 from libs.common.types import Grammar, GrammarKind
+
+
+# The start of one call in the output of ``required``: its name, then where its arguments begin.
+_HEAD = re.compile(r'\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 
 
 def call_id() -> str:
@@ -125,15 +130,18 @@ class StreamedCalls:
             if self._state == "array":
                 if ch == "{":
                     self._state, self._buf = "head", ""
-            elif self._state == "head":  # {"name":"X","arguments": ... in compact JSON
+            elif self._state == "head":  # {"name": "X", "arguments": ...
                 self._buf += ch
-                if self._buf.endswith(',"arguments":'):
-                    name = json.loads("{" + self._buf[:-len(',"arguments":')] + "}")["name"]
+                m = _HEAD.fullmatch(self._buf)
+                if m is not None:
+                    name = json.loads(m.group(1))
                     self.index += 1
                     self.ids.append(call_id())
                     out.append(self._start(name))
                     self._state, self._depth = "args", 0
             elif self._state == "args":
+                if self._depth == 0 and not self._in_string and ch.isspace():
+                    continue  # between the arguments' value and what surrounds it
                 if self._depth == 0 and not self._in_string and ch == "}":
                     if args:
                         out.append({"index": self.index, "function": {"arguments": args}})

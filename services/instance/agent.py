@@ -23,7 +23,7 @@ from libs.common.kv_events import KvEventBatch, KvSnapshot
 from libs.common.logging import get_logger
 from libs.common.server import Service
 from libs.common.types import GenerateOrder, InstanceInfo, InstanceStatus, Role, StreamEvent, TokenOutput
-from libs.common.validation import request_id_problem
+from libs.common.validation import request_id_problem, sampling_problem
 from services.instance.admission import QueueBound
 from services.instance.config import InstanceConfig
 from services.instance.engine import create_engine
@@ -246,8 +246,9 @@ class Agent(Service):
             raise InvalidArgument(f"request id {rid!r} is already running here")
         if not order.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids is empty")
-        if order.sampling.max_tokens < 1:
-            raise InvalidArgument("max_tokens must be >= 1")
+        problem = sampling_problem(order.sampling)
+        if problem:
+            raise InvalidArgument(problem, param="sampling")
         target = order.handoff
         if target is not None and target[0] and not target[1]:
             raise InvalidArgument("handoff names an instance without its address", param="handoff")
