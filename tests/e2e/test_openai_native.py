@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from tests.helpers import instance_status, migrate, stream_completion
+from tests.helpers import instance_status, migrate
 
 pytestmark = pytest.mark.model
 
