@@ -291,7 +291,7 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict | None = None
     documents: list[dict[str, Text]] | None = None
     modalities: list[Literal["text"]] | None = None
-    echo: bool = refused("echo of chat messages is not supported; use /v1/completions with echo")
+    echo: bool = refused("echo of chat messages is not supported; use /v1/completions with echo", default=False)
     store: bool = refused("stored chat completions are not supported: use the Responses API (store)", default=False)
     audio: dict | None = refused("the served model takes and makes text only")
     prediction: dict | None = refused("predicted outputs are not supported")

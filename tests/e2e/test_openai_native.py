@@ -294,3 +294,45 @@ def test_image_parts_are_refused_saying_why(client):
     with pytest.raises(openai.BadRequestError, match="text only"):
         client.chat.completions.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
+def test_special_tokens_kept_or_skipped(client, hf):
+    """skip_special_tokens: false keeps the end-of-turn token's text; vLLM's
+    prompt_logprobs come per prompt token (None for the first)."""
+    kw = dict(model="smollm2", messages=QUESTION, max_tokens=12, temperature=0)
+    plain = client.chat.completions.create(**kw).choices[0]
+    kept = client.chat.completions.create(**kw, extra_body={"skip_special_tokens": False}).choices[0]
+    assert plain.finish_reason == kept.finish_reason == "stop"
+    assert kept.message.content == plain.message.content + "<|im_end|>"
+    r = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    ids = hf[1]("The capital of France is")["input_ids"]
+    ref = reference_logprobs(hf, ids)
+    assert plp[0] is None and len(plp) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(plp[i][str(ids[i])]["logprob"] - float(ref[i - 1][ids[i]])) < 1e-3
+        assert sum(1 for v in plp[i].values() if "rank" in v) == 2
+
+
+def test_every_way_of_asking_for_a_grammar(client):
+    """vLLM's structured_outputs and its older guided_* fields."""
+    msgs = [{"role": "user", "content": "Pick a number."}]
+    for extra, check in (
+            ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda t: len(t) == 3 and t.isdigit()),
+            ({"guided_regex": "(red|green|blue)"}, lambda t: t in ("red", "green", "blue")),
+            ({"structured_outputs": {"json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                              "required": ["n"], "additionalProperties": False}}},
+             lambda t: isinstance(json.loads(t)["n"], int)),
+            ({"guided_json": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}},
+             lambda t: all(isinstance(x, int) for x in json.loads(t))),
+            ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no"))):
+        r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, temperature=0,
+                                           extra_body=extra)
+        text = r.choices[0].message.content
+        assert check(text), (extra, text)
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4,
+                                       extra_body={"guided_regex": "(", "guided_choice": ["a"]})
+    with pytest.raises(openai.BadRequestError, match="invalid regex"):
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4, extra_body={"guided_regex": "("})

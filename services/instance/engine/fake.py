@@ -20,7 +20,8 @@ import numpy as np
 from services.instance.engine import shared_kv
 from services.instance.engine.base import EngineConfig, KvLayout
 from services.instance.engine.core.engine import CoreEngine
-from services.instance.engine.core.executor import Executor, TappedChunk
+from libs.common.types import Logprobs
+from services.instance.engine.core.executor import Executor, Sampled, TappedChunk
 from services.instance.engine.core.scheduler import ScheduledChunk, cdiv
 
 # Printable ASCII: the fake model's tokenizer is bytes (see libs/common/tokenizer.py).
@@ -109,14 +110,22 @@ class TokenKvExecutor(Executor):
         # K and V must agree: mixing them makes a swapped half show up too.
         return np.where(keys == vals, keys, keys + 1).astype(np.int64)
 
-    def compute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        out: list[int | None] = []
+    def compute(self, chunks: list[ScheduledChunk]) -> list[int | Sampled | None]:
+        out: list[int | Sampled | None] = []
         for c in chunks:
             self._write(c)
             if c.request.layer_tap is not None:  # its one layer is written
                 t = TappedChunk(c, self._layout.block_size, 1)
                 t.emit(0, memoryview(self.cache[list(t.block_ids), 0].tobytes()) if t.copy else None)
-            out.append(fake_next_token_array(self._read(c)) if c.samples else None)
+            r = c.request
+            if r.sampling.prompt_logprobs is not None:  # the fake model is sure of every token: log 1
+                for j in range(c.start, min(c.end, r.num_prompt_tokens - 1)):
+                    r.prompt_logprobs[j + 1] = _certain(r.prompt_token_ids[j + 1], r.sampling.prompt_logprobs)
+            if not c.samples:
+                out.append(None)
+                continue
+            tok = fake_next_token_array(self._read(c))
+            out.append(Sampled(tok, _certain(tok, r.sampling.logprobs)) if r.sampling.logprobs is not None else tok)
         return out
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -148,6 +157,11 @@ class TokenKvExecutor(Executor):
     def scatter_kv_layer(self, block_ids: list[int], layer: int, data: bytes | memoryview) -> None:
         arr = np.frombuffer(data, dtype=np.float32).reshape((len(block_ids),) + self.cache.shape[2:])
         self.cache[block_ids, layer] = arr
+
+
+def _certain(token: int, k: int) -> Logprobs:
+    """The fake model's logprobs: its token has probability 1 (and is its only top token)."""
+    return Logprobs(0.0, ((token, 0.0),) if k else ())
 
 
 class FakeExecutor(TokenKvExecutor):

@@ -105,3 +105,36 @@ def test_logprobs_are_the_raw_log_softmax_of_the_chosen_and_the_top_tokens():
     assert [v for _, v in a.logprobs.top] == top.values.tolist()
     assert b.token != eos and b.logprobs.top == ()
     assert b.logprobs.logprob == float(want[1, b.token])
+
+
+def _draws(params: dict, logits: torch.Tensor, n: int = 200) -> set[int]:
+    r = Request("r", [1], SamplingParams(max_tokens=4, temperature=1.0, **params))
+    r.generator = new_generator(0)
+    return {sample(logits.clone(), [r], frozenset())[0] for _ in range(n)}
+
+
+def test_top_k_and_top_p_keep_what_they_say():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05]]))
+    assert _draws({}, logits) == {0, 1, 2, 3, 4}
+    assert _draws({"top_k": 2}, logits) == {0, 1}
+    assert _draws({"top_p": 0.65}, logits) == {0, 1}  # 0.4 + 0.3 reaches it
+
+
+def test_min_p_keeps_what_it_says():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.05, 0.05]]))
+    assert _draws({"min_p": 0.45}, logits) == {0, 1, 2}  # at least 0.45 x 0.4
+    assert _draws({"min_p": 0.9}, logits) == {0}
+
+
+def test_bad_words_are_never_completed():
+    """A one-token bad word never comes; a longer one's last token is banned
+    only right after the rest of it (vLLM's rule)."""
+    logits = torch.zeros(1, 10)
+    logits[0, 7] = 5.0  # greedy would always pick 7
+    r = Request("r", [1], SamplingParams(max_tokens=4, bad_words=((7,),)))
+    r.generator = new_generator(0)
+    assert sample(logits.clone(), [r], frozenset())[0] != 7
+    r = Request("r", [1], SamplingParams(max_tokens=4, bad_words=((3, 7),)), output_token_ids=[2])
+    assert sample(logits.clone(), [r], frozenset())[0] == 7  # not after 3
+    r.output_token_ids.append(3)
+    assert sample(logits.clone(), [r], frozenset())[0] != 7
