@@ -499,7 +499,7 @@ class ModelRunner(Executor):
         raw = np.frombuffer(data, dtype=np.uint8)
         if raw.size != n * per_block:
             raise ValueError(f"{raw.size} bytes for {n} blocks of {per_block}")
-        return raw.reshape(n, -1)
+        return raw.reshape(n, per_block)  # (no blocks: an empty [0, per_block])
 
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         if self._np_cache is not None:
@@ -513,6 +513,8 @@ class ModelRunner(Executor):
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:
         n = len(block_ids)
         rows = self._bytes_in(data, n, self._layout.bytes_per_block)
+        if not n:
+            return
         if self._np_cache is not None:
             self._np_cache[list(block_ids)] = rows.reshape(n, self._layout.num_layers, -1)
             return
