@@ -23,7 +23,7 @@ from tests.instance.engine.helpers import migrate
 
 pytestmark = pytest.mark.model
 
-S, I, B = {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 0, "maximum": 9999}, {"type": "boolean"}
+STR, INT, BOOL = {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 0, "maximum": 9999}, {"type": "boolean"}
 
 
 def obj(props: dict, required=None, **kw) -> dict:
@@ -36,15 +36,15 @@ def arr(items: dict, n: int = 3) -> dict:
 
 
 SCHEMAS = [
-    obj({"name": S}), obj({"age": I}), obj({"ok": B}), obj({"color": {"enum": ["red", "green", "blue"]}}),
-    obj({"name": S, "age": I}), obj({"tags": arr(S)}), obj({"nums": arr(I, 4)}),
-    obj({"user": obj({"name": S, "id": I})}), obj({"point": obj({"x": I, "y": I}), "label": S}),
-    obj({"items": arr(obj({"sku": S, "qty": I}), 2)}), obj({"kind": {"enum": ["cat", "dog"]}, "legs": I}),
-    obj({"a": obj({"b": obj({"c": I})})}), obj({"name": S, "nick": S}, required=["name"]),
-    obj({"flags": arr(B, 3), "count": I}), arr(obj({"k": S, "v": I}), 2), arr({"enum": ["x", "y", "z"]}, 4),
-    obj({"status": {"enum": ["open", "closed"]}, "owner": obj({"name": S})}),
-    obj({"matrix": arr(arr(I, 2), 2)}), obj({"title": S, "year": I, "rated": B}),
-    obj({"address": obj({"city": S, "zip": {"type": "string", "pattern": "[0-9]{5}"}})}),
+    obj({"name": STR}), obj({"age": INT}), obj({"ok": BOOL}), obj({"color": {"enum": ["red", "green", "blue"]}}),
+    obj({"name": STR, "age": INT}), obj({"tags": arr(STR)}), obj({"nums": arr(INT, 4)}),
+    obj({"user": obj({"name": STR, "id": INT})}), obj({"point": obj({"x": INT, "y": INT}), "label": STR}),
+    obj({"items": arr(obj({"sku": STR, "qty": INT}), 2)}), obj({"kind": {"enum": ["cat", "dog"]}, "legs": INT}),
+    obj({"a": obj({"b": obj({"c": INT})})}), obj({"name": STR, "nick": STR}, required=["name"]),
+    obj({"flags": arr(BOOL, 3), "count": INT}), arr(obj({"k": STR, "v": INT}), 2), arr({"enum": ["x", "y", "z"]}, 4),
+    obj({"status": {"enum": ["open", "closed"]}, "owner": obj({"name": STR})}),
+    obj({"matrix": arr(arr(INT, 2), 2)}), obj({"title": STR, "year": INT, "rated": BOOL}),
+    obj({"address": obj({"city": STR, "zip": {"type": "string", "pattern": "[0-9]{5}"}})}),
 ]
 SEEDS = range(10)
 PROMPT = "Write one JSON value that fits its schema, with short values.\n"
