@@ -251,12 +251,31 @@ class LocalCluster:
                       *(["--role", r] if (r := self.spec.role_of(i)) != "mixed" else []),
                       *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
-    def frontend_child(self) -> Child:
+    def frontend_child(self, port: int | None = None, name: str = "frontend") -> Child:
         model = self.spec.model if engine_spec(self.spec.engine).real_model else "fake"
-        return Child("frontend", "frontend",
-                     ["--host", self.spec.host, "--port", str(self.spec.port), "--scheduler", self.scheduler,
-                      "--meta-store", self.meta_store, "--model", model, "--grpc-port", str(self.spec.grpc_port),
-                      *self.spec.frontend_args], self.spec.port)
+        port = self.spec.port if port is None else port
+        grpc_port = self.spec.grpc_port if name == "frontend" else -1
+        return Child(name, "frontend",
+                     ["--host", self.spec.host, "--port", str(port), "--scheduler", self.scheduler,
+                      "--meta-store", self.meta_store, "--model", model, "--grpc-port", str(grpc_port),
+                      *self.spec.frontend_args], port)
+
+    def add_frontend(self, wait_s: float = 60.0) -> Child:
+        """Another frontend replica on the same control plane (its own port:
+        ``f"http://{host}:{child.port}"``)."""
+        n = sum(1 for c in self.children if c.kind == "frontend")
+        c = self._spawn(self.frontend_child(free_port(), f"frontend-{n}"))
+        self.children.append(c)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if httpx.get(f"http://{self.spec.host}:{c.port}/health", timeout=1.0).status_code == 200:
+                    return c
+            except httpx.HTTPError:
+                pass
+            if not c.alive() or time.monotonic() > deadline:
+                raise StartupError(f"{c.name} did not start")
+            time.sleep(0.1)
 
     def start(self, timeout_s: float = 120.0, should_stop: Callable[[], bool] | None = None) -> None:
         """Start every service and wait until all are healthy. On failure,

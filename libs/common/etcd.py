@@ -121,6 +121,9 @@ class Keys:
     def state(self, kind: str, key: str = "") -> bytes:
         return self._k("scheduler", "state", kind, key)
 
+    def document(self, kind: str, key: str) -> bytes:
+        return self._k("documents", kind, key)
+
 
 class LeaseKeeper:
     """Renews a set of leases over one ``LeaseKeepAlive`` stream, each at

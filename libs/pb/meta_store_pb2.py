@@ -25,35 +25,45 @@ _sym_db = _symbol_database.Default()
 from libs.pb import common_pb2 as libs_dot_pb_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18libs/pb/meta_store.proto\x12\x08\x66\x65rry.v1\x1a\x14libs/pb/common.proto\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.ferry.v1.InstanceInfo\"\x1e\n\rRegisterReply\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x1c\n\x0bReportReply\x12\r\n\x05known\x18\x01 \x01(\x08\" \n\x0bListRequest\x12\x11\n\tinfo_only\x18\x01 \x01(\x08\"8\n\tListReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\"-\n\x0cWatchRequest\x12\x1d\n\x15min_update_interval_s\x18\x01 \x01(\x01\"3\n\x0bWatchEvents\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.ferry.v1.WatchEvent\"\x98\x01\n\nWatchEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.ferry.v1.WatchEvent.Type\x12(\n\x06record\x18\x02 \x01(\x0b\x32\x18.ferry.v1.InstanceRecord\"7\n\x04Type\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x00\x12\x0b\n\x07UPDATED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\n\n\x06SYNCED\x10\x03\x32\xc5\x03\n\tMetaStore\x12>\n\x08Register\x12\x19.ferry.v1.RegisterRequest\x1a\x17.ferry.v1.RegisterReply\x12\x44\n\nDeregister\x12\x1b.ferry.v1.DeregisterRequest\x1a\x19.ferry.v1.DeregisterReply\x12?\n\x0cReportStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply\x12\x43\n\x0cStreamStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply(\x01\x30\x01\x12\x32\n\x04List\x12\x15.ferry.v1.ListRequest\x1a\x13.ferry.v1.ListReply\x12\x37\n\x05Watch\x12\x16.ferry.v1.WatchRequest\x1a\x14.ferry.v1.WatchEvent0\x01\x12?\n\x0cWatchBatched\x12\x16.ferry.v1.WatchRequest\x1a\x15.ferry.v1.WatchEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18libs/pb/meta_store.proto\x12\x08\x66\x65rry.v1\x1a\x14libs/pb/common.proto\"(\n\x0b\x44ocumentKey\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"U\n\x12PutDocumentRequest\x12\"\n\x03key\x18\x01 \x01(\x0b\x32\x15.ferry.v1.DocumentKey\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"\x12\n\x10PutDocumentReply\"/\n\x10GetDocumentReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"&\n\x13\x44\x65leteDocumentReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.ferry.v1.InstanceInfo\"\x1e\n\rRegisterReply\x12\r\n\x05ttl_s\x18\x01 \x01(\x01\"(\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\"\n\x0f\x44\x65registerReply\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x1c\n\x0bReportReply\x12\r\n\x05known\x18\x01 \x01(\x08\" \n\x0bListRequest\x12\x11\n\tinfo_only\x18\x01 \x01(\x08\"8\n\tListReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\"-\n\x0cWatchRequest\x12\x1d\n\x15min_update_interval_s\x18\x01 \x01(\x01\"3\n\x0bWatchEvents\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.ferry.v1.WatchEvent\"\x98\x01\n\nWatchEvent\x12\'\n\x04type\x18\x01 \x01(\x0e\x32\x19.ferry.v1.WatchEvent.Type\x12(\n\x06record\x18\x02 \x01(\x0b\x32\x18.ferry.v1.InstanceRecord\"7\n\x04Type\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x00\x12\x0b\n\x07UPDATED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\n\n\x06SYNCED\x10\x03\x32\x98\x05\n\tMetaStore\x12>\n\x08Register\x12\x19.ferry.v1.RegisterRequest\x1a\x17.ferry.v1.RegisterReply\x12\x44\n\nDeregister\x12\x1b.ferry.v1.DeregisterRequest\x1a\x19.ferry.v1.DeregisterReply\x12?\n\x0cReportStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply\x12\x43\n\x0cStreamStatus\x12\x18.ferry.v1.InstanceStatus\x1a\x15.ferry.v1.ReportReply(\x01\x30\x01\x12\x32\n\x04List\x12\x15.ferry.v1.ListRequest\x1a\x13.ferry.v1.ListReply\x12\x37\n\x05Watch\x12\x16.ferry.v1.WatchRequest\x1a\x14.ferry.v1.WatchEvent0\x01\x12?\n\x0cWatchBatched\x12\x16.ferry.v1.WatchRequest\x1a\x15.ferry.v1.WatchEvents0\x01\x12G\n\x0bPutDocument\x12\x1c.ferry.v1.PutDocumentRequest\x1a\x1a.ferry.v1.PutDocumentReply\x12@\n\x0bGetDocument\x12\x15.ferry.v1.DocumentKey\x1a\x1a.ferry.v1.GetDocumentReply\x12\x46\n\x0e\x44\x65leteDocument\x12\x15.ferry.v1.DocumentKey\x1a\x1d.ferry.v1.DeleteDocumentReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libs.pb.meta_store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTERREQUEST']._serialized_start=60
-  _globals['_REGISTERREQUEST']._serialized_end=115
-  _globals['_REGISTERREPLY']._serialized_start=117
-  _globals['_REGISTERREPLY']._serialized_end=147
-  _globals['_DEREGISTERREQUEST']._serialized_start=149
-  _globals['_DEREGISTERREQUEST']._serialized_end=189
-  _globals['_DEREGISTERREPLY']._serialized_start=191
-  _globals['_DEREGISTERREPLY']._serialized_end=225
-  _globals['_REPORTREPLY']._serialized_start=227
-  _globals['_REPORTREPLY']._serialized_end=255
-  _globals['_LISTREQUEST']._serialized_start=257
-  _globals['_LISTREQUEST']._serialized_end=289
-  _globals['_LISTREPLY']._serialized_start=291
-  _globals['_LISTREPLY']._serialized_end=347
-  _globals['_WATCHREQUEST']._serialized_start=349
-  _globals['_WATCHREQUEST']._serialized_end=394
-  _globals['_WATCHEVENTS']._serialized_start=396
-  _globals['_WATCHEVENTS']._serialized_end=447
-  _globals['_WATCHEVENT']._serialized_start=450
-  _globals['_WATCHEVENT']._serialized_end=602
-  _globals['_WATCHEVENT_TYPE']._serialized_start=547
-  _globals['_WATCHEVENT_TYPE']._serialized_end=602
-  _globals['_METASTORE']._serialized_start=605
-  _globals['_METASTORE']._serialized_end=1058
+  _globals['_DOCUMENTKEY']._serialized_start=60
+  _globals['_DOCUMENTKEY']._serialized_end=100
+  _globals['_PUTDOCUMENTREQUEST']._serialized_start=102
+  _globals['_PUTDOCUMENTREQUEST']._serialized_end=187
+  _globals['_PUTDOCUMENTREPLY']._serialized_start=189
+  _globals['_PUTDOCUMENTREPLY']._serialized_end=207
+  _globals['_GETDOCUMENTREPLY']._serialized_start=209
+  _globals['_GETDOCUMENTREPLY']._serialized_end=256
+  _globals['_DELETEDOCUMENTREPLY']._serialized_start=258
+  _globals['_DELETEDOCUMENTREPLY']._serialized_end=296
+  _globals['_REGISTERREQUEST']._serialized_start=298
+  _globals['_REGISTERREQUEST']._serialized_end=353
+  _globals['_REGISTERREPLY']._serialized_start=355
+  _globals['_REGISTERREPLY']._serialized_end=385
+  _globals['_DEREGISTERREQUEST']._serialized_start=387
+  _globals['_DEREGISTERREQUEST']._serialized_end=427
+  _globals['_DEREGISTERREPLY']._serialized_start=429
+  _globals['_DEREGISTERREPLY']._serialized_end=463
+  _globals['_REPORTREPLY']._serialized_start=465
+  _globals['_REPORTREPLY']._serialized_end=493
+  _globals['_LISTREQUEST']._serialized_start=495
+  _globals['_LISTREQUEST']._serialized_end=527
+  _globals['_LISTREPLY']._serialized_start=529
+  _globals['_LISTREPLY']._serialized_end=585
+  _globals['_WATCHREQUEST']._serialized_start=587
+  _globals['_WATCHREQUEST']._serialized_end=632
+  _globals['_WATCHEVENTS']._serialized_start=634
+  _globals['_WATCHEVENTS']._serialized_end=685
+  _globals['_WATCHEVENT']._serialized_start=688
+  _globals['_WATCHEVENT']._serialized_end=840
+  _globals['_WATCHEVENT_TYPE']._serialized_start=785
+  _globals['_WATCHEVENT_TYPE']._serialized_end=840
+  _globals['_METASTORE']._serialized_start=843
+  _globals['_METASTORE']._serialized_end=1507
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DocumentKey(_message.Message):
+    __slots__ = ("kind", "key")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    key: str
+    def __init__(self, kind: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class PutDocumentRequest(_message.Message):
+    __slots__ = ("key", "data", "ttl_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    key: DocumentKey
+    data: bytes
+    ttl_s: float
+    def __init__(self, key: _Optional[_Union[DocumentKey, _Mapping]] = ..., data: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PutDocumentReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDocumentReply(_message.Message):
+    __slots__ = ("found", "data")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    data: bytes
+    def __init__(self, found: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DeleteDocumentReply(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
     __slots__ = ("info",)
     INFO_FIELD_NUMBER: _ClassVar[int]

@@ -73,6 +73,21 @@ class MetaStoreStub:
                 request_serializer=libs_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
                 response_deserializer=libs_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
                 _registered_method=True)
+        self.PutDocument = channel.unary_unary(
+                '/ferry.v1.MetaStore/PutDocument',
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.PutDocumentRequest.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.PutDocumentReply.FromString,
+                _registered_method=True)
+        self.GetDocument = channel.unary_unary(
+                '/ferry.v1.MetaStore/GetDocument',
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.DocumentKey.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.GetDocumentReply.FromString,
+                _registered_method=True)
+        self.DeleteDocument = channel.unary_unary(
+                '/ferry.v1.MetaStore/DeleteDocument',
+                request_serializer=libs_dot_pb_dot_meta__store__pb2.DocumentKey.SerializeToString,
+                response_deserializer=libs_dot_pb_dot_meta__store__pb2.DeleteDocumentReply.FromString,
+                _registered_method=True)
 
 
 class MetaStoreServicer:
@@ -132,6 +147,27 @@ class MetaStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutDocument(self, request, context):
+        """Documents the frontends share (the Responses API's stored responses), so
+        that any frontend replica reads what another wrote: in this store's memory
+        (bounded, oldest dropped first), or in etcd with --etcd (every replica).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetDocument(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteDocument(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetaStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +205,21 @@ def add_MetaStoreServicer_to_server(servicer, server):
                     servicer.WatchBatched,
                     request_deserializer=libs_dot_pb_dot_meta__store__pb2.WatchRequest.FromString,
                     response_serializer=libs_dot_pb_dot_meta__store__pb2.WatchEvents.SerializeToString,
+            ),
+            'PutDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutDocument,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.PutDocumentRequest.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.PutDocumentReply.SerializeToString,
+            ),
+            'GetDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDocument,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.DocumentKey.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.GetDocumentReply.SerializeToString,
+            ),
+            'DeleteDocument': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDocument,
+                    request_deserializer=libs_dot_pb_dot_meta__store__pb2.DocumentKey.FromString,
+                    response_serializer=libs_dot_pb_dot_meta__store__pb2.DeleteDocumentReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -363,6 +414,87 @@ class MetaStore:
             '/ferry.v1.MetaStore/WatchBatched',
             libs_dot_pb_dot_meta__store__pb2.WatchRequest.SerializeToString,
             libs_dot_pb_dot_meta__store__pb2.WatchEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.MetaStore/PutDocument',
+            libs_dot_pb_dot_meta__store__pb2.PutDocumentRequest.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.PutDocumentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.MetaStore/GetDocument',
+            libs_dot_pb_dot_meta__store__pb2.DocumentKey.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.GetDocumentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDocument(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ferry.v1.MetaStore/DeleteDocument',
+            libs_dot_pb_dot_meta__store__pb2.DocumentKey.SerializeToString,
+            libs_dot_pb_dot_meta__store__pb2.DeleteDocumentReply.FromString,
             options,
             channel_credentials,
             insecure,

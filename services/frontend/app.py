@@ -10,16 +10,27 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libs.common.errors import RETRY_AFTER_S, FerryError, InvalidArgument, openai_error, openai_headers
+from libs.common.errors import (
+    RETRY_AFTER_S,
+    FerryError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    openai_error,
+    openai_headers,
+)
 from libs.common.logging import get_logger
 from services.frontend import metrics
 from services.frontend.admission import Admission
 from services.frontend.auth import check_priority
 from services.frontend.body_limit import BodyLimit
-from services.frontend.completions import check_token_ids, prepare
+from services.frontend.completions import check_token_ids, parse_priority, prepare
+from services.frontend.disconnect import ClientGone, unless_disconnected
+from services.frontend.event_stream import EventStream
+from services.frontend.responses import Responses, ResponsesRequest
 from services.frontend.config import FrontendConfig
 from services.frontend.edge import PRIVILEGED, Edge
-from services.frontend.respond import Responder
+from services.frontend.respond import CLIENT_CLOSED, Responder
 from services.frontend.router import Router
 from services.frontend.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.frontend.tokenizer import Tokenizer
@@ -48,7 +59,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
-               admission: Admission | None = None, tool_parser=None) -> FastAPI:
+               admission: Admission | None = None, tool_parser=None, response_store=None) -> FastAPI:
     """``admission``: the in-flight bound and drain this frontend's APIs share;
     ``tool_parser(tools)``: what reads tool_choice auto's calls (tools.HermesParser), or None."""
     app = FastAPI(title="Ferry", version="0.1.0")
@@ -108,6 +119,40 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, body, "/v1/chat/completions")
+
+    responses = Responses(response_store, router, tokenizer, model_name, config.max_resumes, max_len, vocab,
+                          tool_parser) if response_store is not None else None
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        if responses is None:
+            raise Unavailable("the Responses API needs the meta store's document store")
+        check_priority(parse_priority(None, request.headers.get("x-priority")),
+                       request.scope.get("state", {}).get(PRIVILEGED, False))
+        header = request.headers.get("x-priority")
+        try:
+            if not body.stream:
+                out = await unless_disconnected(request.receive, responses.whole(body, header), "before_response")
+                metrics.REQUESTS.labels("/v1/responses", "200").inc()
+                return JSONResponse(out)
+            events = responses.events(body, header)
+            head = await unless_disconnected(request.receive, anext(events), "before_first_token")
+        except ClientGone:
+            metrics.REQUESTS.labels("/v1/responses", str(CLIENT_CLOSED)).inc()
+            return Response(status_code=CLIENT_CLOSED)
+        return EventStream(head, events, ping_s=15, write_timeout_s=config.client_timeout_s)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        if responses is None:
+            raise Unavailable("the Responses API needs the meta store's document store")
+        return (await response_store.get(response_id))["response"]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        if responses is None or not await response_store.delete(response_id):
+            raise NotFound(f"no stored response {response_id!r}")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

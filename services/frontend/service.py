@@ -17,6 +17,7 @@ from libs.common.logging import get_logger
 from libs.common.server import Service, freeze_startup_heap, serve
 from services.frontend.admission import Admission
 from services.frontend.app import create_app
+from services.frontend.responses import ResponseStore
 from services.frontend.config import FrontendConfig
 from services.frontend.grpc_api import FrontendServicer
 from services.frontend.router import Router
@@ -84,7 +85,8 @@ async def run_frontend(config: FrontendConfig, freeze_heap: bool = False) -> Non
                     config.bypass_prefix_index)
     router.start()
     admission = Admission(config.max_in_flight)
-    app = create_app(config, router, tokenizer, admission, tool_parser_factory(config.tool_call_parser, tokenizer))
+    app = create_app(config, router, tokenizer, admission, tool_parser_factory(config.tool_call_parser, tokenizer),
+                     ResponseStore(config.meta_store))
     # NOTE: uvicorn's own graceful shutdown cuts what is left after 5 s: the
     # drain below (admission.drain) has let the streams finish first.
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",

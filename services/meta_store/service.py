@@ -19,6 +19,7 @@ from libs.common.errors import FailedPrecondition, InvalidArgument
 from libs.common.logging import get_logger
 from libs.common.server import Service
 from libs.common.validation import request_id_problem
+from services.meta_store.documents import MAX_DOCUMENT_BYTES, Documents, EtcdDocuments, MemoryDocuments
 from services.meta_store.registry import Change, ChangeType, Registry, TakenOver
 
 log = get_logger(__name__)
@@ -41,6 +42,8 @@ class MetaStoreConfig(CommonConfig):
     etcd_prefix: str = opt("/ferry", "etcd: key prefix of this cluster")
     etcd_share_interval_s: float = opt(0.2, "etcd: share an instance's status with the other replicas at most "
                                             "this often", min=0.01)
+    documents_mb: float = opt(256.0, "documents the frontends share (stored responses) kept in memory without "
+                              "--etcd, MiB; the oldest go first", min=0.0)
 
 
 MAX_BATCH = 512  # events in one WatchBatched message at most
@@ -53,8 +56,24 @@ BATCH_GAP_S = 0.005
 
 
 class MetaStoreServicer(pb_grpc.MetaStoreServicer):
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, documents: Documents | None = None):
         self.registry = registry
+        self.documents = documents or MemoryDocuments()
+
+    async def PutDocument(self, request, context):
+        if not request.key.kind or not request.key.key:
+            raise InvalidArgument("a document needs its kind and key")
+        if len(request.data) > MAX_DOCUMENT_BYTES:
+            raise InvalidArgument(f"a document has at most {MAX_DOCUMENT_BYTES} bytes, got {len(request.data)}")
+        await self.documents.put(request.key.kind, request.key.key, request.data, request.ttl_s)
+        return pb.PutDocumentReply()
+
+    async def GetDocument(self, request, context):
+        data = await self.documents.get(request.kind, request.key)
+        return pb.GetDocumentReply(found=data is not None, data=data or b"")
+
+    async def DeleteDocument(self, request, context):
+        return pb.DeleteDocumentReply(existed=await self.documents.delete(request.kind, request.key))
 
     async def Register(self, request, context):
         info = convert.info_from_pb(request.info)
@@ -200,12 +219,14 @@ class MetaStoreService(Service):
 
             self.registry = EtcdRegistry(config.ttl_s, config.etcd, config.etcd_prefix,
                                          share_interval_s=config.etcd_share_interval_s)
+            self.documents: Documents = EtcdDocuments(config.etcd, config.etcd_prefix)
         else:
             self.registry = Registry(config.ttl_s)
+            self.documents = MemoryDocuments(int(config.documents_mb * (1 << 20)))
         self._reaper: asyncio.Task | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
-        pb_grpc.add_MetaStoreServicer_to_server(MetaStoreServicer(self.registry), server)
+        pb_grpc.add_MetaStoreServicer_to_server(MetaStoreServicer(self.registry, self.documents), server)
 
     async def start(self, bound_address: str) -> None:
         if self.config.etcd:
@@ -217,6 +238,7 @@ class MetaStoreService(Service):
             self._reaper.cancel()
         if self.config.etcd:
             await self.registry.stop()
+            await self.documents.close()
 
     async def _reap(self) -> None:
         interval = max(0.02, self.config.ttl_s / 4)

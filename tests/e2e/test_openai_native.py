@@ -336,3 +336,55 @@ def test_every_way_of_asking_for_a_grammar(client):
                                        extra_body={"guided_regex": "(", "guided_choice": ["a"]})
     with pytest.raises(openai.BadRequestError, match="invalid regex"):
         client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4, extra_body={"guided_regex": "("})
+
+
+# --- the Responses API ---------------------------------------------------------------------
+def test_responses_text_instructions_and_formats(client):
+    r = client.responses.create(model="smollm2", input="What is the capital of France?", temperature=0,
+                                instructions="Answer in one word.", max_output_tokens=16)
+    assert r.status == "completed" and "Paris" in r.output_text
+    assert r.usage.output_tokens > 0 and r.output[0].type == "message"
+    j = client.responses.create(model="smollm2", input="Describe a person as JSON.", temperature=1.0,
+                                extra_body={"seed": 2},
+                                max_output_tokens=200, text={"format": {"type": "json_schema", "name": "person",
+                                                                        "schema": SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(j.output_text), SCHEMA)
+
+
+def test_responses_stream_in_openais_order(client):
+    kinds = [e.type for e in client.responses.create(model="smollm2", input="Say hi.", temperature=0,
+                                                     max_output_tokens=24, stream=True)]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    with client.responses.stream(model="smollm2", input="Say hi.", temperature=0, max_output_tokens=24) as s:
+        streamed = s.get_final_response().output_text
+    assert streamed == client.responses.create(model="smollm2", input="Say hi.", temperature=0,
+                                               max_output_tokens=24).output_text
+
+
+def test_responses_tools_and_a_continuation_on_another_replica(client, cluster):
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city now",
+            "parameters": WEATHER["function"]["parameters"]}
+    first = client.responses.create(model="smollm2", input="What is the weather in Paris?", tools=[tool],
+                                    tool_choice="required", temperature=0, max_output_tokens=60)
+    call = next(o for o in first.output if o.type == "function_call")
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    other = cluster.add_frontend()
+    replica = openai.OpenAI(base_url=f"http://127.0.0.1:{other.port}/v1", api_key="unused", max_retries=0)
+    assert replica.responses.retrieve(first.id).output[0].call_id == call.call_id  # stored where both read
+    second = replica.responses.create(model="smollm2", previous_response_id=first.id, tools=[tool],
+                                      tool_choice="none", temperature=0, max_output_tokens=30,
+                                      input=[{"type": "function_call_output", "call_id": call.call_id,
+                                              "output": '{"temperature": 21, "sky": "clear"}'}])
+    assert second.status in ("completed", "incomplete") and second.output_text
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    unstored = client.responses.create(model="smollm2", input="Hi", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        replica.responses.retrieve(unstored.id)
+    replica.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="smollm2", previous_response_id=first.id, input="and now?",
+                                max_output_tokens=4)

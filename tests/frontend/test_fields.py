@@ -13,11 +13,13 @@ import httpx
 import pydantic
 import pytest
 
+from services.frontend.responses import HONOURED_RESPONSES, ResponsesRequest
 from services.frontend.schema import HONOURED, ChatCompletionRequest, CompletionRequest, refusals
 from tests.helpers import expected_fake_text, expected_fake_tokens
 
 MODELS = {"completion": (CompletionRequest, {"prompt": "x"}),
-          "chat": (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})}
+          "chat": (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+          "responses": (ResponsesRequest, {"input": "x"})}
 
 NATIVE = "tests.e2e.test_openai_native"
 HERE = "tests.frontend.test_fields"
@@ -77,6 +79,15 @@ EFFECTS = {
     "chat_template_kwargs": f"{HERE}::test_chat_template_options_shape_the_prompt",
     "documents": f"{HERE}::test_chat_template_options_shape_the_prompt",
     "modalities": f"{HERE}::test_one_tier_and_one_grammar_backend",
+    # the Responses API's own
+    "input": f"{NATIVE}::test_responses_text_instructions_and_formats",
+    "instructions": f"{NATIVE}::test_responses_text_instructions_and_formats",
+    "text": f"{NATIVE}::test_responses_text_instructions_and_formats",
+    "max_output_tokens": f"{NATIVE}::test_responses_text_instructions_and_formats",
+    "previous_response_id": f"{NATIVE}::test_responses_tools_and_a_continuation_on_another_replica",
+    "store": f"{NATIVE}::test_responses_tools_and_a_continuation_on_another_replica",
+    "metadata": f"{HERE}::test_a_stored_responses_metadata_and_truncation",
+    "truncation": f"{HERE}::test_a_stored_responses_metadata_and_truncation",
 }
 # refused field -> a value other than its default (the 400 must name the field)
 REFUSED_SAMPLES = {
@@ -85,6 +96,8 @@ REFUSED_SAMPLES = {
     "spaces_between_special_tokens": False, "suffix": "end", "echo": True, "store": True, "audio": {"voice": "x"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "reasoning_effort": "low",
     "verbosity": "low", "functions": [{"name": "f"}], "function_call": "auto",
+    "reasoning": {"effort": "low"}, "include": ["reasoning.encrypted_content"], "background": True,
+    "conversation": "conv_1", "prompt": {"id": "p"}, "max_tool_calls": 2,
 }
 
 
@@ -92,8 +105,9 @@ REFUSED_SAMPLES = {
 def test_every_field_is_honoured_or_refused(kind):
     model, _ = MODELS[kind]
     refused = refusals(model)
+    honoured = HONOURED_RESPONSES if kind == "responses" else HONOURED
     for name in model.model_fields:
-        assert name in HONOURED or name in refused, f"{kind}: {name} must be honoured or refused"
+        assert name in honoured or name in refused, f"{kind}: {name} must be honoured or refused"
         if name not in refused:
             assert name in EFFECTS, f"{name} is honoured: name the test of its effect in EFFECTS"
         else:
@@ -243,3 +257,15 @@ def test_parallel_tool_calls_bound_the_calls():
     for parallel, bound in ((True, None), (False, 1)):
         _, grammar = plan(body.tools, body.tool_choice, parallel)
         assert json.loads(grammar.spec).get("maxItems") == bound
+
+
+def test_a_stored_responses_metadata_and_truncation(fake_cluster):
+    """metadata is kept with the stored response; truncation takes only "disabled" (what Ferry does)."""
+    r = _post(fake_cluster, "/v1/responses", {"input": "x", "max_output_tokens": 2, "metadata": {"run": "7"}})
+    assert r.status_code == 200, r.text
+    got = httpx.get(f"{fake_cluster.url}/v1/responses/{r.json()['id']}", timeout=10).json()
+    assert got["metadata"] == {"run": "7"}
+    assert _post(fake_cluster, "/v1/responses", {"input": "x", "max_output_tokens": 2,
+                                                 "truncation": "disabled"}).status_code == 200
+    bad = _post(fake_cluster, "/v1/responses", {"input": "x", "truncation": "auto"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation"
