@@ -11,6 +11,7 @@ down (frontend bypass) does not stop it: the bypass places the same way."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import grpc
 
@@ -28,6 +29,7 @@ from libs.common.policies.index import DispatchIndex
 from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
+from services.scheduler import metrics
 from services.scheduler.policies import PromptHashes
 
 log = get_logger(__name__)
@@ -48,6 +50,7 @@ class SchedulerConfig(CommonConfig):
     migrate_in_threshold: float | None = opt(None, "instances with freeness above this are destinations "
                                                    "(default: the policy's, 20)")
     migration: bool = opt(True, "run the rescheduling loop (for policies that migrate)")
+    metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
     prefix_index: bool = opt(True, "keep the cluster-wide prefix index: follow every instance's KV events "
                                    "(which instance holds which block hash)")
     # Launcher and auto-scaling (services/scheduler/launcher.py, autoscaler.py).
@@ -111,7 +114,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Dispatch(self, request, context):
         try:
-            return self._dispatch(request)
+            return self._timed_dispatch(request)
         except FerryError as e:
             await abort_with(context, e)
 
@@ -120,7 +123,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         one that cannot be placed gets its error in the reply."""
         async for request in request_iterator:
             try:
-                reply = self._dispatch(request)
+                reply = self._timed_dispatch(request)
             except FerryError as e:
                 reply = pb.DispatchReply(error_code=e.code.value, error_message=e.message)
             except Exception as e:  # (one request's failure must not end the others' stream)
@@ -128,6 +131,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 reply = pb.DispatchReply(error_code=Code.INTERNAL.value, error_message=f"dispatch failed: {e}")
             reply.request_id = request.request_id
             yield reply
+
+    def _timed_dispatch(self, request) -> pb.DispatchReply:
+        """_dispatch, timed and counted by outcome (services/scheduler/metrics.py)."""
+        t0 = time.perf_counter()
+        outcome = "error"
+        try:
+            reply = self._dispatch(request)
+            outcome = "placed"
+            return reply
+        except Unavailable:
+            outcome = "unavailable"
+            raise
+        finally:
+            metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
+            metrics.DISPATCHES.labels(outcome).inc()
 
     def _dispatch(self, request) -> pb.DispatchReply:
         """Place one request (raises FerryError where it cannot be placed)."""
@@ -287,6 +305,11 @@ class SchedulerService(Service):
         from services.scheduler.state import EtcdState, MemoryState
 
         self.view.start()
+        if c.metrics_port >= 0:
+            from libs.common.metrics_server import serve_metrics
+
+            metrics.export(self)
+            serve_metrics(c.metrics_port, c.host)
         if c.prefix_index:
             from libs.common.kv_index import KvIndexWatcher
 
