@@ -1,7 +1,8 @@
 """The one serve() skeleton of every gRPC service: uvloop, the standard gRPC
 health checking service, graceful stop on SIGTERM/SIGINT, and the cluster's
 credentials (libs/common/rpc.py): TLS when configured, and on internal
-services a token check on every call but health checks."""
+services a token check on every call but health checks; with tracing on, a
+server span per call under the caller's trace context (libs/common/tracing.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from libs.common import rpc
+from libs.common import rpc, tracing
 from libs.common.errors import FerryError, InvalidArgument, grpc_status
 from libs.common.logging import get_logger
 from libs.common.rpc import GRPC_OPTIONS
@@ -173,6 +174,42 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _rewrap(handler, deny_unary, deny_stream)
 
 
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """Each call that carries W3C trace context (``traceparent`` metadata,
+    libs/common/rpc.py) runs inside a server span under it; at the public
+    edge (``always``) every call does, a new trace where the client sent
+    none. Installed only with tracing on (libs/common/tracing.py)."""
+
+    def __init__(self, always: bool = False):
+        self.always = always
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        parent = tracing.extract(handler_call_details.invocation_metadata)
+        if parent is None and not self.always:
+            return handler
+        name = method.lstrip("/")
+        attrs = {"rpc.system": "grpc", "rpc.method": name}
+
+        def wrap_unary(fn):
+            async def wrapped(request, context):
+                with tracing.span(name, attrs, context=parent, kind="server"):
+                    return await fn(request, context)
+            return wrapped
+
+        def wrap_stream(fn):
+            async def wrapped(request, context):
+                with tracing.span(name, attrs, context=parent, kind="server"):
+                    async for item in fn(request, context):
+                        yield item
+            return wrapped
+
+        return _rewrap(handler, wrap_unary, wrap_stream)
+
+
 def freeze_startup_heap() -> int:
     """Once a service has started: collect, then move every object the
     garbage collector tracks into its permanent generation (``gc.freeze``),
@@ -210,6 +247,8 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
     service._request_stop = stop.set
     creds = rpc.current() if service.internal else rpc.Credentials()
     interceptors = [ErrorInterceptor()] + ([TokenInterceptor(creds)] if creds.token else [])
+    if tracing.enabled():  # innermost: a span per call, under the caller's context
+        interceptors.append(TracingInterceptor(always=not service.internal))
     options = GRPC_OPTIONS if service.max_message_bytes is None else [
         *((k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"),
         ("grpc.max_receive_message_length", service.max_message_bytes)]

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from libs.common import tracing
 from libs.common.errors import RETRY_AFTER_S, FerryError, InvalidArgument, openai_error, openai_headers
 from libs.common.logging import get_logger
 from services.frontend import metrics
@@ -25,6 +26,7 @@ from services.frontend.event_stream import EventStream
 from services.frontend.router import Router
 from services.frontend.schema import ChatCompletionRequest, CompletionRequest
 from services.frontend.tokenizer import Tokenizer
+from services.frontend.tracing import TraceRequests
 
 log = get_logger(__name__)
 
@@ -57,6 +59,8 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     # Outermost last: the key and admission before the body is read.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.client_timeout_s)
     app.add_middleware(Edge, keys=config.keys(), admission=admission)
+    if tracing.enabled():  # outermost: a request's span covers all of it (services/frontend/tracing.py)
+        app.add_middleware(TraceRequests)
     model_name = config.model_name
 
     def error_response(err: FerryError, endpoint: str = "") -> JSONResponse:

@@ -15,10 +15,11 @@ from typing import Protocol
 
 import grpc
 
-from libs.common import convert
+from libs.common import convert, tracing
 from libs.common.errors import Code, FerryError, from_grpc
 from libs.common.types import GenerateOrder, StreamEvent
 from libs.pb import instance_pb2 as ipb
+from services.frontend.tracing import call_span
 
 
 class PeerError(FerryError):
@@ -47,20 +48,58 @@ class LocalInstance(Protocol):
     def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]: ...
 
 
+class _Traced:
+    """The client span of an instance call (None: tracing off), ended once:
+    at the stream's end, its failure, or the caller's cancel."""
+
+    __slots__ = ("span", "tokens")
+
+    def __init__(self, span):
+        self.span, self.tokens = span, 0
+
+    def saw(self, ev: StreamEvent) -> None:
+        if ev.token_ids:
+            if not self.tokens:
+                self.span.add_event("first token")
+            self.tokens += len(ev.token_ids)
+        if ev.moved is not None:
+            self.span.set_attribute("ferry.moved_to", ev.moved.instance_id)
+        if ev.finish_reason:
+            self.span.set_attribute("ferry.finish_reason", ev.finish_reason)
+
+    def end(self, error: str = "") -> None:
+        if self.span is not None:
+            self.span.set_attribute("ferry.tokens", self.tokens)
+            tracing.end(self.span, error=error)
+            self.span = None
+
+
 class _GrpcCall:
-    def __init__(self, call):
+    def __init__(self, call, span=None):
         self._call = call
+        self._trace = _Traced(span) if span is not None else None
 
     def cancel(self) -> None:
         self._call.cancel()
+        if self._trace is not None:
+            self._trace.end()
 
     async def __aiter__(self):
+        t = self._trace
         try:
             async for m in self._call:
-                yield convert.stream_event_from_pb(m)
+                ev = convert.stream_event_from_pb(m)
+                if t is not None and t.span is not None:
+                    t.saw(ev)
+                yield ev
         except grpc.RpcError as e:
             err = from_grpc(e)
+            if t is not None:
+                t.end(err.code.name)
             raise PeerError(str(err), code=err.code) from e
+        finally:
+            if t is not None:
+                t.end()
 
 
 class GrpcPeers:
@@ -70,11 +109,15 @@ class GrpcPeers:
         self._stub = stub_for
 
     def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
-        return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)))
+        span = call_span("generate", address, order.request_id, len(order.resume_token_ids))
+        with tracing.use(span):  # the call's metadata carries its context
+            return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)), span)
 
     def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
-        return _GrpcCall(self._stub(address).Attach(ipb.AttachRequest(
-            request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)))
+        span = call_span("attach", address, request_id)
+        with tracing.use(span):
+            return _GrpcCall(self._stub(address).Attach(ipb.AttachRequest(
+                request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)), span)
 
 
 _DONE = object()
@@ -86,9 +129,11 @@ class _LocalCall:
     aborts the request) and ends the iteration with CancelledError, as a
     cancelled gRPC call does."""
 
-    def __init__(self, events: AsyncIterator[StreamEvent]):
+    def __init__(self, events: AsyncIterator[StreamEvent], span=None):
         self._q: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(events))
+        self._trace = _Traced(span) if span is not None else None
+        with tracing.use(span):  # the agent's side runs under the call's span, as a server's would
+            self._task = asyncio.get_running_loop().create_task(self._pump(events))
         self._cancelled = False
 
     async def _pump(self, events: AsyncIterator[StreamEvent]) -> None:
@@ -110,15 +155,22 @@ class _LocalCall:
             self._cancelled = True
             self._task.cancel()
             self._q.put_nowait(asyncio.CancelledError())
+        if self._trace is not None:
+            self._trace.end()
 
     async def __aiter__(self):
+        t = self._trace
         try:
             while True:
                 item = await self._q.get()
                 if item is _DONE:
                     return
                 if isinstance(item, BaseException):
+                    if t is not None:
+                        t.end(item.code.name if isinstance(item, PeerError) else "cancelled")
                     raise item
+                if t is not None and t.span is not None:
+                    t.saw(item)
                 yield item
         finally:
             self.cancel()
@@ -138,7 +190,11 @@ class InProcessPeers:
         return agent
 
     def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
-        return _LocalCall(self._agent(address).generate(order))
+        agent = self._agent(address)
+        return _LocalCall(agent.generate(order),
+                          call_span("generate", address, order.request_id, len(order.resume_token_ids)))
 
     def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
-        return _LocalCall(self._agent(address).attach(request_id, from_index, flush_interval_ms))
+        agent = self._agent(address)
+        return _LocalCall(agent.attach(request_id, from_index, flush_interval_ms),
+                          call_span("attach", address, request_id))

@@ -22,7 +22,7 @@ import grpc
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import scheduler_pb2 as spb
 from libs.pb import scheduler_pb2_grpc as spb_grpc
-from libs.common import rpc
+from libs.common import rpc, tracing
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable
 from libs.common.kv_index import KvIndexWatcher
@@ -142,10 +142,25 @@ class Router:
         """Where a new request goes and the priority to run it at. The
         scheduler's policy decides the last; in bypass mode the request keeps
         its own. ``token_ids`` (the tokens the instance will be sent): their
-        full blocks' hashes go with the request, for prefix-aware policies."""
+        full blocks' hashes go with the request, for prefix-aware policies.
+        With tracing on, in a span of its own (the scheduler's is its child)."""
+        if not tracing.enabled():
+            return await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids)
+        tracing.annotate(**{"ferry.request_id": request_id, "ferry.prompt_tokens": num_prompt_tokens})
+        with tracing.span("ferry.dispatch", {"ferry.request_id": request_id, "ferry.priority": priority.name,
+                                             "ferry.excluded": sorted(exclude)}) as s:
+            d = await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids)
+            if s is not None:
+                s.set_attributes({"ferry.instance_id": d.instance_id, "ferry.bypass": self.bypass,
+                                  "ferry.decode_instance_id": d.decode_instance_id})
+            return d
+
+    async def _dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
+                        exclude: frozenset[str], token_ids: Sequence[int] | None) -> Dispatched:
         if time.monotonic() >= self._bypass_until:
             req = spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                      priority=int(priority), exclude_instance_ids=sorted(exclude))
+                                      priority=int(priority), exclude_instance_ids=sorted(exclude),
+                                      traceparent=tracing.traceparent())
             bs = self.block_size() if token_ids and self._send_hashes else 0
             if bs:
                 req.block_size = bs

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from libs.common import failpoints
+from libs.common import failpoints, tracing
 from libs.common.errors import (
     Code,
     FailedPrecondition,
@@ -117,10 +117,19 @@ class Agent(Service):
         if self.config.metrics_port >= 0:
             from services.instance.serving_metrics import ServingMetrics
 
-            self.observers.append(ServingMetrics(e.model_name, self.instance_id))
+            serving = ServingMetrics(e.model_name, self.instance_id)
+            self.observers.append(serving)
+        trace_context = MigrationHost.trace_context
+        if tracing.enabled():
+            from services.instance.request_traces import RequestTraces
+
+            traces = RequestTraces(self.instance_id)
+            self.observers.append(traces)
+            trace_context = traces.context_of
         host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
                              load=lambda: self.load, headroom=self.headroom, changed=self._poke,
-                             decodes=lambda: self.role.decodes, committed_in=self._committed_in)
+                             decodes=lambda: self.role.decodes, committed_in=self._committed_in,
+                             trace_context=trace_context)
         self.migration = MigrationManager(host, self.config.migration_config(), peers=self._migration_peers)
         self.migration_rpcs = MigrationRpcs(self.migration)
         from services.instance.kunserve import PipelineHost
@@ -129,8 +138,7 @@ class Agent(Service):
         if self.config.metrics_port >= 0:
             from libs.common.metrics_server import serve_metrics
 
-            self.observers[0].export(lambda: self.load, lambda: (self.migration.migrating_in,
-                                                                 self.migration.migrating_out))
+            serving.export(lambda: self.load, lambda: (self.migration.migrating_in, self.migration.migrating_out))
             serve_metrics(self.config.metrics_port, self.config.host)
         self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
                                        self.config.report_interval_s, self.config.heartbeat_s)

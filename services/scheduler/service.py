@@ -19,7 +19,7 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import scheduler_pb2 as pb
 from libs.pb import scheduler_pb2_grpc as pb_grpc
-from libs.common import convert, rpc
+from libs.common import convert, rpc, tracing
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
@@ -123,7 +123,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         one that cannot be placed gets its error in the reply."""
         async for request in request_iterator:
             try:
-                reply = self._timed_dispatch(request)
+                reply = self._timed_dispatch(request, tracing.from_traceparent(request.traceparent))
             except FerryError as e:
                 reply = pb.DispatchReply(error_code=e.code.value, error_message=e.message)
             except Exception as e:  # (one request's failure must not end the others' stream)
@@ -132,20 +132,37 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             reply.request_id = request.request_id
             yield reply
 
-    def _timed_dispatch(self, request) -> pb.DispatchReply:
-        """_dispatch, timed and counted by outcome (services/scheduler/metrics.py)."""
+    def _timed_dispatch(self, request, trace_parent=None) -> pb.DispatchReply:
+        """_dispatch, timed and counted by outcome (services/scheduler/metrics.py);
+        with tracing on, in a span under ``trace_parent`` (default: the call's)."""
         t0 = time.perf_counter()
         outcome = "error"
-        try:
-            reply = self._dispatch(request)
-            outcome = "placed"
-            return reply
-        except Unavailable:
-            outcome = "unavailable"
-            raise
-        finally:
-            metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
-            metrics.DISPATCHES.labels(outcome).inc()
+        with tracing.span("ferry.scheduler.dispatch", context=trace_parent) as s:
+            try:
+                reply = self._dispatch(request)
+                outcome = "placed"
+                if s is not None:
+                    self._describe(s, request, reply)
+                return reply
+            except Unavailable:
+                outcome = "unavailable"
+                raise
+            finally:
+                metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
+                metrics.DISPATCHES.labels(outcome).inc()
+
+    def _describe(self, s, request, reply) -> None:
+        """A dispatch span's attributes: the policy, the candidates as the
+        view had them (the freest first), the choice."""
+        if not s.is_recording():
+            return
+        views = sorted(self.svc.view.views(), key=lambda v: -v.status.freeness)
+        s.set_attributes({
+            "ferry.request_id": request.request_id, "ferry.prompt_tokens": request.num_prompt_tokens,
+            "ferry.policy": reply.policy, "ferry.candidates": len(views),
+            "ferry.candidate_freeness": [f"{v.instance_id}={v.status.freeness:.1f}" for v in views[:8]],
+            "ferry.excluded": list(request.exclude_instance_ids), "ferry.choice": reply.instance_id,
+            "ferry.decode_choice": reply.decode_instance_id})
 
     def _dispatch(self, request) -> pb.DispatchReply:
         """Place one request (raises FerryError where it cannot be placed)."""

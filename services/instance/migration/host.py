@@ -39,6 +39,8 @@ class MigrationHost:
     # A request committed here (migrated or handed in), as its commit is acknowledged: the instance's
     # metrics and traces take it from there (the trace context current then is the commit's).
     committed_in: Callable[[RequestState], None] = _ignore
+    # The trace context of a request here (services/instance/request_traces.py; None: not traced).
+    trace_context: Callable[[str], object] = lambda request_id: None
     # The clock of deadlines and measurements (the event loop's: the simulator's is virtual), from any thread.
     clock: Callable[[], float] = time.monotonic
     # Runs a copy (gather, scatter) off the event loop and the engine thread (the simulator: inline).
