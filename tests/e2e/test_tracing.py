@@ -23,8 +23,8 @@ from ferry.trace_sink import TraceSink
 from tests.helpers import find_instance_of, migrate
 
 # Bounds (ms). Measured on the 2-core development machine in 3 runs of a 3.1 s request: the
-# client's latency exceeded the request's span by 1.8-2.0 ms; the frontend's segments left
-# 3.9-5.7 ms of it uncovered, in 7 gaps of 0.2-2.3 ms each (body parsing and tokenization before
+# client's latency exceeded the request's span by 0.5-2.9 ms; the frontend's segments left
+# 2.9-7.4 ms of it uncovered, in 7 gaps of 0.2-2.8 ms each (body parsing and tokenization before
 # the first dispatch, the resume's decision, the closing SSE events). The bounds leave room for a
 # descheduled process on a loaded machine.
 CLIENT_SLACK_MS = 8.0
