@@ -176,9 +176,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):
     """Each call that carries W3C trace context (``traceparent`` metadata,
-    libs/common/rpc.py) runs inside a server span under it; at the public
-    edge (``always``) every call does, a new trace where the client sent
-    none. Installed only with tracing on (libs/common/tracing.py)."""
+    libs/common/rpc.py) runs under it: a unary call (a client stream too)
+    inside a server span; a server stream (Generate, Attach: a request's whole
+    life there) in the caller's context, each step, the service recording its
+    own spans of the past (services/instance/request_traces.py), so that none
+    is made before its first message. At the public edge (``always``) every
+    call has a span, a new trace where the client sent none. Installed only
+    with tracing on (libs/common/tracing.py)."""
 
     def __init__(self, always: bool = False):
         self.always = always
@@ -200,11 +204,24 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                     return await fn(request, context)
             return wrapped
 
+        always = self.always
+
         def wrap_stream(fn):
             async def wrapped(request, context):
-                with tracing.span(name, attrs, context=parent, kind="server"):
-                    async for item in fn(request, context):
+                # NOTE: a context is current for each step of the servicer's stream, not across its
+                # yields: grpc.aio may close a cancelled stream from another context.
+                span = tracing.start(name, attrs, context=parent, kind="server") if always else None
+                steps = tracing.stepper(fn(request, context), tracing.context_of(span) if span else parent,
+                                        first_only=span is None)
+                error = ""
+                try:
+                    async for item in steps:
                         yield item
+                except Exception as e:  # (a cancel, the caller's, is no failure of the call)
+                    error = type(e).__name__
+                    raise
+                finally:
+                    tracing.end(span, error=error)
             return wrapped
 
         return _rewrap(handler, wrap_unary, wrap_stream)

@@ -20,10 +20,16 @@ measures it). Call sites that compute attributes check ``enabled()`` first.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 _NULL = contextlib.nullcontext()
+# Spans of the past and attributes made while a request is served, kept to be
+# recorded once its response is out (``deferred``): off its critical path.
+_later: contextvars.ContextVar[list | None] = contextvars.ContextVar("ferry_trace_later", default=None)
+_CLOSED = object()  # ends a request's list: a task it started that outlives it records at once
 _enabled = False
 _tracer = None
 _provider = None
@@ -121,31 +127,127 @@ def fail(s, error: str) -> None:
         s.set_status(Status(StatusCode.ERROR, error))
 
 
+class _Current:
+    """A context current inside a ``with`` (OpenTelemetry's ``use_span`` is a
+    generator-based context manager: a few times slower)."""
+
+    __slots__ = ("ctx", "token")
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def __enter__(self):
+        from opentelemetry import context
+
+        self.token = context.attach(self.ctx)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from opentelemetry import context
+
+        context.detach(self.token)
+
+
 def use(s):
     """Make ``s`` current inside a ``with`` (None: nothing)."""
     if s is None:
         return _NULL
-    from opentelemetry import trace
+    return _Current(context_of(s))
 
-    return trace.use_span(s, end_on_exit=False)
+
+async def stepper(steps, ctx, first_only: bool = False):
+    """``steps`` (an async iterator) with the context ``ctx`` current while
+    each step runs (``first_only``: the first, where a servicer takes its
+    caller's context), not across the yields between them (so that any
+    context may close it)."""
+    from opentelemetry import context as otel
+
+    it = steps.__aiter__()
+    try:
+        while True:
+            token = otel.attach(ctx) if ctx is not None else None
+            try:
+                item = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                if token is not None:
+                    otel.detach(token)
+            if first_only:
+                ctx = None
+            yield item
+    finally:
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def record(name: str, start_ns: int, end_ns: int, attributes: Mapping[str, Any] | None = None,
-           context=None) -> None:
-    """A span of the past (a phase measured as it went), under ``context``."""
-    if _enabled and end_ns >= start_ns:
-        _tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns).end(end_time=end_ns)
+           context=None, kind: str = "internal") -> None:
+    """A span of the past (a phase measured as it went), under ``context``
+    (default: the current one); inside ``deferred``, recorded at its end."""
+    if not _enabled or end_ns < start_ns:
+        return
+    if context is None:
+        context = current_context()
+    later = _later.get()
+    if later is not None and (not later or later[-1] is not _CLOSED):
+        later.append((name, start_ns, end_ns, attributes, context, kind))
+        return
+    _tracer.start_span(name, context=context, kind=_kind(kind), attributes=attributes,
+                       start_time=start_ns).end(end_time=end_ns)
 
 
 def annotate(**attributes: Any) -> None:
-    """Attributes on the current span (nothing when off or none is recording)."""
+    """Attributes on the current span (nothing when off or none is
+    recording); inside ``deferred``, set at its end."""
     if not _enabled:
         return
     from opentelemetry import trace
 
     s = trace.get_current_span()
     if s.is_recording():
-        s.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        later = _later.get()
+        if later is not None and (not later or later[-1] is not _CLOSED):
+            later.append((s, attributes))
+        else:
+            s.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+@contextlib.contextmanager
+def serving(name: str, attributes: Mapping[str, Any] | None = None, context=None, kind: str = "server"):
+    """A request's span, current inside, whose spans of the past and
+    attributes (``record``, ``annotate``, from any task started inside) are
+    made only once it ends (after the response is out: its duration is not
+    theirs). Yields the span (None when off)."""
+    if not _enabled:
+        yield None
+        return
+    s = _tracer.start_span(name, context=context, kind=_kind(kind), attributes=attributes)
+    later: list = []
+    token = _later.set(later)
+    error = ""
+    try:
+        with use(s):
+            yield s
+    except Exception as e:
+        error = type(e).__name__
+        raise
+    finally:
+        _later.reset(token)
+        end_ns = time.time_ns()
+        later.append(_CLOSED)
+        for item in later[:-1]:
+            if len(item) == 2:
+                item[0].set_attributes({k: v for k, v in item[1].items() if v is not None})
+        if error:
+            fail(s, error)
+        s.end(end_time=end_ns)
+        for item in later[:-1]:
+            if len(item) == 6:
+                name_, start_ns, stop_ns, attrs, ctx, kind_ = item
+                _tracer.start_span(name_, context=ctx, kind=_kind(kind_), attributes=attrs,
+                                   start_time=start_ns).end(end_time=stop_ns)
 
 
 def _kind(kind: str):
@@ -162,6 +264,18 @@ def current_context():
     from opentelemetry import context
 
     return context.get_current()
+
+
+def sampled_context():
+    """The current context if its span is sampled (ours recording, or a
+    caller's remote one flagged sampled), else None."""
+    if not _enabled:
+        return None
+    from opentelemetry import trace
+
+    ctx = current_context()
+    sc = trace.get_current_span(ctx).get_span_context()
+    return ctx if sc.is_valid and sc.trace_flags.sampled else None
 
 
 def context_of(s):
@@ -184,6 +298,8 @@ def headers(context=None) -> dict[str, str]:
 
 
 def traceparent(context=None) -> str:
+    if not _enabled:
+        return ""
     return headers(context).get(TRACEPARENT, "")
 
 

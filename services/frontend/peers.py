@@ -19,7 +19,7 @@ from libs.common import convert, tracing
 from libs.common.errors import Code, FerryError, from_grpc
 from libs.common.types import GenerateOrder, StreamEvent
 from libs.pb import instance_pb2 as ipb
-from services.frontend.tracing import call_span
+from services.frontend.tracing import CallTrace, call_span
 
 
 class PeerError(FerryError):
@@ -48,36 +48,10 @@ class LocalInstance(Protocol):
     def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]: ...
 
 
-class _Traced:
-    """The client span of an instance call (None: tracing off), ended once:
-    at the stream's end, its failure, or the caller's cancel."""
-
-    __slots__ = ("span", "tokens")
-
-    def __init__(self, span):
-        self.span, self.tokens = span, 0
-
-    def saw(self, ev: StreamEvent) -> None:
-        if ev.token_ids:
-            if not self.tokens:
-                self.span.add_event("first token")
-            self.tokens += len(ev.token_ids)
-        if ev.moved is not None:
-            self.span.set_attribute("ferry.moved_to", ev.moved.instance_id)
-        if ev.finish_reason:
-            self.span.set_attribute("ferry.finish_reason", ev.finish_reason)
-
-    def end(self, error: str = "") -> None:
-        if self.span is not None:
-            self.span.set_attribute("ferry.tokens", self.tokens)
-            tracing.end(self.span, error=error)
-            self.span = None
-
-
 class _GrpcCall:
-    def __init__(self, call, span=None):
+    def __init__(self, call, trace: CallTrace | None = None):
         self._call = call
-        self._trace = _Traced(span) if span is not None else None
+        self._trace = trace
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -89,7 +63,7 @@ class _GrpcCall:
         try:
             async for m in self._call:
                 ev = convert.stream_event_from_pb(m)
-                if t is not None and t.span is not None:
+                if t is not None:
                     t.saw(ev)
                 yield ev
         except grpc.RpcError as e:
@@ -109,15 +83,19 @@ class GrpcPeers:
         self._stub = stub_for
 
     def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
-        span = call_span("generate", address, order.request_id, len(order.resume_token_ids))
-        with tracing.use(span):  # the call's metadata carries its context
-            return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)), span)
+        t = call_span("generate", address, order.request_id, len(order.resume_token_ids))
+        if t is None:
+            return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)))
+        with tracing.use(t.span):  # the call's metadata carries its context
+            return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)), t)
 
     def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
-        span = call_span("attach", address, request_id)
-        with tracing.use(span):
-            return _GrpcCall(self._stub(address).Attach(ipb.AttachRequest(
-                request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)), span)
+        req = ipb.AttachRequest(request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)
+        t = call_span("attach", address, request_id)
+        if t is None:
+            return _GrpcCall(self._stub(address).Attach(req))
+        with tracing.use(t.span):
+            return _GrpcCall(self._stub(address).Attach(req), t)
 
 
 _DONE = object()
@@ -129,10 +107,10 @@ class _LocalCall:
     aborts the request) and ends the iteration with CancelledError, as a
     cancelled gRPC call does."""
 
-    def __init__(self, events: AsyncIterator[StreamEvent], span=None):
+    def __init__(self, events: AsyncIterator[StreamEvent], trace: CallTrace | None = None):
         self._q: asyncio.Queue = asyncio.Queue()
-        self._trace = _Traced(span) if span is not None else None
-        with tracing.use(span):  # the agent's side runs under the call's span, as a server's would
+        self._trace = trace
+        with tracing.use(trace.span if trace is not None else None):  # the agent's side runs under the call's span
             self._task = asyncio.get_running_loop().create_task(self._pump(events))
         self._cancelled = False
 
@@ -169,7 +147,7 @@ class _LocalCall:
                     if t is not None:
                         t.end(item.code.name if isinstance(item, PeerError) else "cancelled")
                     raise item
-                if t is not None and t.span is not None:
+                if t is not None:
                     t.saw(item)
                 yield item
         finally:

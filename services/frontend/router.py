@@ -143,17 +143,18 @@ class Router:
         scheduler's policy decides the last; in bypass mode the request keeps
         its own. ``token_ids`` (the tokens the instance will be sent): their
         full blocks' hashes go with the request, for prefix-aware policies.
-        With tracing on, in a span of its own (the scheduler's is its child)."""
+        With tracing on, a span of its own (the scheduler's is its sibling)."""
         if not tracing.enabled():
             return await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids)
+        t0 = time.time_ns()
+        d = await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids)
+        # A span of the past, made once the response is out (services/frontend/tracing.py).
+        tracing.record("ferry.dispatch", t0, time.time_ns(), {
+            "ferry.request_id": request_id, "ferry.priority": priority.name, "ferry.excluded": sorted(exclude),
+            "ferry.instance_id": d.instance_id, "ferry.decode_instance_id": d.decode_instance_id,
+            "ferry.bypass": self.bypass})
         tracing.annotate(**{"ferry.request_id": request_id, "ferry.prompt_tokens": num_prompt_tokens})
-        with tracing.span("ferry.dispatch", {"ferry.request_id": request_id, "ferry.priority": priority.name,
-                                             "ferry.excluded": sorted(exclude)}) as s:
-            d = await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids)
-            if s is not None:
-                s.set_attributes({"ferry.instance_id": d.instance_id, "ferry.bypass": self.bypass,
-                                  "ferry.decode_instance_id": d.decode_instance_id})
-            return d
+        return d
 
     async def _dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
                         exclude: frozenset[str], token_ids: Sequence[int] | None) -> Dispatched:

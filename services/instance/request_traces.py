@@ -2,7 +2,8 @@
 libs/common/tracing.py). The agent tells it what happens to its requests,
 as it tells the serving metrics (arrived, committed in by a migration or a
 handoff, each step's outputs, left); it keeps each request's trace context
-(the Generate call's span, or the commit's for a request that migrated in)
+(its Generate caller's, the frontend's call span; or, for a request that
+migrated in, the span of the commit that brought it)
 and, when the request's stream here ends, records its phases here as spans
 of the past under it: ``ferry.queue`` (arrival to the step that first ran
 it), ``ferry.prefill`` (to its first token), ``ferry.decode`` (to its last
@@ -54,14 +55,14 @@ class RequestTraces:
 
     # --- what happens to requests --------------------------------------------------------
     def arrived(self, request_id: str, prompt_tokens: int, resumed_tokens: int) -> None:
-        ctx = recording_context()
+        ctx = tracing.sampled_context()
         self._track(request_id, _Phases(ctx, time.time_ns(), resumed_tokens=resumed_tokens))
         if ctx is not None:
             self._waiting.add(request_id)
 
     def committed_in(self, state: RequestState) -> None:
         now = time.time_ns()
-        self._track(state.request_id, _Phases(recording_context(), now, migrated_in=True, scheduled=now,
+        self._track(state.request_id, _Phases(tracing.sampled_context(), now, migrated_in=True, scheduled=now,
                                               first_token=now, tokens=len(state.output_token_ids)))
 
     def on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
@@ -116,14 +117,6 @@ class RequestTraces:
         else:
             tracing.record("ferry.decode", p.arrival, end, {**attrs, "ferry.migrated_in": True,
                                                             "ferry.tokens": p.tokens, "ferry.outcome": outcome}, ctx)
-
-
-def recording_context():
-    """The current context if its span records (a sampled caller), else None."""
-    from opentelemetry import trace
-
-    ctx = tracing.current_context()
-    return ctx if ctx is not None and trace.get_current_span(ctx).is_recording() else None
 
 
 def migration_span(parent, mig):

@@ -104,7 +104,7 @@ def test_one_trace_across_two_migrations_and_a_resume(traced):
         mine = [s for s in spans if s.trace_id == trace_id]
         return (any(s.parent_id == client_span for s in mine)  # the frontend's request span, ended
                 and sum(s.name == "ferry.migration" for s in mine) == 2
-                and any(s.name == "ferry.v1.Instance/Attach" and s.instance == c for s in mine))  # C flushed at exit
+                and any(s.name == "ferry.decode" and s.instance == c for s in mine))  # C flushed at exit
     sink.wait(complete, timeout_s=30)
     time.sleep(0.5)  # stragglers of the same batch
     spans = sink.spans(trace_id)
@@ -119,14 +119,15 @@ def test_one_trace_across_two_migrations_and_a_resume(traced):
     assert {s.instance for s in spans if s.service == "ferry-instance"} == {a, b, c}
 
     # The frontend: dispatch, generate at A, attach at B, attach at C (fails), dispatch again, resume.
-    segments = sorted((s for s in spans if s.parent_id == root.span_id), key=lambda s: s.start_ns)
+    segments = sorted((s for s in spans if s.parent_id == root.span_id and s.service == "ferry-frontend"),
+                      key=lambda s: s.start_ns)
     assert [s.name for s in segments] == ["ferry.dispatch", "ferry.generate", "ferry.attach", "ferry.attach",
                                           "ferry.dispatch", "ferry.resume"]
     assert segments[3].error and not segments[5].error
     assert segments[5].attributes["ferry.resumed_tokens"] > 0
-    # ... each dispatch decided by the scheduler, in a child span that names the choice.
+    # ... each dispatch decided by the scheduler, in a span that names the choice, under the request's.
     decided = [s for s in spans if s.name == "ferry.scheduler.dispatch"]
-    assert sorted(by_id[s.parent_id].name for s in decided) == ["ferry.dispatch", "ferry.dispatch"]
+    assert [by_id[s.parent_id] for s in decided] == [root, root]
     assert [s.attributes["ferry.choice"] for s in sorted(decided, key=lambda s: s.start_ns)] == [a, final["instances"][3]]
     assert sorted(decided, key=lambda s: s.start_ns)[1].attributes["ferry.excluded"] == [c]
 
@@ -140,14 +141,17 @@ def test_one_trace_across_two_migrations_and_a_resume(traced):
         names = {s.name for s in children}
         assert {"ferry.migration.suspend", "ferry.migration.commit", "ferry.migration.downtime"} <= names, names
         assert any(s.name == "ferry.v1.Instance/Commit" and s.instance == dest for s in children)
-    first_at_a = by_id[migrations[0].parent_id]
-    assert first_at_a.name == "ferry.v1.Instance/Generate" and by_id[first_at_a.parent_id] is segments[1]
-    # B's migration hangs under the commit that brought the request to B (its trace went with it).
+    # A's migration hangs under the frontend's call to A, B's under the commit that brought the
+    # request to B (its trace went with it).
+    assert by_id[migrations[0].parent_id] is segments[1]
     assert by_id[migrations[1].parent_id].name == "ferry.v1.Instance/Commit"
     assert by_id[migrations[1].parent_id].instance == b
-    # The request's phases at A, and its decoding at B.
-    at_a = {s.name for s in spans if s.parent_id == first_at_a.span_id}
+    # The request's phases at A, under the call to A; its decoding at B and at C after each commit.
+    at_a = {s.name for s in spans if s.parent_id == segments[1].span_id and s.instance == a}
     assert {"ferry.queue", "ferry.prefill", "ferry.decode"} <= at_a
+    for dest in (b, c):
+        (decode,) = [s for s in spans if s.name == "ferry.decode" and s.instance == dest]
+        assert by_id[decode.parent_id].name == "ferry.v1.Instance/Commit" and by_id[decode.parent_id].instance == dest
 
     # The timeline adds up: the frontend's segments, one after the other, fill its request's span
     # but for small gaps, and that span is the client's latency.

@@ -29,7 +29,7 @@ from services.instance.migration.peer import DestinationPeer
 from libs.common.policies.migration import next_to_migrate
 from services.instance.migration.selection import status_without
 from services.instance.migration.source import Exported, Fault, SourceMigration, failpoint_faults
-from services.instance.request_traces import describe, migration_span, recording_context
+from services.instance.request_traces import describe, migration_span
 
 log = get_logger("migration")
 
@@ -143,7 +143,7 @@ class MigrationManager:
     async def _run(self, mig: SourceMigration) -> Outcome:
         parent = None
         if tracing.enabled():  # under its request's trace (a handoff starts inside the Generate that made it)
-            parent = self.host.trace_context(mig.request_id) or (recording_context() if mig.handoff else None)
+            parent = self.host.trace_context(mig.request_id) or (tracing.sampled_context() if mig.handoff else None)
         with migration_span(parent, mig) as s:
             try:
                 out = await mig.run()
