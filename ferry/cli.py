@@ -36,6 +36,7 @@ class LazyGroup(click.Group):
         "profile": "ferry.bench.profile_cli:profile",
         "serve": "ferry.serve_cli:serve",
         "sim": "ferry.sim.cli:sim",
+        "top": "ferry.top:top",
         "up": "ferry.up:up",
     },
 )

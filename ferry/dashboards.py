@@ -217,8 +217,22 @@ def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
 @click.command("dashboards")
 @click.option("--out", type=click.Path(file_okay=False, path_type=pathlib.Path), default=OUT, show_default=True)
 @click.option("--check", is_flag=True, help="fail when the files in --out are not what this builds")
-def dashboards(out: pathlib.Path, check: bool) -> None:
+@click.option("--render", "render_dir", type=click.Path(file_okay=False, path_type=pathlib.Path),
+              help="instead: plot every dashboard's panels (PNG, matplotlib) from --prometheus into this folder")
+@click.option("--prometheus", default="http://127.0.0.1:9090", show_default=True, help="with --render")
+@click.option("--minutes", type=float, default=5.0, show_default=True, help="with --render: the last this many")
+def dashboards(out: pathlib.Path, check: bool, render_dir: pathlib.Path | None, prometheus: str,
+               minutes: float) -> None:
     """Write Ferry's Grafana dashboards as JSON (deploy/grafana/dashboards)."""
+    if render_dir is not None:
+        import time
+
+        from ferry.dashboard_render import render_all
+
+        end = time.time()
+        for path in render_all(prometheus, end - minutes * 60, end, render_dir):
+            click.echo(f"wrote {path}")
+        return
     stale = []
     for board in BOARDS:
         path = out / f"{board.uid}.json"

@@ -44,7 +44,7 @@ def off_path_ns(number: int = 200_000) -> dict[str, float]:
             for k, stmt in OFF_PATH.items()}
 
 
-def run(spec, samples: int, json_path: str | None) -> None:
+def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
     from ferry.bench.overhead import _ab
 
     port = free_port()
@@ -52,7 +52,8 @@ def run(spec, samples: int, json_path: str | None) -> None:
     sink = subprocess.Popen([sys.executable, "-m", "ferry.trace_sink", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=log)
     endpoint = f"http://127.0.0.1:{port}"
-    clusters = {"off": LocalCluster(spec()), "on (100% sampled)": LocalCluster(spec(otlp_endpoint=endpoint)),
+    on = f"on ({ratio:.0%} sampled)"
+    clusters = {"off": LocalCluster(spec()), on: LocalCluster(spec(otlp_endpoint=endpoint)),
                 "off, again": LocalCluster(spec())}
     try:
         for c in clusters.values():
@@ -69,7 +70,7 @@ def run(spec, samples: int, json_path: str | None) -> None:
     spans = int(counts[-1]) if counts else 0
     hooks = off_path_ns()
     off, on, again = (res[k]["frontend_ttft_ms_p50"] for k in clusters)
-    out = {"clusters": res, "samples": samples, "spans_exported": spans,
+    out = {"clusters": res, "samples": samples, "sample_ratio": ratio, "spans_exported": spans,
            "tracing_on_minus_off_ttft_ms_p50": on - off, "off_again_minus_off_ttft_ms_p50": again - off,
            "off_path_ns_per_call": hooks, "off_path_ns_per_request": sum(hooks.values())}
     click.echo(f"\n{'cluster':22s}{'frontend TTFT p50':>19s}{'direct p50':>12s}{'added p50':>11s}")

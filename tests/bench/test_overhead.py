@@ -88,7 +88,7 @@ def test_tracing_mode_compares_tracing_off_twice_and_on_and_counts_the_spans(tmp
                                         "--json", str(out)])
     assert result.exit_code == 0, result.output
     res = json.loads(out.read_text())
-    assert list(res["clusters"]) == ["off", "on (100% sampled)", "off, again"]
+    assert list(res["clusters"]) == ["off", "on (100% sampled)", "off, again"] and res["sample_ratio"] == 1.0
     # Every traced request exported its spans (the warm-up's too); the untraced clusters none.
     assert res["spans_exported"] >= 16 * 5
     assert all(v > 0 for v in res["off_path_ns_per_call"].values())
