@@ -31,10 +31,12 @@ class LazyGroup(click.Group):
     lazy={
         # --- commands: keep one line per command, sorted ---
         "bench": "ferry.bench.cli:bench",
+        "dashboards": "ferry.dashboards:dashboards",
         "models": "ferry.models_cli:models",
         "profile": "ferry.bench.profile_cli:profile",
         "serve": "ferry.serve_cli:serve",
         "sim": "ferry.sim.cli:sim",
+        "top": "ferry.top:top",
         "up": "ferry.up:up",
     },
 )

@@ -84,6 +84,13 @@ class ClusterSpec:
     etcd: bool = False
     etcd_endpoints: str = ""
     control_replicas: int = 2
+    # Every process serves Prometheus metrics: the frontend on its HTTP port,
+    # the others on a --metrics-port each (``LocalCluster.metrics_targets``).
+    metrics: bool = False
+    # Tracing (libs/common/tracing.py): every process exports its spans to this
+    # OTLP/gRPC endpoint, sampling new traces at this ratio ("" = off).
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
 
     @property
     def replicated(self) -> bool:
@@ -159,6 +166,7 @@ class LocalCluster:
         self.meta_store_port, self.scheduler_port = self.meta_store_ports[0], self.scheduler_ports[0]
         self.etcd = None  # ferry/etcd_local.LocalEtcd when spec.etcd
         self._instance_seq = 0
+        self.metrics_ports: dict[str, int] = {}  # child name -> its --metrics-port (spec.metrics)
 
     # --- addresses -------------------------------------------------------------
     @property
@@ -182,6 +190,22 @@ class LocalCluster:
         """What a client of this cluster's internal services presents."""
         return self.spec.credentials
 
+    def metrics_targets(self) -> list[tuple[Child, str]]:
+        """Each child with the address of its /metrics (spec.metrics)."""
+        out = []
+        for c in self.children:
+            if c.kind == "frontend":
+                out.append((c, f"127.0.0.1:{c.port}"))
+            elif c.name in self.metrics_ports:
+                out.append((c, f"127.0.0.1:{self.metrics_ports[c.name]}"))
+        return out
+
+    def _metrics_args(self, name: str) -> list[str]:
+        if not self.spec.metrics:
+            return []
+        port = self.metrics_ports.setdefault(name, free_port())
+        return ["--metrics-port", str(port)]
+
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
@@ -200,6 +224,9 @@ class LocalCluster:
             child.log_path = os.path.join(self.spec.log_dir, f"{child.name}.log")
             out = open(child.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.credentials.env()}
+        if self.spec.otlp_endpoint:
+            env |= {"FERRY_OTLP_ENDPOINT": self.spec.otlp_endpoint,
+                    "FERRY_TRACE_SAMPLE_RATIO": str(self.spec.trace_sample_ratio)}
         if self.spec.replicated:
             env[OWNER_PID_ENV] = str(os.getpid())  # what schedulers launch dies with this process
         # A process group of its own: a terminal's Ctrl-C (or hang-up) reaches
@@ -214,8 +241,9 @@ class LocalCluster:
     def meta_store_child(self, index: int = 0) -> Child:
         port = self.meta_store_ports[index]
         etcd = ["--etcd", self.etcd_endpoints] if self.spec.replicated else []
-        return Child(_replica_name("meta-store", index), "meta-store",
-                     ["--port", str(port), *etcd, *self.spec.meta_store_args], port)
+        name = _replica_name("meta-store", index)
+        return Child(name, "meta-store",
+                     ["--port", str(port), *etcd, *self._metrics_args(name), *self.spec.meta_store_args], port)
 
     def instance_launch_args(self) -> str:
         """The arguments every instance of this cluster gets (less port, id
@@ -233,7 +261,8 @@ class LocalCluster:
         etcd = ["--etcd", self.etcd_endpoints, "--scheduler-id", name] if self.spec.replicated else []
         return Child(name, "scheduler",
                      ["--port", str(port), "--meta-store", self.meta_store,
-                      "--dispatch", self.spec.dispatch, *launch, *etcd, *self.spec.scheduler_args], port)
+                      "--dispatch", self.spec.dispatch, *launch, *etcd, *self._metrics_args(name),
+                      *self.spec.scheduler_args], port)
 
     def control_plane(self) -> list[Child]:
         return ([self.meta_store_child(i) for i in range(len(self.meta_store_ports))]
@@ -245,6 +274,7 @@ class LocalCluster:
         port = free_port()
         return Child(f"instance-{i}", "instance",
                      ["--port", str(port), "--instance-id", f"instance-{i}", "--meta-store", self.meta_store,
+                      *self._metrics_args(f"instance-{i}"),
                       "--engine", self.spec.engine, "--model", self.spec.model,
                       *(["--torch-threads", str(t)] if (t := self.spec.instance_threads()) else []),
                       *(["--cpus", c] if (c := self.spec.instance_cpus(i)) else []),

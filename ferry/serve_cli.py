@@ -22,10 +22,14 @@ log = get_logger("ferry.serve")
 def _setup(config_cls, options: dict, name: str):
     """The service's config from its options; logging and this process's
     internal gRPC credentials set up from it."""
-    from libs.common import rpc
+    from libs.common import rpc, tracing
 
     cfg = from_options(config_cls, options)
     setup_logging(cfg.log_level, cfg.log_format, name)
+    # First: the channels and servers made from here on carry trace context or not.
+    if tracing.configure(f"ferry-{name}", cfg.otlp_endpoint, cfg.trace_sample_ratio,
+                         instance=getattr(cfg, "instance_id", "")):
+        log.info("tracing on", endpoint=cfg.otlp_endpoint, sample_ratio=cfg.trace_sample_ratio)
     try:
         rpc.configure(cfg.credentials())
     except ConfigError as e:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import pathlib
 import signal
 import sys
 import time
 
 import click
 
+from ferry import targets
 from ferry.cluster import ClusterSpec, LocalCluster, StartupError, StartupStopped, usable_cores
 from ferry.supervise import Supervisor
 from libs.common import cpu_features, rpc
@@ -34,6 +36,24 @@ def _check_machine(engine: str) -> None:
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
     click.echo(f"ferry up: {machine.line()}", err=True)
+def _announce(cluster: LocalCluster, sd_file: str | None) -> pathlib.Path:
+    """Print where the metrics are; write the file_sd file and the cluster
+    file (ferry/targets.py). Returns the directory of the cluster file."""
+    state = targets.state_dir(cluster.spec.port)
+    targets.write_cluster_file(cluster, state)
+    found = cluster.metrics_targets()
+    if cluster.spec.metrics:
+        path = targets.write_sd_file(cluster, pathlib.Path(sd_file) if sd_file else state / "targets.json")
+        config = targets.write_prometheus_config(state / "prometheus.yml", path)
+        click.echo("ferry up: metrics at " + ", ".join(f"{c.name} http://{a}/metrics" for c, a in found), err=True)
+        click.echo(f"ferry up: Prometheus file_sd targets in {path}; to scrape them: prometheus "
+                   f"--config.file={config}; `ferry top` shows the cluster live", err=True)
+    if cluster.spec.otlp_endpoint:
+        click.echo(f"ferry up: traces to {cluster.spec.otlp_endpoint} (sampling "
+                   f"{cluster.spec.trace_sample_ratio:g} of new requests)", err=True)
+    return state
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -69,6 +89,8 @@ def _loopback(host: str) -> bool:
               help="extra argument for every `ferry serve instance` (repeatable), e.g. --instance-arg=--num-blocks=512")
 @click.option("--scheduler-arg", "scheduler_args", multiple=True,
               help="extra argument for `ferry serve scheduler` (repeatable), e.g. --scheduler-arg=--kunserve")
+@click.option("--meta-store-arg", "meta_store_args", multiple=True,
+              help="extra argument for `ferry serve meta-store` (repeatable), e.g. --meta-store-arg=--ttl-s=10")
 @click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
               help="internal gRPC calls carry a token made for this cluster; strangers get UNAUTHENTICATED")
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
@@ -80,11 +102,24 @@ def _loopback(host: str) -> bool:
 @click.option("--restart/--no-restart", default=True, show_default=True,
               help="start a process that dies again (an instance whose engine died or hung exits 3 or 4): at once, "
                    "then with a doubling back-off up to 30 s")
+@click.option("--metrics/--no-metrics", default=True, show_default=True,
+              help="every process serves Prometheus /metrics (the frontend on --port, the others on a port each); "
+                   "their addresses are printed and written as a Prometheus file_sd file (--sd-file)")
+@click.option("--sd-file", type=click.Path(dir_okay=False), default=None,
+              help="where to write the Prometheus file-based service-discovery file "
+                   "[default: $FERRY_CACHE_DIR/up-PORT/targets.json]")
+@click.option("--otlp-endpoint", default="", envvar="FERRY_OTLP_ENDPOINT",
+              help="export traces (OpenTelemetry, OTLP/gRPC) from every process to this endpoint, e.g. "
+                   "http://127.0.0.1:4317 (empty = tracing off)")
+@click.option("--trace-sample-ratio", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+              envvar="FERRY_TRACE_SAMPLE_RATIO", help="share of new requests traced (a client's sampled "
+                                                      "traceparent is always followed)")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_port, api_key, deterministic,
-       instance_args, scheduler_args, cluster_token, pin_cores, etcd, restart, log_format, log_level) -> None:
+       instance_args, scheduler_args, meta_store_args, cluster_token, pin_cores, etcd, restart, metrics, sd_file, otlp_endpoint,
+       trace_sample_ratio, log_format, log_level) -> None:
     """Start meta store, scheduler, N instances and the frontend; stop them all on Ctrl-C/SIGTERM."""
     if instances is None:
         instances = prefill + decode if prefill or decode else 2
@@ -96,11 +131,12 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     spec = ClusterSpec(instances=instances, engine=engine, model=model, port=port, host=host,
                        dispatch=dispatch, grpc_port=grpc_port,
                        instance_args=(["--deterministic"] if deterministic else []) + list(instance_args),
-                       scheduler_args=list(scheduler_args),
+                       scheduler_args=list(scheduler_args), meta_store_args=list(meta_store_args),
                        frontend_args=["--api-key", api_key] if api_key else [],
                        log_format=log_format, log_level=log_level,
                        cluster_token=rpc.new_token() if cluster_token else "", prefill=prefill, decode=decode,
-                       pin_cores=pin_cores, etcd=etcd)
+                       pin_cores=pin_cores, etcd=etcd, metrics=metrics, otlp_endpoint=otlp_endpoint,
+                       trace_sample_ratio=trace_sample_ratio)
     try:
         spec.check_roles()
     except ValueError as e:
@@ -154,6 +190,7 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
     if etcd:
         click.echo(f"ferry up: control plane on etcd {cluster.etcd_endpoints}: meta stores {cluster.meta_store}, "
                    f"schedulers {cluster.scheduler}", err=True)
+    state = _announce(cluster, sd_file)
     print(f"{cluster.url}/v1", flush=True)
     reported: set[str] = set()
     supervisor = Supervisor(cluster, say=lambda m: click.echo(f"ferry up: {m}", err=True))
@@ -167,5 +204,6 @@ def up(engine, instances, prefill, decode, port, host, model, dispatch, grpc_por
                     click.echo(f"ferry up: {c.name} exited with code {c.proc.returncode}", err=True)
         time.sleep(0.2)
     click.echo("ferry up: stopping …", err=True)
+    targets.remove(state)
     cluster.stop()
     click.echo("ferry up: stopped", err=True)

@@ -224,26 +224,41 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 @click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
               help="the inner services check a cluster token on every call, as under `ferry up`")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results here")
+@click.option("--tracing", is_flag=True,
+              help="instead of the rate steps, what tracing adds: clusters with tracing off (two: the noise floor) "
+                   "and on at 100%% sampling (spans exported to a local OTLP receiver in its own process), their "
+                   "TTFT sampled in turns; and the cost of the tracing calls a request makes with tracing off")
+@click.option("--trace-sample-ratio", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+              help="with --tracing: the traced cluster's sampling ratio")
 @click.option("--ab-frontend-arg", "ab_args", multiple=True,
               help="instead of the rate steps, compare added TTFT against a second cluster whose frontend has this "
                    "extra argument (repeatable), the two sampled in turns, e.g. --ab-frontend-arg=--no-dispatch-stream")
-def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, json_path, ab_args) -> None:
+def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, json_path, tracing, trace_sample_ratio,
+             ab_args) -> None:
     """Frontend + scheduler overhead on a fake-engine cluster."""
     token = rpc.new_token() if cluster_token else ""
     before = rpc.current()
     if token:  # the direct calls to an instance carry it too
         rpc.configure(rpc.Credentials(token=token))
     try:
-        _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args)
+        _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args, tracing,
+                  trace_sample_ratio)
     finally:  # this process's credentials as they were (the command also runs in-process, in tests)
         rpc.configure(before)
 
 
-def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args) -> None:
-    def spec(frontend_args=()):
+def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args, tracing=False,
+              trace_sample_ratio=1.0) -> None:
+    def spec(frontend_args=(), otlp_endpoint=""):
         return ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
                            instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"],
-                           frontend_args=list(frontend_args), cluster_token=token)
+                           frontend_args=list(frontend_args), cluster_token=token, otlp_endpoint=otlp_endpoint,
+                           trace_sample_ratio=trace_sample_ratio)
+    if tracing:
+        from ferry.bench.tracing_overhead import run
+
+        run(spec, samples, json_path, trace_sample_ratio)
+        return
     if ab_args:
         _overhead_ab(spec, samples, list(ab_args), json_path)
         return

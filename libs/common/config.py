@@ -115,6 +115,11 @@ class CommonConfig(Validated):
     tls_ca: str = opt("", "PEM CA that peers' certificates must chain to; servers then require client "
                           "certificates (mutual TLS)")
     tls_server_name: str = opt("", "name the peers' certificates are checked against (default: the address's host)")
+    # Tracing (libs/common/tracing.py): off unless an endpoint is given.
+    otlp_endpoint: str = opt("", "export traces (OpenTelemetry, OTLP/gRPC) to this collector, e.g. "
+                                 "http://127.0.0.1:4317 (empty = tracing off)")
+    trace_sample_ratio: float = opt(1.0, "share of new traces sampled (a caller's sampled trace context is "
+                                         "always followed)", min=0.0, max=1.0)
 
     def credentials(self):
         """This service's internal gRPC credentials (raises ConfigError on a bad file)."""

@@ -6,7 +6,9 @@ options and the cluster's credentials:
 - a shared cluster token, sent as call metadata ``x-ferry-token`` on every
   call and checked by one server interceptor (libs/common/server.py);
 - optional TLS from certificate files (grpc's own SSL credentials), mutual
-  when the servers are given a CA to check clients against.
+  when the servers are given a CA to check clients against;
+- with tracing on, the W3C trace context of the current span as call
+  metadata (``traceparent``), under which the server opens its span.
 
 A process sets its credentials once at start (``configure``); code that talks
 to a cluster it did not start passes ``credentials=`` explicitly.
@@ -20,6 +22,8 @@ import secrets
 from dataclasses import dataclass
 
 import grpc
+
+from libs.common import tracing
 
 # KV chunks are a few MiB; leave room.
 GRPC_OPTIONS = [
@@ -132,42 +136,49 @@ def current() -> Credentials:
 
 # --- the token as call metadata ------------------------------------------------------
 
-class _TokenCall:
-    """A multi-callable of a channel that adds the token to each call's metadata."""
+class _MetadataCall:
+    """A multi-callable of a channel that adds the token and (tracing on) the
+    current trace context to each call's metadata."""
 
-    __slots__ = ("_inner", "_token")
+    __slots__ = ("_inner", "_token", "_trace")
 
-    def __init__(self, inner, token: tuple[str, str]):
-        self._inner, self._token = inner, token
+    def __init__(self, inner, token: tuple[tuple[str, str], ...], trace: bool):
+        self._inner, self._token, self._trace = inner, token, trace
 
     def __call__(self, *args, metadata=None, **kwargs):
         # NOTE: no request argument for a streaming call that writes its own (call.write)
-        return self._inner(*args, metadata=(*(metadata or ()), self._token), **kwargs)
+        extra = self._token
+        if self._trace:
+            extra = (*extra, *tracing.headers().items())  # the context current as the call starts
+        return self._inner(*args, metadata=(*(metadata or ()), *extra), **kwargs)
 
 
 class TokenChannel:
-    """A grpc.aio channel whose calls carry the cluster token. The stubs take
-    their multi-callables from it (``unary_unary`` and the rest), and those
-    add the token to each call's metadata, with no client interceptor (grpc.aio
-    wraps each intercepted call in an extra layer; ``ferry bench overhead``
-    measured no TTFT difference either way, docs/results/README.md).
-    Everything else is the channel's own."""
+    """A grpc.aio channel whose calls carry the cluster token and, with
+    tracing on, the W3C trace context of the span current when each call
+    starts (``traceparent``: libs/common/tracing.py). The stubs take their
+    multi-callables from it (``unary_unary`` and the rest), and those add the
+    metadata to each call, with no client interceptor (grpc.aio wraps each
+    intercepted call in an extra layer; ``ferry bench overhead`` measured no
+    TTFT difference either way, docs/results/README.md). Everything else is
+    the channel's own."""
 
-    def __init__(self, channel: grpc.aio.Channel, token: str):
+    def __init__(self, channel: grpc.aio.Channel, token: str, trace: bool = False):
         self._channel = channel
-        self._token = (TOKEN_METADATA, token)
+        self._token = ((TOKEN_METADATA, token),) if token else ()
+        self._trace = trace
 
     def unary_unary(self, *args, **kwargs):
-        return _TokenCall(self._channel.unary_unary(*args, **kwargs), self._token)
+        return _MetadataCall(self._channel.unary_unary(*args, **kwargs), self._token, self._trace)
 
     def unary_stream(self, *args, **kwargs):
-        return _TokenCall(self._channel.unary_stream(*args, **kwargs), self._token)
+        return _MetadataCall(self._channel.unary_stream(*args, **kwargs), self._token, self._trace)
 
     def stream_unary(self, *args, **kwargs):
-        return _TokenCall(self._channel.stream_unary(*args, **kwargs), self._token)
+        return _MetadataCall(self._channel.stream_unary(*args, **kwargs), self._token, self._trace)
 
     def stream_stream(self, *args, **kwargs):
-        return _TokenCall(self._channel.stream_stream(*args, **kwargs), self._token)
+        return _MetadataCall(self._channel.stream_stream(*args, **kwargs), self._token, self._trace)
 
     async def __aenter__(self):
         await self._channel.__aenter__()
@@ -214,13 +225,16 @@ class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 # --- channels ----------------------------------------------------------------------
 
 def channel(address: str, credentials: Credentials | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to a Ferry service (use as ``async with`` or close it)."""
+    """An asyncio channel to a Ferry service (use as ``async with`` or close it).
+    NOTE: whether its calls carry trace context is decided here, once: a
+    process configures tracing before it opens channels (ferry/serve_cli.py)."""
     c = credentials or _current
     if c.tls:
         ch = grpc.aio.secure_channel(address, c.channel_credentials(), options=c.channel_options())
     else:
         ch = grpc.aio.insecure_channel(address, options=c.channel_options())
-    return TokenChannel(ch, c.token) if c.token else ch
+    trace = tracing.enabled()
+    return TokenChannel(ch, c.token, trace) if c.token or trace else ch
 
 
 def sync_channel(address: str, credentials: Credentials | None = None) -> grpc.Channel:

@@ -1,7 +1,8 @@
 """The one serve() skeleton of every gRPC service: uvloop, the standard gRPC
 health checking service, graceful stop on SIGTERM/SIGINT, and the cluster's
 credentials (libs/common/rpc.py): TLS when configured, and on internal
-services a token check on every call but health checks."""
+services a token check on every call but health checks; with tracing on, a
+server span per call under the caller's trace context (libs/common/tracing.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Awaitable, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from libs.common import rpc
+from libs.common import rpc, tracing
 from libs.common.errors import FerryError, InvalidArgument, grpc_status
 from libs.common.logging import get_logger
 from libs.common.rpc import GRPC_OPTIONS
@@ -173,6 +174,59 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return _rewrap(handler, deny_unary, deny_stream)
 
 
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """Each call that carries W3C trace context (``traceparent`` metadata,
+    libs/common/rpc.py) runs under it: a unary call (a client stream too)
+    inside a server span; a server stream (Generate, Attach: a request's whole
+    life there) in the caller's context, each step, the service recording its
+    own spans of the past (services/instance/request_traces.py), so that none
+    is made before its first message. At the public edge (``always``) every
+    call has a span, a new trace where the client sent none. Installed only
+    with tracing on (libs/common/tracing.py)."""
+
+    def __init__(self, always: bool = False):
+        self.always = always
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        parent = tracing.extract(handler_call_details.invocation_metadata)
+        if parent is None and not self.always:
+            return handler
+        name = method.lstrip("/")
+        attrs = {"rpc.system": "grpc", "rpc.method": name}
+
+        def wrap_unary(fn):
+            async def wrapped(request, context):
+                with tracing.span(name, attrs, context=parent, kind="server"):
+                    return await fn(request, context)
+            return wrapped
+
+        always = self.always
+
+        def wrap_stream(fn):
+            async def wrapped(request, context):
+                # NOTE: a context is current for each step of the servicer's stream, not across its
+                # yields: grpc.aio may close a cancelled stream from another context.
+                span = tracing.start(name, attrs, context=parent, kind="server") if always else None
+                steps = tracing.stepper(fn(request, context), tracing.context_of(span) if span else parent,
+                                        first_only=span is None)
+                error = ""
+                try:
+                    async for item in steps:
+                        yield item
+                except Exception as e:  # (a cancel, the caller's, is no failure of the call)
+                    error = type(e).__name__
+                    raise
+                finally:
+                    tracing.end(span, error=error)
+            return wrapped
+
+        return _rewrap(handler, wrap_unary, wrap_stream)
+
+
 def freeze_startup_heap() -> int:
     """Once a service has started: collect, then move every object the
     garbage collector tracks into its permanent generation (``gc.freeze``),
@@ -210,6 +264,8 @@ async def serve(service: Service, host: str, port: int, *, grace_s: float = 5.0,
     service._request_stop = stop.set
     creds = rpc.current() if service.internal else rpc.Credentials()
     interceptors = [ErrorInterceptor()] + ([TokenInterceptor(creds)] if creds.token else [])
+    if tracing.enabled():  # innermost: a span per call, under the caller's context
+        interceptors.append(TracingInterceptor(always=not service.internal))
     options = GRPC_OPTIONS if service.max_message_bytes is None else [
         *((k, v) for k, v in GRPC_OPTIONS if k != "grpc.max_receive_message_length"),
         ("grpc.max_receive_message_length", service.max_message_bytes)]

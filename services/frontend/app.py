@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from libs.common import tracing
 from libs.common.errors import (
     RETRY_AFTER_S,
     FerryError,
@@ -34,6 +35,7 @@ from services.frontend.respond import CLIENT_CLOSED, Responder
 from services.frontend.router import Router
 from services.frontend.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.frontend.tokenizer import Tokenizer
+from services.frontend.tracing import TraceRequests
 
 log = get_logger(__name__)
 
@@ -67,6 +69,8 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     # Outermost last: the key and admission before the body is read.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.client_timeout_s)
     app.add_middleware(Edge, keys=config.keys(), admission=admission)
+    if tracing.enabled():  # outermost: a request's span covers all of it (services/frontend/tracing.py)
+        app.add_middleware(TraceRequests)
     model_name = config.model_name
 
     def error_response(err: FerryError, endpoint: str = "") -> JSONResponse:

@@ -15,10 +15,11 @@ from typing import Protocol
 
 import grpc
 
-from libs.common import convert
+from libs.common import convert, tracing
 from libs.common.errors import Code, FerryError, from_grpc
 from libs.common.types import GenerateOrder, StreamEvent
 from libs.pb import instance_pb2 as ipb
+from services.frontend.tracing import CallTrace, call_span
 
 
 class PeerError(FerryError):
@@ -48,19 +49,31 @@ class LocalInstance(Protocol):
 
 
 class _GrpcCall:
-    def __init__(self, call):
+    def __init__(self, call, trace: CallTrace | None = None):
         self._call = call
+        self._trace = trace
 
     def cancel(self) -> None:
         self._call.cancel()
+        if self._trace is not None:
+            self._trace.end()
 
     async def __aiter__(self):
+        t = self._trace
         try:
             async for m in self._call:
-                yield convert.stream_event_from_pb(m)
+                ev = convert.stream_event_from_pb(m)
+                if t is not None:
+                    t.saw(ev)
+                yield ev
         except grpc.RpcError as e:
             err = from_grpc(e)
+            if t is not None:
+                t.end(err.code.name)
             raise PeerError(str(err), code=err.code) from e
+        finally:
+            if t is not None:
+                t.end()
 
 
 class GrpcPeers:
@@ -70,11 +83,19 @@ class GrpcPeers:
         self._stub = stub_for
 
     def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
-        return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)))
+        t = call_span("generate", address, order.request_id, len(order.resume_token_ids))
+        if t is None:
+            return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)))
+        with tracing.use(t.span):  # the call's metadata carries its context
+            return _GrpcCall(self._stub(address).Generate(convert.order_to_pb(order)), t)
 
     def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
-        return _GrpcCall(self._stub(address).Attach(ipb.AttachRequest(
-            request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)))
+        req = ipb.AttachRequest(request_id=request_id, from_index=from_index, flush_interval_ms=flush_interval_ms)
+        t = call_span("attach", address, request_id)
+        if t is None:
+            return _GrpcCall(self._stub(address).Attach(req))
+        with tracing.use(t.span):
+            return _GrpcCall(self._stub(address).Attach(req), t)
 
 
 _DONE = object()
@@ -86,9 +107,11 @@ class _LocalCall:
     aborts the request) and ends the iteration with CancelledError, as a
     cancelled gRPC call does."""
 
-    def __init__(self, events: AsyncIterator[StreamEvent]):
+    def __init__(self, events: AsyncIterator[StreamEvent], trace: CallTrace | None = None):
         self._q: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.get_running_loop().create_task(self._pump(events))
+        self._trace = trace
+        with tracing.use(trace.span if trace is not None else None):  # the agent's side runs under the call's span
+            self._task = asyncio.get_running_loop().create_task(self._pump(events))
         self._cancelled = False
 
     async def _pump(self, events: AsyncIterator[StreamEvent]) -> None:
@@ -110,15 +133,22 @@ class _LocalCall:
             self._cancelled = True
             self._task.cancel()
             self._q.put_nowait(asyncio.CancelledError())
+        if self._trace is not None:
+            self._trace.end()
 
     async def __aiter__(self):
+        t = self._trace
         try:
             while True:
                 item = await self._q.get()
                 if item is _DONE:
                     return
                 if isinstance(item, BaseException):
+                    if t is not None:
+                        t.end(item.code.name if isinstance(item, PeerError) else "cancelled")
                     raise item
+                if t is not None:
+                    t.saw(item)
                 yield item
         finally:
             self.cancel()
@@ -138,7 +168,11 @@ class InProcessPeers:
         return agent
 
     def generate(self, address: str, order: GenerateOrder) -> InstanceCall:
-        return _LocalCall(self._agent(address).generate(order))
+        agent = self._agent(address)
+        return _LocalCall(agent.generate(order),
+                          call_span("generate", address, order.request_id, len(order.resume_token_ids)))
 
     def attach(self, address: str, request_id: str, from_index: int, flush_interval_ms: int = 0) -> InstanceCall:
-        return _LocalCall(self._agent(address).attach(request_id, from_index, flush_interval_ms))
+        agent = self._agent(address)
+        return _LocalCall(agent.attach(request_id, from_index, flush_interval_ms),
+                          call_span("attach", address, request_id))

@@ -22,7 +22,7 @@ import grpc
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import scheduler_pb2 as spb
 from libs.pb import scheduler_pb2_grpc as spb_grpc
-from libs.common import rpc
+from libs.common import rpc, tracing
 from libs.common.cluster_view import ClusterView
 from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable
 from libs.common.kv_index import KvIndexWatcher
@@ -144,11 +144,26 @@ class Router:
         scheduler's policy decides the last; in bypass mode the request keeps
         its own. ``token_ids`` (the tokens the instance will be sent): their
         full blocks' hashes go with the request, for prefix-aware policies.
-        ``affinity``: the instance to prefer if it can take it (DispatchRequest)."""
+        ``affinity``: the instance to prefer if it can take it (DispatchRequest).
+        With tracing on, a span of its own (the scheduler's is its sibling)."""
+        if not tracing.enabled():
+            return await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity)
+        t0 = time.time_ns()
+        d = await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity)
+        # A span of the past, made once the response is out (services/frontend/tracing.py).
+        tracing.record("ferry.dispatch", t0, time.time_ns(), {
+            "ferry.request_id": request_id, "ferry.priority": priority.name, "ferry.excluded": sorted(exclude),
+            "ferry.instance_id": d.instance_id, "ferry.decode_instance_id": d.decode_instance_id,
+            "ferry.bypass": self.bypass})
+        tracing.annotate(**{"ferry.request_id": request_id, "ferry.prompt_tokens": num_prompt_tokens})
+        return d
+
+    async def _dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
+                        exclude: frozenset[str], token_ids: Sequence[int] | None, affinity: str = "") -> Dispatched:
         if time.monotonic() >= self._bypass_until:
             req = spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                       priority=int(priority), exclude_instance_ids=sorted(exclude),
-                                      affinity_instance_id=affinity)
+                                      affinity_instance_id=affinity, traceparent=tracing.traceparent())
             bs = self.block_size() if token_ids and self._send_hashes else 0
             if bs:
                 req.block_size = bs

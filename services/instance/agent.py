@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from libs.common import failpoints
+from libs.common import failpoints, tracing
 from libs.common.errors import (
     Code,
     FailedPrecondition,
@@ -97,6 +97,8 @@ class Agent(Service):
         self.hang: HangMonitor | None = None  # set in start()
         self.draining = False  # SIGTERM: handing the requests here over before stopping
         self.kv_events = KvEventPublisher(self.instance_id)
+        # What follows each request here, step by step (serving_metrics.py; request_traces.py when tracing).
+        self.observers: list = []
 
     # --- lifecycle --------------------------------------------------------------
     async def start(self, bound_address: str) -> None:
@@ -112,22 +114,32 @@ class Agent(Service):
         from services.instance.migration import MigrationHost, MigrationManager
         from services.instance.migration.servicer import MigrationRpcs
 
+        if self.config.metrics_port >= 0:
+            from services.instance.serving_metrics import ServingMetrics
+
+            serving = ServingMetrics(e.model_name, self.instance_id)
+            self.observers.append(serving)
+        trace_context = MigrationHost.trace_context
+        if tracing.enabled():
+            from services.instance.request_traces import RequestTraces
+
+            traces = RequestTraces(self.instance_id)
+            self.observers.append(traces)
+            trace_context = traces.context_of
         host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
                              load=lambda: self.load, headroom=self.headroom, changed=self._poke,
-                             decodes=lambda: self.role.decodes)
+                             decodes=lambda: self.role.decodes, committed_in=self._committed_in,
+                             trace_context=trace_context)
         self.migration = MigrationManager(host, self.config.migration_config(), peers=self._migration_peers)
         self.migration_rpcs = MigrationRpcs(self.migration)
         from services.instance.kunserve import PipelineHost
 
         self.pipeline = PipelineHost(self.engine, self.runner)
         if self.config.metrics_port >= 0:
-            from prometheus_client import start_http_server
+            from libs.common.metrics_server import serve_metrics
 
-            from services.instance import prefix_metrics
-
-            prefix_metrics.export(lambda: self.load.prefix_cache, instance=self.instance_id)
-
-            start_http_server(self.config.metrics_port, addr=self.config.host)
+            serving.export(lambda: self.load, lambda: (self.migration.migrating_in, self.migration.migrating_out))
+            serve_metrics(self.config.metrics_port, self.config.host)
         self.reporter = StatusReporter(self.config.meta_store, self.info, self.status,
                                        self.config.report_interval_s, self.config.heartbeat_s)
         self.reporter.start()
@@ -201,6 +213,8 @@ class Agent(Service):
                 log.warning("request failed; the engine goes on", request_id=out.request_id, code=out.error[0],
                             error=out.error[1])
         self.streams.deliver(outputs, self.migration.handoffs.on_output if self.migration is not None else None)
+        for o in self.observers:
+            o.on_step(outputs, load)
         if load is None:
             self._engine_died()
             return
@@ -269,9 +283,14 @@ class Agent(Service):
             self.streams.close(rid)
             raise
         self.queue.added(n_tokens)
-        async for f in serve_stream(self.streams, stream, len(resume), len(order.prompt_token_ids),
-                                    order.flush_interval_ms, self._client_gone):
-            yield f
+        for o in self.observers:
+            o.arrived(rid, len(order.prompt_token_ids), len(resume))
+        try:
+            async for f in serve_stream(self.streams, stream, len(resume), len(order.prompt_token_ids),
+                                        order.flush_interval_ms, self._client_gone):
+                yield f
+        finally:
+            self._left(rid)
 
     async def _enter(self, ereq: EngineRequest, handoff: tuple[str, str] | None, n_tokens: int) -> None:
         """Into the engine: directly, or (Splitwise) with the plan of its
@@ -302,8 +321,23 @@ class Agent(Service):
 
     async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]:
         """The stream of a request that migrated in, from ``from_index``."""
-        async for f in serve_attached(self.streams, request_id, from_index, flush_interval_ms, self._client_gone):
-            yield f
+        served = False
+        try:
+            async for f in serve_attached(self.streams, request_id, from_index, flush_interval_ms, self._client_gone):
+                served = True
+                yield f
+        finally:
+            if served:  # (an attach refused for a stream already followed ends nothing)
+                self._left(request_id)
+
+    def _committed_in(self, state) -> None:
+        for o in self.observers:
+            o.committed_in(state)
+
+    def _left(self, request_id: str) -> None:
+        """The request's stream here ended (finished, moved on, aborted, failed)."""
+        for o in self.observers:
+            o.left(request_id)
 
     def _client_gone(self, request_id: str) -> None:
         """The client left before the stream's end: abort and free the blocks."""

@@ -154,6 +154,11 @@ class Registry:
         return sorted(self._records.values(), key=lambda r: r.info.instance_id)
 
     # --- watch ----------------------------------------------------------------
+    @property
+    def watchers(self) -> int:
+        """Watch streams open."""
+        return len(self._watchers)
+
     def subscribe(self) -> WatchQueue:
         """A queue that first holds the snapshot then every change. A watcher
         that falls behind by more than the queue size is dropped (its queue

@@ -21,6 +21,7 @@ from libs.common.server import Service
 from libs.common.validation import request_id_problem
 from services.meta_store.documents import MAX_DOCUMENT_BYTES, Documents, EtcdDocuments, MemoryDocuments
 from services.meta_store.registry import Change, ChangeType, Registry, TakenOver
+from services.meta_store.metrics import EXPIRED
 
 log = get_logger(__name__)
 
@@ -36,6 +37,7 @@ _TYPES = {
 class MetaStoreConfig(CommonConfig):
     port: int = opt(7000, "port to listen on", min=0, max=65535)
     ttl_s: float = opt(3.0, "an instance not reporting for this long disappears", min=0.05)
+    metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
     # The replicated store (services/meta_store/etcd_registry.py).
     etcd: str = opt("", "etcd endpoints host:port[,host:port...]: keep the registry and the instances' leases in "
                         "etcd, so that several meta-store replicas serve one cluster (empty = in memory)")
@@ -232,6 +234,12 @@ class MetaStoreService(Service):
         if self.config.etcd:
             self.registry.start(bound_address)
         self._reaper = asyncio.create_task(self._reap())
+        if self.config.metrics_port >= 0:
+            from libs.common.metrics_server import serve_metrics
+            from services.meta_store import metrics
+
+            metrics.export(self.registry)
+            serve_metrics(self.config.metrics_port, self.config.host)
 
     async def stop(self) -> None:
         if self._reaper:
@@ -245,4 +253,5 @@ class MetaStoreService(Service):
         while True:
             await asyncio.sleep(interval)
             for instance_id in self.registry.expire():
+                EXPIRED.inc()
                 log.warning("instance expired", instance_id=instance_id, ttl_s=self.config.ttl_s)

@@ -19,6 +19,7 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 from libs.common.logging import get_logger
+from services.scheduler import metrics
 from services.scheduler.policies import HeldPrefix, MigrationPair, MoveCosts, PromptHashes, pair_migrations
 
 log = get_logger(__name__)
@@ -41,6 +42,11 @@ class Rescheduler:
         self._busy: dict[str, asyncio.Task] = {}  # source instance id -> its migrate-out order
         self.policy = config.policy
         self.freeness_of = self.policy.migration_freeness
+
+    @property
+    def busy(self) -> frozenset[str]:
+        """Sources with an order under way."""
+        return frozenset(self._busy)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -92,10 +98,12 @@ class Rescheduler:
                     dest_instance_id=pair.destination, dest_address=dst,
                     stop_when_freeness_above=self.config.out_threshold,
                     use_priorities=self.policy.uses_priorities, linkable_blocks=link or {}), timeout=60)
+            metrics.order_done(reply)
             if reply.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,
                          committed=reply.committed, aborted=reply.aborted)
         except grpc.RpcError as e:
+            metrics.ORDERS.labels("failed").inc()
             log.debug("migrate-out order failed", source=pair.source, error=e.code().name,
                       details=e.details())
         finally:

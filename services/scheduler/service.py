@@ -10,7 +10,9 @@ down (frontend bypass) does not stop it: the bypass places the same way."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 
 import grpc
 
@@ -18,7 +20,7 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import scheduler_pb2 as pb
 from libs.pb import scheduler_pb2_grpc as pb_grpc
-from libs.common import convert, rpc
+from libs.common import convert, rpc, tracing
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
@@ -29,6 +31,7 @@ from libs.common.policies.base import affine
 from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
+from services.scheduler import metrics
 from services.scheduler.policies import PromptHashes
 
 log = get_logger(__name__)
@@ -49,6 +52,7 @@ class SchedulerConfig(CommonConfig):
     migrate_in_threshold: float | None = opt(None, "instances with freeness above this are destinations "
                                                    "(default: the policy's, 20)")
     migration: bool = opt(True, "run the rescheduling loop (for policies that migrate)")
+    metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
     prefix_index: bool = opt(True, "keep the cluster-wide prefix index: follow every instance's KV events "
                                    "(which instance holds which block hash)")
     # Launcher and auto-scaling (services/scheduler/launcher.py, autoscaler.py).
@@ -109,10 +113,11 @@ class SchedulerConfig(CommonConfig):
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     def __init__(self, svc: "SchedulerService"):
         self.svc = svc
+        self._unrecorded: list = []  # DispatchStream's dispatch spans to record (tracing on)
 
     async def Dispatch(self, request, context):
         try:
-            return self._dispatch(request)
+            return self._timed_dispatch(request)
         except FerryError as e:
             await abort_with(context, e)
 
@@ -120,8 +125,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         """Dispatch's decision for each request of the stream, in order;
         one that cannot be placed gets its error in the reply."""
         async for request in request_iterator:
+            t0 = time.time_ns()
             try:
-                reply = self._dispatch(request)
+                reply = self._timed_dispatch(request, traced=False)
             except FerryError as e:
                 reply = pb.DispatchReply(error_code=e.code.value, error_message=e.message)
             except Exception as e:  # (one request's failure must not end the others' stream)
@@ -129,6 +135,53 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 reply = pb.DispatchReply(error_code=Code.INTERNAL.value, error_message=f"dispatch failed: {e}")
             reply.request_id = request.request_id
             yield reply
+            if request.traceparent and tracing.enabled():  # after the reply, off the request's way
+                self._later(request, reply, t0)
+
+    def _timed_dispatch(self, request, traced: bool = True) -> pb.DispatchReply:
+        """_dispatch, timed and counted by outcome (services/scheduler/metrics.py);
+        with tracing on (``traced``: the call's context; DispatchStream records
+        its own after each reply), its span once decided."""
+        t0 = time.perf_counter()
+        t0_ns = time.time_ns()
+        outcome = "error"
+        try:
+            reply = self._dispatch(request)
+            outcome = "placed"
+            if traced and tracing.enabled():
+                self._record(request, reply, t0_ns, None)
+            return reply
+        except Unavailable:
+            outcome = "unavailable"
+            raise
+        finally:
+            metrics.DISPATCH_SECONDS.observe(time.perf_counter() - t0)
+            metrics.DISPATCHES.labels(outcome).inc()
+
+    def _later(self, request, reply, t0_ns: int) -> None:
+        """A stream's dispatch span, recorded a little later with the others
+        of that moment (not between this reply and the next request)."""
+        end = time.time_ns()
+        if not self._unrecorded:
+            asyncio.get_running_loop().call_later(0.05, self._record_all)
+        self._unrecorded.append((request, reply, t0_ns, end))
+
+    def _record_all(self) -> None:
+        todo, self._unrecorded = self._unrecorded, []
+        for request, reply, t0_ns, end in todo:
+            self._record(request, reply, t0_ns, tracing.from_traceparent(request.traceparent), end)
+
+    def _record(self, request, reply, t0_ns: int, parent, end_ns: int | None = None) -> None:
+        """The dispatch's span (of the past): the policy, the candidates as
+        the view has them (the freest first), the choice."""
+        views = sorted(self.svc.view.views(), key=lambda v: -v.status.freeness)
+        tracing.record("ferry.scheduler.dispatch", t0_ns, end_ns or time.time_ns(), {
+            "ferry.request_id": request.request_id, "ferry.prompt_tokens": request.num_prompt_tokens,
+            "ferry.policy": reply.policy, "ferry.candidates": len(views),
+            "ferry.candidate_freeness": [f"{v.instance_id}={v.status.freeness:.1f}" for v in views[:8]],
+            "ferry.excluded": list(request.exclude_instance_ids), "ferry.choice": reply.instance_id,
+            "ferry.decode_choice": reply.decode_instance_id, "ferry.error": reply.error_message or None},
+            context=parent)
 
     def _dispatch(self, request) -> pb.DispatchReply:
         """Place one request (raises FerryError where it cannot be placed)."""
@@ -292,6 +345,11 @@ class SchedulerService(Service):
         from services.scheduler.state import EtcdState, MemoryState
 
         self.view.start()
+        if c.metrics_port >= 0:
+            from libs.common.metrics_server import serve_metrics
+
+            metrics.export(self)
+            serve_metrics(c.metrics_port, c.host)
         if c.prefix_index:
             from libs.common.kv_index import KvIndexWatcher
 

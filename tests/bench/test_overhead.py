@@ -80,3 +80,16 @@ async def test_the_frontend_path_reads_whole_streams_and_keeps_its_connection():
         assert len(set(peers)) == 4
     finally:
         await runner.cleanup()
+
+
+def test_tracing_mode_compares_tracing_off_twice_and_on_and_counts_the_spans(tmp_path):
+    out = tmp_path / "tracing.json"
+    result = CliRunner().invoke(bench, ["overhead", "--instances", "1", "--samples", "16", "--tracing",
+                                        "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    res = json.loads(out.read_text())
+    assert list(res["clusters"]) == ["off", "on (100% sampled)", "off, again"] and res["sample_ratio"] == 1.0
+    # Every traced request exported its spans (the warm-up's too); the untraced clusters none.
+    assert res["spans_exported"] >= 16 * 5
+    assert all(v > 0 for v in res["off_path_ns_per_call"].values())
+    assert "tracing on - off, TTFT p50" in result.output

@@ -270,7 +270,8 @@ def _require_command(path: list[str]) -> None:
         pytest.skip(f"`ferry {path[0]}` is not available in this tree ({e})")
 
 
-SERVICES = sorted(raw_compose()["services"])
+NOT_FERRY = {"prometheus"}  # the monitoring profile's Prometheus (its own image and flags)
+SERVICES = sorted(n for n in raw_compose()["services"] if n not in NOT_FERRY)
 
 
 @pytest.mark.parametrize("env_name", sorted(ENVIRONMENTS))
@@ -407,6 +408,8 @@ def test_inner_services_are_closed():
     assert "cluster_token" in doc["secrets"]
     for name, svc in doc["services"].items():
         nets = set(svc.get("networks") or [])
+        if name in NOT_FERRY:  # test_prometheus_scrapes_every_service
+            continue
         if name == "model-init":  # one-shot, talks to no service
             assert nets == {"edge"} and "ports" not in svc
             continue
@@ -623,3 +626,42 @@ def test_grpc_health_checks_are_tls_aware():
         code = " ".join((svc.get("healthcheck") or {}).get("test") or [])
         if "grpc" in code or "7000" in code or "7001" in code or "7100" in code:
             assert "libs.common.probe" in code and "insecure_channel" not in code, name
+
+
+def test_prometheus_scrapes_every_service_where_it_serves_metrics():
+    """The monitoring profile's Prometheus: its configuration names each
+    service at the port it serves /metrics on, under the jobs the dashboards
+    and rules select; it loads the rules; its UI is published on loopback
+    only; promtool accepts the configuration (where installed)."""
+    from ferry.targets import JOBS
+
+    doc = compose()
+    prom = doc["services"]["prometheus"]
+    assert prom["profiles"] == ["monitoring"]
+    assert [str(p).split(":")[0] for p in prom["ports"]] == ["127.0.0.1"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prom["volumes"]}
+    config_path = (COMPOSE_DIR / mounts["/etc/prometheus/prometheus.yml"]).resolve()
+    config = yaml.safe_load(config_path.read_text())
+    assert config["rule_files"] == ["/etc/prometheus/ferry-rules.yml"]
+    assert (COMPOSE_DIR / mounts["/etc/prometheus/ferry-rules.yml"]).resolve() == ROOT / "deploy/prometheus/ferry-rules.yml"
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == set(JOBS.values())
+    for name in ("frontend", "scheduler", "meta-store"):
+        svc = doc["services"][name]
+        port = 8000 if name == "frontend" else int(svc["environment"]["FERRY_METRICS_PORT"])
+        assert jobs[JOBS[name]]["static_configs"][0]["targets"] == [f"{name}:{port}"], name
+    dns = jobs["ferry-instance"]["dns_sd_configs"][0]
+    instances = sorted(n for n, svc in doc["services"].items() if svc.get("command", [""])[:2] == ["serve", "instance"])
+    assert sorted(dns["names"]) == instances
+    assert {int(doc["services"][n]["environment"]["FERRY_METRICS_PORT"]) for n in instances} == {dns["port"]}
+    promtool = shutil.which("promtool")
+    if promtool:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            text = config_path.read_text().replace("/etc/prometheus/ferry-rules.yml",
+                                                   str(ROOT / "deploy/prometheus/ferry-rules.yml"))
+            (pathlib.Path(d) / "p.yml").write_text(text)
+            r = subprocess.run([promtool, "check", "config", str(pathlib.Path(d) / "p.yml")], capture_output=True,
+                               text=True)
+            assert r.returncode == 0, r.stdout + r.stderr

@@ -14,7 +14,11 @@
    instances' StatefulSet; only the scheduler mounts an API token;
 5. every workload has a PodDisruptionBudget; instances ask for a GPU in the
    base and none on CPU, take their id and address from the pod, and stop by
-   SIGTERM with a long grace period (the drain by live migration).
+   SIGTERM with a long grace period (the drain by live migration);
+6. every Ferry pod says where Prometheus scrapes it (annotations) and serves
+   /metrics there; the monitoring overlay's PodMonitors pick each kind of pod
+   by a port it has, under the job names the dashboards and rules select,
+   and its NetworkPolicy opens only the metrics ports, to Prometheus pods.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 K8S_VERSION = "1.32"
 TARGETS = {"base": "base", "cpu": "overlays/cpu"}
+MONITORING = "overlays/monitoring"
 DOWNWARD = {"metadata.name": "ferry-instance-0", "metadata.namespace": "ferry", "status.podIP": "10.0.0.7"}
 
 kubectl = shutil.which("kubectl")
@@ -48,7 +53,7 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("cluster-token"))
     (tree / "base" / "secrets" / "cluster-token").write_text("test-token\n")
     out = {}
-    for name, path in TARGETS.items():
+    for name, path in {**TARGETS, "monitoring": MONITORING}.items():
         r = subprocess.run([kubectl, "kustomize", str(tree / path)], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, f"{name}: kubectl kustomize failed: {r.stderr}"
         out[name] = [d for d in yaml.safe_load_all(r.stdout) if d]
@@ -285,9 +290,10 @@ def reachable(docs, source: dict | None, dest_labels: dict, port: int) -> bool:
 
 
 CALLERS = {  # who must reach whom: component -> port -> the components that call it
-    "meta-store": {7000: {"instance", "scheduler", "frontend"}},
-    "scheduler": {7001: {"frontend"}},
-    "instance": {7100: {"frontend", "scheduler", "instance"}, 9100: set()},  # metrics: add your Prometheus
+    # metrics ports: none of the cluster's own; the monitoring overlay opens them to Prometheus
+    "meta-store": {7000: {"instance", "scheduler", "frontend"}, 9102: set()},
+    "scheduler": {7001: {"frontend"}, 9101: set()},
+    "instance": {7100: {"frontend", "scheduler", "instance"}, 9100: set()},
     "etcd": {2379: {"meta-store", "scheduler", "etcd"}, 2380: {"etcd"}},
     "frontend": {8000: None},  # anyone
 }
@@ -367,3 +373,41 @@ def test_instances_come_from_their_pods_and_drain_on_sigterm(rendered, target, m
     else:
         assert gpu is None and params["engine"] == "native" and params["device"] == "cpu"
         assert c["image"] == "ferry:cpu" and spec["initContainers"][0]["image"] == "ferry:cpu"
+
+
+# ---------------------------------------------------------- 6. Prometheus
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_ferry_pod_says_where_prometheus_scrapes_it(rendered, target, monkeypatch):
+    svcs = parsed_services(rendered[target], monkeypatch)
+    for comp, (w, c, p) in svcs.items():
+        ann = w["spec"]["template"]["metadata"].get("annotations", {})
+        assert ann.get("prometheus.io/scrape") == "true" and ann.get("prometheus.io/path") == "/metrics", comp
+        port = int(ann["prometheus.io/port"])
+        assert port in {q["containerPort"] for q in c["ports"]}, comp
+        served = p["port"] if comp == "frontend" else p["metrics_port"]  # the frontend: on its HTTP port
+        assert served == port, f"{comp} serves /metrics on {served}, annotated {port}"
+
+
+def test_the_monitoring_overlay_scrapes_every_kind_of_pod_under_its_job(rendered, schemas):
+    from ferry.targets import JOBS
+
+    docs = rendered["monitoring"]
+    native = [d for d in docs if d["kind"] != "PodMonitor"]
+    assert {f"{d['kind']}/{d['metadata']['name']}": e for d in native if (e := validate(d))} == {}
+    monitors = objects(docs, "PodMonitor")
+    assert sorted(m["metadata"]["name"] for m in monitors) == sorted(JOBS.values())
+    for m in monitors:
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        picked = [w for w in workloads(docs) if _matches(m["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        assert [component(w) for w in picked] == [m["metadata"]["name"].removeprefix("ferry-")]
+        ports = {q["name"] for c in picked[0]["spec"]["template"]["spec"]["containers"] for q in c["ports"]}
+        (ep,) = m["spec"]["podMetricsEndpoints"]
+        assert ep["port"] in ports and ep["path"] == "/metrics"
+        assert {"targetLabel": "job", "replacement": m["metadata"]["name"]} in ep["relabelings"]
+    policy = one(docs, "NetworkPolicy", "ferry-metrics-from-prometheus")
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    assert rule["from"][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    # The rest is the base's, unchanged.
+    base = {(d["kind"], d["metadata"]["name"]) for d in rendered["base"]}
+    assert base == {(d["kind"], d["metadata"]["name"]) for d in native} - {("NetworkPolicy", policy["metadata"]["name"])}

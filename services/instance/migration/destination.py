@@ -455,6 +455,7 @@ class Destination:
         self._committed[migration_id] = res
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)
         self.counters.destination_committed()
+        self.host.committed_in(state)
         self.host.changed()
 
     def _installed(self, res: Reservation, at: float) -> None:

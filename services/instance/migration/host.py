@@ -12,13 +12,17 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from libs.common.types import Priority
+from libs.common.types import Priority, RequestState
 from services.instance.engine.base import Engine, EngineLoad
 from services.instance.runner import EngineRunner
 from services.instance.streams import Event, StreamTable
 
 
 def _nothing() -> None:
+    pass
+
+
+def _ignore(state: RequestState) -> None:
     pass
 
 
@@ -32,6 +36,11 @@ class MigrationHost:
     headroom: dict[Priority, int] = field(default_factory=dict)
     changed: Callable[[], None] = _nothing  # the instance's status changed (report soon)
     decodes: Callable[[], bool] = lambda: True  # Splitwise: False while the instance's role is prefill
+    # A request committed here (migrated or handed in), as its commit is acknowledged: the instance's
+    # metrics and traces take it from there (the trace context current then is the commit's).
+    committed_in: Callable[[RequestState], None] = _ignore
+    # The trace context of a request here (services/instance/request_traces.py; None: not traced).
+    trace_context: Callable[[str], object] = lambda request_id: None
     # The clock of deadlines and measurements (the event loop's: the simulator's is virtual), from any thread.
     clock: Callable[[], float] = time.monotonic
     # Runs a copy (gather, scatter) off the event loop and the engine thread (the simulator: inline).

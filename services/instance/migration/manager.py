@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 
-from libs.common import rpc
+from libs.common import rpc, tracing
 from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode
@@ -29,6 +29,7 @@ from services.instance.migration.peer import DestinationPeer
 from libs.common.policies.migration import next_to_migrate
 from services.instance.migration.selection import status_without
 from services.instance.migration.source import Exported, Fault, SourceMigration, failpoint_faults
+from services.instance.request_traces import describe, migration_span
 
 log = get_logger("migration")
 
@@ -140,10 +141,16 @@ class MigrationManager:
             self.host.changed()
 
     async def _run(self, mig: SourceMigration) -> Outcome:
-        try:
-            out = await mig.run()
-        finally:
-            self._forget(mig)
+        parent = None
+        if tracing.enabled():  # under its request's trace (a handoff starts inside the Generate that made it)
+            parent = self.host.trace_context(mig.request_id) or (tracing.sampled_context() if mig.handoff else None)
+        with migration_span(parent, mig) as s:
+            try:
+                out = await mig.run()
+            finally:
+                self._forget(mig)
+            if s is not None:
+                describe(s, mig, out)
         if mig.handoff:
             self.counters.handoff_done(out)
         else:

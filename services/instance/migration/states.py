@@ -70,6 +70,7 @@ class Machine:
         self.state = initial
         self.started = time.perf_counter()
         self.history: list[enum.Enum] = [initial]
+        self.stamps: list[int] = [time.time_ns()]  # when each state of history began (a trace's stages)
 
     @property
     def edges(self) -> dict:
@@ -89,6 +90,7 @@ class Machine:
                                     f"{self.state.value} -> {new.value} is not allowed")
         old, self.state = self.state, new
         self.history.append(new)
+        self.stamps.append(time.time_ns())
         log.info("migration transition", side=self.side, migration_id=self.migration_id,
                  request_id=self.request_id, frm=old.value, to=new.value,
                  ms=round((time.perf_counter() - self.started) * 1000, 3), **fields)
