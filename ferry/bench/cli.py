@@ -17,6 +17,7 @@ from ferry.cli import LazyGroup
         "control-plane": "ferry.bench.control_plane:control_plane",
         "engine": "ferry.bench.engine:engine",
         "failover": "ferry.bench.failover:failover",
+        "features": "ferry.bench.features:features",
         "handoff": "ferry.bench.handoff:handoff",
         "handoff-modes": "ferry.bench.handoff_modes:handoff_modes",
         "migration": "ferry.bench.migration:migration",

@@ -163,3 +163,36 @@ async def test_migration_racing_the_end_of_a_request_is_clean(cluster):
         assert order.committed + order.aborted <= 1
     await asyncio.sleep(0.5)
     assert_clean(cluster)
+
+
+def test_the_api_features_through_vllm(client):
+    """logprobs, n, echo with max_tokens 0, a json_schema and a required tool,
+    on vLLM's own sampler and structured-output backend (Ferry passes them on)."""
+    import json
+
+    import jsonschema
+
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=8,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)  # greedy took the best
+    n = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                                  seed=3, n=2)
+    assert sorted(c.index for c in n.choices) == [0, 1] and n.usage.completion_tokens == 16
+    e = client.completions.create(model="smollm2", prompt="The capital of France is Paris.", max_tokens=0,
+                                  echo=True, logprobs=1)
+    lp = e.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    j = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=40,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "c", "schema": schema}})
+    jsonschema.validate(json.loads(j.choices[0].message.content), schema)
+    tool = {"type": "function", "function": {"name": "get_capital", "parameters": schema}}
+    t = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0, max_tokens=60,
+                                       tools=[tool], tool_choice="required")
+    call = t.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_capital" and t.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), schema)

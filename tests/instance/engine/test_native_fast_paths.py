@@ -84,14 +84,11 @@ def test_greedy_max_picks_the_first_of_ties():
     logits[1, [40, 41]] = 1.0
     logits[2] = 5.0
 
-    class R:  # the fields sample() reads
-        def __init__(self):
-            from libs.common.types import SamplingParams
+    from libs.common.types import SamplingParams
+    from services.instance.engine.core.request import Request
 
-            self.sampling = SamplingParams(max_tokens=4, temperature=0.0)
-            self.output_token_ids = []
-
-    assert sample(logits, [R(), R(), R()], frozenset()) == [3, 40, 0]
+    reqs = [Request(f"r{i}", [1], SamplingParams(max_tokens=4, temperature=0.0)) for i in range(3)]
+    assert sample(logits, reqs, frozenset()) == [3, 40, 0]
 
 
 def test_fp32_projections_split_by_rows():
