@@ -40,7 +40,7 @@ from ferry.measure import hit_rate, metrics, prefixes
 from ferry.measure import workload as wl
 from ferry.bench.serving import slowed_intervals
 from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
-from ferry.sim.autoscaler import SimAutoscaler
+from ferry.sim.control import SimClients, SimLauncher
 from ferry.sim.handoff import HandoffLog
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
@@ -60,6 +60,13 @@ from services.instance.config import InstanceConfig
 from services.instance.migration.manager import MigrationManager
 from services.instance.migration.peer import InProcessPeer
 from services.instance.status import high_priority_headroom
+from services.scheduler.autoscaler import (
+    DRAIN_TIMEOUT_S,
+    REGISTER_TIMEOUT_S,
+    STARTUP_GRACE_S,
+    AutoscalePolicy,
+    Autoscaler,
+)
 from services.scheduler.service import SchedulerConfig
 
 EXPIRE_S = 0.05  # the live migration managers' expiry interval (MigrationManager's default)
@@ -159,7 +166,7 @@ class Cluster:
                                       self.loop)
         self.handoff = HandoffLog(self, self.transfer_s, opts.per_layer_threshold)
         self.prompt_lens: dict[str, int] = {}  # request id -> its prompt's tokens (a session's turn: all of it)
-        self.autoscaler = SimAutoscaler(self, scfg, wall) if scfg.autoscale else None
+        self.autoscaler = self._autoscaler(scfg, wall) if scfg.autoscale else None
         self.work = work
         self.tokens: dict[str, list[int]] | None = {} if opts.fake_tokens else None
         # Requests that arrive by the clock (a session's later turns follow its previous answer)
@@ -184,10 +191,28 @@ class Cluster:
                 self.add_instance(self.profiles[pool.profile], pool.role)
         self.scheduler.start()
         if self.autoscaler:
-            self.autoscaler.start()
+            with self.loop.running():
+                self.autoscaler.start()
         if self.first_turns:
             k.at(self.t0 + work.requests[self.first_turns[0]].arrival_s * wall, self._arrive, 0)
         k.at(self.t0, self._sample)
+
+    def _autoscaler(self, c: SchedulerConfig, wall: float) -> Autoscaler:
+        """services/scheduler/autoscaler.py's Autoscaler itself on this loop,
+        its launcher and clients the simulator's (control.py); windows,
+        cooldowns and intervals are wall time on a live cluster."""
+        policy = AutoscalePolicy(c.scale_out_below, c.scale_in_above, c.scale_window_s * wall, c.min_instances,
+                                 c.max_instances, c.scale_cooldown_s * wall, max_launch=c.scale_out_max_launch)
+        clock = self.loop.time
+        return Autoscaler(self.scheduler, SimLauncher(self), policy, interval_s=c.autoscale_interval_s * wall,
+                          drain_timeout_s=DRAIN_TIMEOUT_S * wall, startup_grace_s=STARTUP_GRACE_S * wall,
+                          register_timeout_s=REGISTER_TIMEOUT_S * wall, clients=SimClients(self), clock=clock,
+                          wall_clock=clock)
+
+    def scale_events(self) -> list[dict]:
+        """The autoscaler's actions, at their times since the first arrival."""
+        return [{"t": ev.t - self.t0, "action": ev.action, "instance": ev.instance_id, "reason": ev.reason,
+                 "done_at": None if ev.done_at is None else ev.done_at - self.t0} for ev in self.autoscaler.events]
 
     # --- instances -----------------------------------------------------------------------
     def add_instance(self, profile: SimProfile | None = None, role: Role = Role.MIXED) -> SimInstance:
@@ -247,7 +272,7 @@ class Cluster:
         return [i for i in self.instances.values() if not i.stopped]
 
     def _log_instances(self) -> None:
-        launching = self.autoscaler.launching if self.autoscaler else 0
+        launching = len(self.autoscaler.launching) if self.autoscaler else 0
         self.instance_log.append((self.k.now, len(self.live_instances()) + launching))
 
     def _on_step(self, inst: SimInstance, outputs: list[TokenOutput]) -> None:
@@ -479,7 +504,7 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
            "delays_model_s": dataclasses.asdict(cluster.delays),
            "transfer": dataclasses.asdict(cluster.migration.transfer)}
     if cluster.autoscaler:
-        sim["scale_events"] = cluster.autoscaler.events
+        sim["scale_events"] = cluster.scale_events()
     if extension is not None:
         sim["extension"] = extension.summary()
     if opts.pools:

@@ -14,6 +14,7 @@ MigrationManager hands the request off once its prompt is done."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -54,6 +55,8 @@ class SimScheduler:
         self.dispatcher = Dispatcher(self.policy)
         self.freeness_of = self.policy.migration_freeness
         self.statuses: dict[str, InstanceStatus] = {}
+        self.synced = asyncio.Event()  # the live view's: the loops on it wait for none here
+        self.synced.set()
         self.pending = PendingDispatches()
         self.busy: set[str] = set()
         self.migrations_ordered = 0

@@ -22,15 +22,12 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
-from libs.pb import instance_pb2 as ipb
-from libs.pb import instance_pb2_grpc as ipb_grpc
-from libs.common import rpc
 from libs.common.backoff import RestartBackoff
+from libs.common.errors import FerryError
+from libs.common.instance_client import GrpcInstanceClients, InstanceClients
 from libs.common.load import is_finite
 from libs.common.logging import get_logger
 from libs.common.types import Priority, RequestPhase
@@ -204,16 +201,30 @@ class _Drain:
     marked: bool = False
 
 
+DRAIN_TIMEOUT_S = 120.0  # a drain that takes longer is given up: the instance serves again
+STARTUP_GRACE_S = 3.0  # no decision this soon after a (re)start: instances are still registering
+REGISTER_TIMEOUT_S = 30.0  # a launched instance not in the view counts as launching this long
+
+
 class Autoscaler:
     """The scheduler's scaling loop: sample the view, decide, act."""
 
     def __init__(self, view, launcher, policy: AutoscalePolicy, interval_s: float = 0.5,
-                 drain_timeout_s: float = 120.0, startup_grace_s: float = 3.0, state: LeaderState | None = None,
-                 register_timeout_s: float = 30.0):
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S, startup_grace_s: float = STARTUP_GRACE_S,
+                 state: LeaderState | None = None,
+                 register_timeout_s: float = REGISTER_TIMEOUT_S, clients: InstanceClients | None = None,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         """``view``: the cluster view (libs/common/cluster_view.py);
         ``launcher``: what starts and stops instances (launcher.py,
-        k8s_launcher.py); ``state``: what a next leader takes over."""
+        k8s_launcher.py; the simulator's); ``state``: what a next leader
+        takes over; ``clients``: how it reaches an instance
+        (libs/common/instance_client.py: gRPC, or the simulator's);
+        ``clock``/``wall_clock``: its monotonic and wall time (the
+        simulator's virtual clock for both)."""
         self.view = view
+        self.clients = clients or GrpcInstanceClients()
+        self.clock = clock
+        self.wall_clock = wall_clock
         # Drains under way and the last action's time outlive this leader
         # (services/scheduler/state.py): the next one finishes the drains.
         self.state = state or MemoryState()
@@ -243,12 +254,12 @@ class Autoscaler:
         self.replacing = RestartBackoff()
 
     def start(self) -> None:
-        self._started_at = time.monotonic()
+        self._started_at = self.clock()
         self._task = asyncio.create_task(self._loop())
 
     async def adopt(self) -> None:
         """Take over a previous leader's drains and cooldown."""
-        wall, mono = time.time(), time.monotonic()
+        wall, mono = self.wall_clock(), self.clock()
         for iid, rec in (await self.state.load("draining")).items():
             self.draining.setdefault(iid, _Drain(iid, mono - max(0.0, wall - rec.get("since", wall)), marked=True))
         last = (await self.state.load("autoscaler")).get("last_action")
@@ -258,8 +269,8 @@ class Autoscaler:
             log.info("autoscaler: drains taken over", instances=sorted(self.draining))
 
     async def _acted(self) -> None:
-        self.last_action_at = time.monotonic()
-        await self.state.put("autoscaler", "last_action", {"t": time.time()})
+        self.last_action_at = self.clock()
+        await self.state.put("autoscaler", "last_action", {"t": self.wall_clock()})
 
     async def stop(self) -> None:
         tasks = [t for t in [self._task, *self.launching] if t]
@@ -273,7 +284,7 @@ class Autoscaler:
             await asyncio.sleep(self.interval_s)
             if not self.view.synced.is_set():
                 continue
-            if time.monotonic() - self._started_at < self.startup_grace_s:
+            if self.clock() - self._started_at < self.startup_grace_s:
                 continue
             try:
                 await self.tick()
@@ -286,7 +297,7 @@ class Autoscaler:
         return snapshot(now, self.view.views())
 
     async def tick(self) -> Decision:
-        now = time.monotonic()
+        now = self.clock()
         sync = getattr(self.launcher, "sync", None)
         if sync:
             await sync()
@@ -325,9 +336,9 @@ class Autoscaler:
             try:
                 if delay_s:
                     await asyncio.sleep(delay_s)
-                self.replacing.started(time.monotonic())
+                self.replacing.started(self.clock())
                 ev.instance_id = await self.launcher.launch()
-                ev.done_at = time.monotonic()
+                ev.done_at = self.clock()
             except Exception as e:  # noqa: BLE001
                 log.error("launch failed", error=repr(e))
             finally:
@@ -364,7 +375,7 @@ class Autoscaler:
         log.info("scale in: draining", instance_id=d.instance_id, reason=d.reason)
         dr = _Drain(d.instance_id, now)
         self.draining[d.instance_id] = dr
-        await self.state.put("draining", d.instance_id, {"since": time.time()})
+        await self.state.put("draining", d.instance_id, {"since": self.wall_clock()})
         dr.marked = await self._set_terminating(d.instance_id, True)
 
     async def _set_terminating(self, instance_id: str, value: bool) -> bool:
@@ -372,12 +383,10 @@ class Autoscaler:
         if address is None:
             return False
         try:
-            async with rpc.channel(address) as ch:
-                await ipb_grpc.InstanceStub(ch).SetTerminating(
-                    ipb.SetInstanceTerminatingRequest(terminating=value), timeout=5)
+            await self.clients(instance_id, address).set_terminating(value)
             return True
-        except grpc.RpcError as e:
-            log.warning("set terminating failed", instance_id=instance_id, error=e.code().name)
+        except FerryError as e:
+            log.warning("set terminating failed", instance_id=instance_id, error=e.code.name)
             return False
 
     async def _check_drains(self, now: float) -> None:
@@ -414,19 +423,21 @@ class Autoscaler:
         if address is None:
             return False
         try:
-            async with rpc.channel(address) as ch:
-                s = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
-            return s.num_running == 0 and s.num_waiting == 0 and s.migrating_out == 0 and s.migrating_in == 0
-        except grpc.RpcError:
+            s = await self.clients(instance_id, address).status()
+        except FerryError:
             return False
+        return s.num_running == 0 and s.num_waiting == 0 and s.migrating_out == 0 and s.migrating_in == 0
 
     async def _finish_drain(self, instance_id: str) -> None:
         self.draining.pop(instance_id, None)
+        address = self.view.address(instance_id)
         await self.launcher.stop(instance_id)
+        if address is not None:
+            self.clients.forget(address)
         await self.state.delete("draining", instance_id)
         for ev in reversed(self.events):
             if ev.action == SCALE_IN and ev.instance_id == instance_id and ev.done_at is None:
-                ev.done_at = time.monotonic()
+                ev.done_at = self.clock()
                 break
         await self._acted()
         log.info("scale in: stopped", instance_id=instance_id)

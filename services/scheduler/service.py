@@ -16,17 +16,16 @@ import time
 
 import grpc
 
-from libs.pb import instance_pb2 as ipb
-from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import scheduler_pb2 as pb
 from libs.pb import scheduler_pb2_grpc as pb_grpc
-from libs.common import convert, rpc, tracing
+from libs.common import convert, tracing
 from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
 from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, demand_blocks, get
 from libs.common.policies.index import DispatchIndex
+from libs.common.instance_client import GrpcInstanceClients
 from libs.common.policies.base import affine
 from libs.common.policies.phases import Placement, place
 from libs.common.server import Service
@@ -225,11 +224,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if address is None:
             await abort_with(context, NotFound(f"unknown instance {request.instance_id!r}"))
         try:
-            async with rpc.channel(address) as ch:
-                await ipb_grpc.InstanceStub(ch).SetTerminating(
-                    ipb.SetInstanceTerminatingRequest(terminating=request.terminating), timeout=5)
-        except grpc.RpcError as e:
-            await abort_with(context, FailedPrecondition(f"instance unreachable: {e.details()}"))
+            await self.svc.clients(request.instance_id, address).set_terminating(request.terminating)
+        except FerryError as e:
+            await abort_with(context, FailedPrecondition(f"instance unreachable: {e}"))
         return pb.SetTerminatingReply(ok=True)
 
 
@@ -262,16 +259,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                              and v.status.role.decodes), key=lambda v: (-v.status.freeness, v.instance_id))
             if not others:
                 raise FailedPrecondition(f"no other instance decodes: {request.instance_id} cannot become prefill")
-            drain_to = [ipb.Handoff(instance_id=v.instance_id, address=view.address(v.instance_id)) for v in others]
+            drain_to = [(v.instance_id, view.address(v.instance_id)) for v in others]
         try:
-            async with rpc.channel(address) as ch:
-                reply = await ipb_grpc.InstanceStub(ch).SetRole(
-                    ipb.SetRoleRequest(role=request.role, drain_to=drain_to), timeout=5)
-        except grpc.RpcError as e:
+            previous, draining = await self.svc.clients(request.instance_id, address).set_role(role, drain_to)
+        except FerryError as e:
             raise FailedPrecondition(f"instance {request.instance_id} did not change role: "
-                                     f"{e.code().name}: {e.details()}") from None
-        log.info("role change", instance_id=request.instance_id, role=role.value, draining=reply.draining)
-        return pb.SetInstanceRoleReply(previous=reply.previous, draining=reply.draining)
+                                     f"{e.code.name}: {e}") from None
+        log.info("role change", instance_id=request.instance_id, role=role.value, draining=draining)
+        return pb.SetInstanceRoleReply(previous=convert.role_to_pb(previous), draining=draining)
 
 
 class SchedulerService(Service):
@@ -282,6 +277,7 @@ class SchedulerService(Service):
         self.config = config
         self.dispatcher = Dispatcher(config.policy)
         self.view = ClusterView(config.meta_store)
+        self.clients = GrpcInstanceClients()  # how its loops and RPCs reach the instances
         self.migrations_ordered = 0
         self.rescheduler = None
         self.launcher = None
@@ -397,7 +393,7 @@ class SchedulerService(Service):
             self.autoscaler = Autoscaler(self.view, self.launcher, AutoscalePolicy(
                 c.scale_out_below, c.scale_in_above, c.scale_window_s, c.min_instances, c.max_instances,
                 c.scale_cooldown_s, max_launch=c.scale_out_max_launch), interval_s=c.autoscale_interval_s,
-                state=self.state)
+                state=self.state, clients=self.clients)
             await self.autoscaler.adopt()
             self.autoscaler.start()
         if c.kunserve:
@@ -439,4 +435,5 @@ class SchedulerService(Service):
         await self._stop_loops(close_launcher=True)
         if self.kv_index is not None:
             await self.kv_index.stop()
+        await self.clients.close()
         await self.view.stop()
