@@ -3,7 +3,8 @@ clock: the autoscaler's launcher (a launch is a new simulated instance after
 Delays.launch_s; a stop removes it at once) and the instance clients
 (libs/common/instance_client.py), each call charged half a round trip each
 way (Delays.rpc_s). With them the simulator runs services/scheduler/autoscaler.py
-itself, on its SimLoop (ferry/sim/aio.py)."""
+and services/scheduler/rescheduler.py themselves, on its SimLoop
+(ferry/sim/aio.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from libs.common.errors import Unavailable
-from libs.common.types import InstanceStatus, Role
+from libs.common.types import InstanceStatus, MigrateOutOrder, OrderResult, Role
 
 if TYPE_CHECKING:
     from ferry.sim.run import Cluster
@@ -72,6 +73,13 @@ class SimClient:
     async def set_role(self, role: Role, drain_to=()) -> tuple[Role, int]:
         raise Unavailable("role changes are not simulated")
 
+    async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
+        """The order run by the source's live MigrationManager on this loop, as its MigrateOut RPC runs it."""
+        await self._hop()
+        result = await self._inst().manager.migrate_out(order)
+        await self._hop()
+        return result
+
 
 class SimClients:
     def __init__(self, cluster: Cluster):
@@ -80,5 +88,5 @@ class SimClients:
     def __call__(self, instance_id: str, address: str) -> SimClient:
         return SimClient(self.cluster, instance_id)
 
-    def forget(self, address: str) -> None:
+    def forget(self, instance_id: str) -> None:
         pass  # nothing is kept per instance

@@ -163,7 +163,7 @@ class Cluster:
         self.t0 = START + WARMUP_S
         self.recorder = Recorder(work, self.t0, self.delays.token_s, wall)
         self.scheduler = SimScheduler(k, scfg, self.migration, self.instances, scfg.migrate_interval_s * wall,
-                                      self.loop)
+                                      self.loop, clients=SimClients(self))
         self.handoff = HandoffLog(self, self.transfer_s, opts.per_layer_threshold)
         self.prompt_lens: dict[str, int] = {}  # request id -> its prompt's tokens (a session's turn: all of it)
         self.autoscaler = self._autoscaler(scfg, wall) if scfg.autoscale else None

@@ -1,11 +1,12 @@
 """The global scheduler on the virtual clock: its cluster view (the latest
 status each instance reported, delivered after Delays.report_s, plus the
 pending dispatches of libs/common/pending.py), Dispatch by the live
-Dispatcher, and the rescheduling loop of services/scheduler/rescheduler.py
-(pair_migrations every migrate_interval_s on a fresh view, one migrate-out
-order per pair, run by the source's live MigrationManager on the cluster's
-SimLoop, ferry/sim/aio.py; the source is busy until its reply, the
-destination only refuses what it cannot take).
+Dispatcher, and services/scheduler/rescheduler.py's Rescheduler itself on
+the cluster's SimLoop (ferry/sim/aio.py): pair_migrations every
+migrate_interval_s on a fresh view, one migrate-out order per pair, which
+reaches the source's live MigrationManager through ferry/sim/control.py's
+clients (half an RPC each way); the source is busy until its reply, the
+destination only refuses what it cannot take.
 
 Dispatch is the live one's ``place`` (libs/common/policies/phases.py): in a
 cluster with prefill or decode instances (Splitwise) it chooses the prefill
@@ -19,33 +20,30 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ferry.sim.aio import TaskDone
 from ferry.sim.instance import SimInstance
-from ferry.sim.kernel import Delay, Kernel
+from ferry.sim.kernel import Kernel
 from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
 from libs.common.policies.phases import Placement, place
 from libs.common.prefix_hash import block_hashes
-from libs.common.types import InstanceStatus, Priority
-from services.instance.migration.messages import MigrateOutOrder
+from libs.common.types import InstanceStatus, OrderResult, Priority
 from services.scheduler.policies import (
     Dispatcher,
     DispatchRequest,
     InstanceView,
-    MigrationPair,
-    MoveCosts,
     PromptHashes,
     blocks_for,
-    pair_migrations,
 )
+from services.scheduler.rescheduler import Rescheduler
 from services.scheduler.service import SchedulerConfig
 
 
 class SimScheduler:
     def __init__(self, kernel: Kernel, config: SchedulerConfig, migration: MigrationModel,
-                 instances: dict[str, SimInstance], migrate_interval_s: float, loop=None):
+                 instances: dict[str, SimInstance], migrate_interval_s: float, loop=None, clients=None):
         """``loop``: the SimLoop the instances' live migration managers run on
-        (ferry/sim/aio.py); an order runs there."""
+        (ferry/sim/aio.py), and the live rescheduler with them; ``clients``:
+        how its orders reach the instances (ferry/sim/control.py)."""
         self.k = kernel
         self.config = config
         self.migration = migration
@@ -58,7 +56,8 @@ class SimScheduler:
         self.synced = asyncio.Event()  # the live view's: the loops on it wait for none here
         self.synced.set()
         self.pending = PendingDispatches()
-        self.busy: set[str] = set()
+        self.clients = clients
+        self.rescheduler: Rescheduler | None = None
         self.migrations_ordered = 0
         self.prompt_hashes = PromptHashes()  # for pairs_by_move_cost, as the live scheduler's
         self.loop = loop
@@ -141,10 +140,14 @@ class SimScheduler:
             return None
         return placed, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)
 
-    # --- rescheduling (rescheduler.py) ----------------------------------------------------
+    # --- rescheduling: services/scheduler/rescheduler.py itself, on the SimLoop ----------------
     def start(self) -> None:
         if self.config.migration and self.dispatcher.migrates:
-            self.k.after(self.migrate_interval_s, self._tick)
+            self.rescheduler = Rescheduler(self, self.config, on_order=self._ordered, prompt_hashes=self.prompt_hashes,
+                                           held_prefix=self.held_prefix, clients=self.clients,
+                                           interval_s=self.migrate_interval_s, on_result=self._result)
+            with self.loop.running():
+                self.rescheduler.start()
 
     def held_prefix(self, hashes: tuple) -> dict[str, int]:
         """Per instance, how many of the first ``hashes`` its cache holds
@@ -156,37 +159,12 @@ class SimScheduler:
                 out[iid] = n
         return out
 
-    def _tick(self) -> None:
-        costs = (MoveCosts(self.prompt_hashes, self.held_prefix, self.config.out_threshold,
-                           self.dispatcher.uses_priorities) if self.policy.pairs_by_move_cost else None)
-        views = self.views()
-        pairs = pair_migrations(views, self.config.out_threshold, self.config.in_threshold,
-                                self.freeness_of, frozenset(self.busy), costs)
-        for p in pairs:
-            self.busy.add(p.source)
-            self.migrations_ordered += 1
-            link = None
-            if costs is not None:  # as the live rescheduler: the order says what the destination holds
-                link = costs.linkable(next(v for v in views if v.instance_id == p.source), p.destination)
-            self.k.spawn(self._order(p, link))
-        self.k.after(self.migrate_interval_s, self._tick)
+    def _ordered(self) -> None:
+        self.migrations_ordered += 1
 
-    def _order(self, pair: MigrationPair, link: dict | None = None):
-        src, dst = self.instances[pair.source], self.instances[pair.destination]
-        rpc = self.migration.delays.rpc_s
-        try:
-            yield Delay(rpc / 2)
-            if not src.stopped and not dst.stopped:
-                # the live manager's order, as the instance's MigrateOut RPC runs it
-                task = self.loop.create_task(src.manager.migrate_out(MigrateOutOrder(
-                    dst.instance_id, dst.instance_id, self.config.out_threshold,
-                    use_priorities=self.dispatcher.uses_priorities, linkable=link or {})))
-                result = yield TaskDone(task)
-                self.outcomes.extend(result.results)
-                for o in result.results:
-                    if o.committed:
-                        self.blocks_sent += o.blocks
-                        self.blocks_linked += o.linked_blocks
-            yield Delay(rpc / 2)
-        finally:
-            self.busy.discard(pair.source)
+    def _result(self, result: OrderResult) -> None:
+        self.outcomes.extend(result.results)
+        for o in result.results:
+            if o.committed:
+                self.blocks_sent += o.blocks
+                self.blocks_linked += o.linked_blocks

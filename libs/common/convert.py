@@ -17,6 +17,9 @@ from libs.common.types import (
     InstanceInfo,
     InstanceRecord,
     InstanceStatus,
+    MigrateOutOrder,
+    OrderResult,
+    Outcome,
     PrefixCacheStats,
     Priority,
     RequestLoad,
@@ -318,3 +321,39 @@ def stream_event_from_pb(m: ipb.TokenEvent) -> StreamEvent:
                        m.num_preemptions, m.preemption_loss_ms, m.num_migrations,
                        tuple(logprobs_from_pb(x) for x in m.logprobs),
                        tuple(logprobs_from_pb(x) for x in m.prompt_logprobs))
+
+
+# --- a migrate-out order and its result (the scheduler's MigrateOut RPC to an instance)
+def migrate_out_to_pb(o: MigrateOutOrder) -> ipb.MigrateOutRequest:
+    return ipb.MigrateOutRequest(dest_instance_id=o.dest_instance_id, dest_address=o.dest_address,
+                                 stop_when_freeness_above=o.stop_when_freeness_above, max_requests=o.max_requests,
+                                 request_id=o.request_id, use_priorities=o.use_priorities, blocking=o.blocking,
+                                 linkable_blocks=o.linkable)
+
+
+def migrate_out_from_pb(m: ipb.MigrateOutRequest) -> MigrateOutOrder:
+    return MigrateOutOrder(m.dest_instance_id, m.dest_address, m.stop_when_freeness_above, m.max_requests,
+                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks))
+
+
+def outcome_to_pb(o: Outcome) -> ipb.MigrationResult:
+    return ipb.MigrationResult(
+        migration_id=o.migration_id, request_id=o.request_id, outcome="committed" if o.committed else "aborted",
+        reason=o.reason, stages=o.stages, blocks=o.blocks, bytes=o.bytes, duration_ms=o.duration_ms,
+        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms, suspended_at=o.suspended_at,
+        kv_shared=o.kv_shared, linked_blocks=o.linked_blocks)
+
+
+def outcome_from_pb(m: ipb.MigrationResult) -> Outcome:
+    return Outcome(m.migration_id, m.request_id, m.outcome == "committed", m.reason, m.stages, m.blocks, m.bytes,
+                   m.duration_ms, m.downtime_ms, m.commit_ack_ms, m.suspended_at, m.kv_shared,
+                   linked_blocks=m.linked_blocks)
+
+
+def order_result_to_pb(r: OrderResult) -> ipb.MigrateOutReply:
+    return ipb.MigrateOutReply(started=r.started, committed=r.committed, aborted=r.aborted,
+                               results=[outcome_to_pb(o) for o in r.results])
+
+
+def order_result_from_pb(m: ipb.MigrateOutReply) -> OrderResult:
+    return OrderResult(m.started, m.committed, m.aborted, [outcome_from_pb(r) for r in m.results])

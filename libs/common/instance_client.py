@@ -1,6 +1,6 @@
 """How the control plane reaches an instance: one client protocol on domain
 types (libs/common/types.py), so that the scheduler's loops (the autoscaler
-here; the rescheduler and KunServe's monitor next) run the same code against
+and the rescheduler here; KunServe's monitor next) run the same code against
 instance processes over gRPC and against the simulator's instances on its
 virtual clock (ferry/sim/run.py's clients).
 
@@ -20,7 +20,7 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import convert, rpc
 from libs.common.errors import from_grpc
-from libs.common.types import InstanceStatus, Role
+from libs.common.types import InstanceStatus, MigrateOutOrder, OrderResult, Role
 
 
 class InstanceClient(Protocol):
@@ -39,14 +39,15 @@ class InstanceClient(Protocol):
 class InstanceClients(Protocol):
     def __call__(self, instance_id: str, address: str) -> InstanceClient: ...
 
-    def forget(self, address: str) -> None:
+    def forget(self, instance_id: str) -> None:
         """An instance that left: whatever was kept to reach it goes."""
 
 
 class GrpcInstanceClient:
-    def __init__(self, stub: ipb_grpc.InstanceStub, timeout_s: float = 5.0):
+    def __init__(self, stub: ipb_grpc.InstanceStub, timeout_s: float = 5.0, order_timeout_s: float = 60.0):
         self._stub = stub
         self.timeout_s = timeout_s
+        self.order_timeout_s = order_timeout_s  # an order runs its migrations before it answers
 
     async def set_terminating(self, value: bool) -> None:
         try:
@@ -70,25 +71,49 @@ class GrpcInstanceClient:
             raise from_grpc(e) from e
         return convert.role_from_pb(reply.previous), reply.draining
 
+    async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
+        try:
+            reply = await self._stub.MigrateOut(convert.migrate_out_to_pb(order), timeout=self.order_timeout_s)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from e
+        return convert.order_result_from_pb(reply)
+
 
 class GrpcInstanceClients:
     """Clients over one channel per address, kept until ``close``."""
 
-    def __init__(self, timeout_s: float = 5.0):
+    def __init__(self, timeout_s: float = 5.0, order_timeout_s: float = 60.0):
         self.timeout_s = timeout_s
+        self.order_timeout_s = order_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._addresses: dict[str, str] = {}  # instance id -> the address it was last reached at
 
     def __call__(self, instance_id: str, address: str) -> GrpcInstanceClient:
+        old = self._addresses.get(instance_id)
+        self._addresses[instance_id] = address
+        if old is not None and old != address:
+            self._drop_unused(old)  # restarted elsewhere
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = rpc.channel(address)
-        return GrpcInstanceClient(ipb_grpc.InstanceStub(ch), self.timeout_s)
+        return GrpcInstanceClient(ipb_grpc.InstanceStub(ch), self.timeout_s, self.order_timeout_s)
 
-    def forget(self, address: str) -> None:
+    def forget(self, instance_id: str) -> None:
         """An instance that left: its channel goes (closed when its calls end)."""
+        address = self._addresses.pop(instance_id, None)
+        if address is not None:
+            self._drop_unused(address)
+
+    def _drop_unused(self, address: str) -> None:
+        if address in self._addresses.values():
+            return
         ch = self._channels.pop(address, None)
         if ch is not None:
             asyncio.ensure_future(ch.close())
+
+    @property
+    def open_channels(self) -> int:
+        return len(self._channels)
 
     async def close(self) -> None:
         for ch in self._channels.values():

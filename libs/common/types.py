@@ -320,3 +320,44 @@ class StreamEvent:
     logprobs: tuple[Logprobs, ...] = ()
     # With SamplingParams.prompt_logprobs, once: one per prompt token (None for the first).
     prompt_logprobs: tuple[Logprobs | None, ...] = ()
+
+
+# --- a migrate-out order (the scheduler's to an instance; services/instance/migration/manager.py runs it)
+@dataclass
+class Outcome:
+    migration_id: str
+    request_id: str
+    committed: bool
+    reason: str = ""
+    stages: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    duration_ms: float = 0.0
+    downtime_ms: float = 0.0  # suspend -> its first step at the destination begins (0: unknown)
+    commit_ack_ms: float = 0.0
+    # Unix time (s) of the suspend at the source: places the downtime on a client's timeline (0: none).
+    suspended_at: float = 0.0
+    kv_shared: bool = False  # the KV went through the source's shared cache (else bytes)
+    held_blocks: int = 0  # of the request's full blocks, how many the destination's prefix cache held
+    linked_blocks: int = 0  # of those, the first ones linked there instead of sent (MigrationConfig.link_cached)
+
+
+@dataclass(frozen=True)
+class MigrateOutOrder:
+    dest_instance_id: str
+    dest_address: str
+    stop_when_freeness_above: float = 0.0
+    max_requests: int = 0
+    request_id: str = ""
+    use_priorities: bool = False
+    blocking: bool = False
+    # Request id -> its first blocks the destination holds (libs/common/policies/migration.Linkable).
+    linkable: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class OrderResult:
+    started: int = 0
+    committed: int = 0
+    aborted: int = 0
+    results: list[Outcome] = field(default_factory=list)

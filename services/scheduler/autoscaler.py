@@ -430,10 +430,8 @@ class Autoscaler:
 
     async def _finish_drain(self, instance_id: str) -> None:
         self.draining.pop(instance_id, None)
-        address = self.view.address(instance_id)
         await self.launcher.stop(instance_id)
-        if address is not None:
-            self.clients.forget(address)
+        self.clients.forget(instance_id)
         await self.state.delete("draining", instance_id)
         for ev in reversed(self.events):
             if ev.action == SCALE_IN and ev.instance_id == instance_id and ev.done_at is None:

@@ -34,12 +34,13 @@ REPORT_LAG = Histogram("ferry_scheduler_report_lag_seconds", "From an instance's
                        registry=None)
 
 
-def order_done(reply) -> None:
-    """A MigrateOut reply: its migrations by outcome, and their downtime."""
+def order_done(result) -> None:
+    """A migrate-out order's result (libs/common/types.OrderResult): its
+    migrations by outcome, and their downtime."""
     ORDERS.labels("ok").inc()
-    for r in reply.results:
-        MIGRATIONS.labels(r.outcome or "aborted").inc()
-        if r.outcome == "committed" and r.downtime_ms > 0:
+    for r in result.results:
+        MIGRATIONS.labels("committed" if r.committed else "aborted").inc()
+        if r.committed and r.downtime_ms > 0:
             DOWNTIME.observe(r.downtime_ms / 1000)
 
 

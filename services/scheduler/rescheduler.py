@@ -5,20 +5,19 @@ a source or its blocked head of line is admitted. Pairs are made afresh every
 round; a source with an order running is not paired again until the order
 ends, while a destination may be paired again next round by another source
 and guards itself (it refuses with a queue of its own or at its migrate-in
-limit: accepts_migration). The simulator's rescheduler (ferry/sim/scheduler.py)
-does the same."""
+limit: accepts_migration). The simulator runs this loop itself on its
+virtual clock (ferry/sim/run.py), its orders reaching the simulated
+instances' migration managers through ferry/sim/control.py's clients."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
-import grpc
-
-from libs.pb import instance_pb2 as ipb
-from libs.pb import instance_pb2_grpc as ipb_grpc
-from libs.common import rpc
+from libs.common.errors import FerryError
+from libs.common.instance_client import GrpcInstanceClients, InstanceClients
 from libs.common.logging import get_logger
+from libs.common.types import MigrateOutOrder, OrderResult
 from services.scheduler import metrics
 from services.scheduler.policies import HeldPrefix, MigrationPair, MoveCosts, PromptHashes, pair_migrations
 
@@ -27,13 +26,22 @@ log = get_logger(__name__)
 
 class Rescheduler:
     def __init__(self, view, config, on_order: Callable[[], None] = lambda: None,
-                 prompt_hashes: PromptHashes | None = None, held_prefix: HeldPrefix | None = None):
+                 prompt_hashes: PromptHashes | None = None, held_prefix: HeldPrefix | None = None,
+                 clients: InstanceClients | None = None, interval_s: float | None = None,
+                 on_result: Callable[[OrderResult], None] = lambda r: None):
         """``view``: the cluster view (libs/common/cluster_view.py);
         ``config``: the scheduler's (thresholds, interval, policy);
-        ``on_order``: called for every migrate-out order sent;
+        ``on_order``: called for every migrate-out order sent, ``on_result``
+        with every order's result;
         ``prompt_hashes``, ``held_prefix``: the dispatched prompts' block
-        hashes and the prefix index, for a policy that pairs by move cost."""
+        hashes and the prefix index, for a policy that pairs by move cost;
+        ``clients``: how an order reaches its source
+        (libs/common/instance_client.py: gRPC, or the simulator's);
+        ``interval_s``: between rounds (the config's unless given)."""
         self.view = view
+        self.clients = clients or GrpcInstanceClients()
+        self.interval_s = config.migrate_interval_s if interval_s is None else interval_s
+        self.on_result = on_result
         self.prompt_hashes = prompt_hashes
         self.held_prefix = held_prefix
         self.config = config
@@ -59,7 +67,7 @@ class Rescheduler:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.migrate_interval_s)
+            await asyncio.sleep(self.interval_s)
             if not self.view.synced.is_set():
                 continue
             try:
@@ -93,18 +101,16 @@ class Rescheduler:
             log.debug("migrate-out order", source=pair.source, destination=pair.destination,
                       source_freeness=round(pair.source_freeness, 2),
                       destination_freeness=round(pair.destination_freeness, 2))
-            async with rpc.channel(src) as ch:
-                reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-                    dest_instance_id=pair.destination, dest_address=dst,
-                    stop_when_freeness_above=self.config.out_threshold,
-                    use_priorities=self.policy.uses_priorities, linkable_blocks=link or {}), timeout=60)
-            metrics.order_done(reply)
-            if reply.started:
+            result = await self.clients(pair.source, src).migrate_out(MigrateOutOrder(
+                pair.destination, dst, self.config.out_threshold, use_priorities=self.policy.uses_priorities,
+                linkable=link or {}))
+            metrics.order_done(result)
+            self.on_result(result)
+            if result.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,
-                         committed=reply.committed, aborted=reply.aborted)
-        except grpc.RpcError as e:
+                         committed=result.committed, aborted=result.aborted)
+        except FerryError as e:
             metrics.ORDERS.labels("failed").inc()
-            log.debug("migrate-out order failed", source=pair.source, error=e.code().name,
-                      details=e.details())
+            log.debug("migrate-out order failed", source=pair.source, error=e.code.name, details=str(e))
         finally:
             self._busy.pop(pair.source, None)

@@ -278,6 +278,7 @@ class SchedulerService(Service):
         self.dispatcher = Dispatcher(config.policy)
         self.view = ClusterView(config.meta_store)
         self.clients = GrpcInstanceClients()  # how its loops and RPCs reach the instances
+        self.view.listeners.append(self._forget_gone)
         self.migrations_ordered = 0
         self.rescheduler = None
         self.launcher = None
@@ -359,6 +360,11 @@ class SchedulerService(Service):
             self.leadership, self.state = SoleLeader(), MemoryState()
         await self.leadership.start(self._lead, self._follow)
 
+    def _forget_gone(self, instance_id: str) -> None:
+        """A view listener: an instance the view dropped loses its kept channel."""
+        if instance_id not in self.view.records:
+            self.clients.forget(instance_id)
+
     def _count_order(self) -> None:
         self.migrations_ordered += 1
 
@@ -373,7 +379,7 @@ class SchedulerService(Service):
             from services.scheduler.rescheduler import Rescheduler
 
             self.rescheduler = Rescheduler(self.view, c, on_order=self._count_order, prompt_hashes=self.prompt_hashes,
-                                           held_prefix=self.held_prefix)
+                                           held_prefix=self.held_prefix, clients=self.clients)
             self.rescheduler.start()
         kind = self._launcher_kind()
         if kind == "local":

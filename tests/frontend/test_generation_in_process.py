@@ -13,13 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from libs.common.errors import FailedPrecondition
-from libs.common.types import Priority, SamplingParams
+from libs.common.types import MigrateOutOrder, Priority, SamplingParams
 from services.frontend.generation import Generation, run_generation
 from services.frontend.peers import InProcessPeers
 from services.frontend.router import Dispatched
 from services.instance.agent import Agent
 from services.instance.config import InstanceConfig
-from services.instance.migration.messages import MigrateOutOrder
 from services.instance.migration.peer import InProcessPeer
 
 PROMPT = list(range(100, 140))

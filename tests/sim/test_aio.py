@@ -12,12 +12,12 @@ import asyncio
 from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel
-from libs.common.types import Priority, SamplingParams
+from libs.common.types import MigrateOutOrder, Priority, SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
 from services.instance.engine.fake import fake_generate
 from services.instance.engine.sim import SimProfile
 from services.instance.migration.manager import MigrationManager
-from services.instance.migration.messages import MigrateOutOrder, MigrationConfig
+from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.peer import InProcessPeer
 
 

@@ -12,11 +12,10 @@ from ferry.sim.aio import DelayedPeer, SimLoop, TaskDone, sim_host
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
 from ferry.sim.params import Delays, TransferModel
-from libs.common.types import SamplingParams
+from libs.common.types import MigrateOutOrder, SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
 from services.instance.engine.sim import SimProfile
 from services.instance.migration.manager import MigrationManager
-from services.instance.migration.messages import MigrateOutOrder
 from services.instance.migration.peer import InProcessPeer
 from services.instance.migration.source import MigrationConfig
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
-from libs.common.types import RequestPhase
+from libs.common.types import Outcome, RequestPhase
 from services.instance.migration.host import MigrationHost
-from services.instance.migration.messages import Outcome
 
 log = get_logger("migration")
 

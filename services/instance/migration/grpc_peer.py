@@ -17,9 +17,6 @@ from services.instance.migration.messages import (
     Admission,
     KvChunk,
     LastStage,
-    MigrateOutOrder,
-    OrderResult,
-    Outcome,
     PeerError,
     PreAllocate,
 )
@@ -68,24 +65,6 @@ def chunk_from_pb(m: pb.KvChunk) -> KvChunk:
 async def chunks_from_pb(stream) -> AsyncIterator[KvChunk]:
     async for m in stream:
         yield chunk_from_pb(m)
-
-
-def order_from_pb(m: pb.MigrateOutRequest) -> MigrateOutOrder:
-    return MigrateOutOrder(m.dest_instance_id, m.dest_address, m.stop_when_freeness_above, m.max_requests,
-                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks))
-
-
-def outcome_to_pb(o: Outcome) -> pb.MigrationResult:
-    return pb.MigrationResult(
-        migration_id=o.migration_id, request_id=o.request_id, outcome="committed" if o.committed else "aborted",
-        reason=o.reason, stages=o.stages, blocks=o.blocks, bytes=o.bytes, duration_ms=o.duration_ms,
-        downtime_ms=o.downtime_ms, commit_ack_ms=o.commit_ack_ms, suspended_at=o.suspended_at,
-        kv_shared=o.kv_shared, linked_blocks=o.linked_blocks)
-
-
-def order_result_to_pb(r: OrderResult) -> pb.MigrateOutReply:
-    return pb.MigrateOutReply(started=r.started, committed=r.committed, aborted=r.aborted,
-                              results=[outcome_to_pb(o) for o in r.results])
 
 
 def _reason(e: grpc.RpcError) -> str:

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import replace
 
+from libs.common.types import MigrateOutOrder, OrderResult, Outcome
 from libs.common import rpc, tracing
 from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
@@ -23,7 +24,7 @@ from services.instance.migration.grpc_peer import GrpcPeer
 from services.instance.migration.handoff import Handoffs
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.layerwise import LayerwiseHandoff
-from services.instance.migration.messages import MigrateOutOrder, MigrationConfig, OrderResult, Outcome
+from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.metrics import MigrationCounters
 from services.instance.migration.peer import DestinationPeer
 from libs.common.policies.migration import next_to_migrate

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from services.instance.migration.messages import Outcome
+from libs.common.types import Outcome
 
 MIGRATIONS = Counter("ferry_migrations_total", "Migrations by side and outcome", ["side", "outcome"])
 STAGES = Histogram("ferry_migration_stages", "Copy stages per migration (last included)",

@@ -11,8 +11,6 @@ from libs.common.logging import get_logger
 from services.instance.migration.grpc_peer import (
     chunks_from_pb,
     last_stage_from_pb,
-    order_from_pb,
-    order_result_to_pb,
     pre_allocate_from_pb,
 )
 from services.instance.migration.manager import MigrationManager
@@ -26,7 +24,7 @@ class MigrationRpcs:
         self.dest = manager.dest
 
     async def migrate_out(self, req: pb.MigrateOutRequest) -> pb.MigrateOutReply:
-        return order_result_to_pb(await self.manager.migrate_out(order_from_pb(req)))
+        return convert.order_result_to_pb(await self.manager.migrate_out(convert.migrate_out_from_pb(req)))
 
     async def pre_allocate(self, req: pb.PreAllocateRequest) -> pb.PreAllocateReply:
         a = await self.dest.pre_allocate(pre_allocate_from_pb(req))

@@ -24,16 +24,15 @@ import time
 import uuid
 from collections.abc import Callable
 
+from libs.common.types import Outcome
 from libs.common import failpoints
 from libs.common.logging import get_logger
 from services.instance.migration.host import MigrationHost
 from services.instance.migration.messages import (
     KvChunk,
     LastStage,
-    MigrateOutOrder,  # noqa: F401 - re-exported for callers of this module
     MigrationAborted,
     MigrationConfig,
-    Outcome,
     PeerError,
     PreAllocate,
 )

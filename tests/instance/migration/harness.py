@@ -5,10 +5,10 @@ in-process. A client follows `moved` events with the frontend's own loop
 
 from __future__ import annotations
 
+from libs.common.types import MigrateOutOrder
 from services.instance.engine.base import Engine
 from services.instance.migration import MigrationConfig, local
 from services.instance.migration.local import Client, Node
-from services.instance.migration.messages import MigrateOutOrder
 
 CONFIG = MigrationConfig(max_stages=4, last_stage_max_blocks=1, chunk_bytes=16 * 16 * 2 * 4 * 2, deadline_ms=300,
                          max_migrate_out=4, max_migrate_in=4, max_migrate_out_per_dest=4)
