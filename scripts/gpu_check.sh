@@ -2,7 +2,7 @@
 # One call on a lent GPU (the device tool): the CUDA tests, then live migration
 # between two engines in one process on Llama-3-8B's shape with random weights
 # (ferry bench migration-local: pinned staging on a side stream vs the plain
-# path). Wheels the GPU image lacks travel in .whl/ (see docs/results/README.md,
+# path). Wheels the GPU image lacks travel in .whl/ (see docs/results/LOG.md,
 # "On a lent GPU"). Results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}

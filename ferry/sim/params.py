@@ -6,7 +6,7 @@ here: the simulator reads them from the live services' own configs
 (InstanceConfig, SchedulerConfig), so the same flags set both.
 
 Defaults were measured on the live cluster of this repository on this 2-core
-machine (docs/results/README.md, "Simulator calibration"):
+machine (docs/results/LOG.md, "Simulator calibration"):
 - `ferry sim calibrate` (16 sim instances of llama-7b-a10, M-M at 17/s,
   600 requests, llumnix): idle, a one-token request's frontend TTFT exceeds
   the profile's step by 4.2 ms (p50); under the load, Dispatch round trips

@@ -5,7 +5,7 @@ busy every step. Unpinned, the kernel may run any thread on any core, so the
 work one instance does besides its steps (a migration's copies, a helper
 thread zeroing memory, gRPC) can land on the core another instance is
 stepping on. Pinned, an instance's extra work waits for its own core, which
-delays its own steps instead (docs/results/README.md, "Pinning the instances
+delays its own steps instead (docs/results/LOG.md, "Pinning the instances
 to cores": on 2 cores that made a migrated request's stall longer).
 """
 

@@ -160,7 +160,7 @@ class TokenChannel:
     multi-callables from it (``unary_unary`` and the rest), and those add the
     metadata to each call, with no client interceptor (grpc.aio wraps each
     intercepted call in an extra layer; ``ferry bench overhead`` measured no
-    TTFT difference either way, docs/results/README.md). Everything else is
+    TTFT difference either way, docs/results/LOG.md). Everything else is
     the channel's own."""
 
     def __init__(self, channel: grpc.aio.Channel, token: str, trace: bool = False):

@@ -82,7 +82,7 @@ class SchedulerServicer:
         stream, each reply carrying its request_id. The same decision as
         Dispatch; a request that cannot be placed gets a reply with error_code
         set, and the stream stays open. A message on an open stream costs about
-        half the round trip of a unary call (docs/results/README.md).
+        half the round trip of a unary call (docs/results/LOG.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,7 +9,7 @@ mask and an fp32 softmax (attention.py), took 70 us a layer at batch 1 and
 prefill chunks it took half of SDPA's time (16 prompts of 128 tokens: 11.7
 -> 6.3 ms a layer). torch has nothing faster on CPU (SDPA's flash kernel is
 3-12x slower at one query token; ``torch.compile`` measured no gain:
-docs/results/README.md). These are vLLM's own compiled ops, called through
+docs/results/LOG.md). These are vLLM's own compiled ops, called through
 ``torch.ops._C``: Ferry's scheduler, batching, paged cache and migration are
 unchanged.
 
