@@ -18,6 +18,7 @@ from libs.common.logging import get_logger
 from libs.common.pending import PENDING_TTL_S, PendingDispatches
 from libs.common.policies import InstanceView
 from libs.common.types import InstanceRecord
+from libs.common.backoff import Reconnect
 
 log = get_logger(__name__)
 
@@ -84,14 +85,14 @@ class ClusterView:
             yield ev
 
     async def _watch_forever(self) -> None:
-        backoff = 0.05
+        backoff = Reconnect()
         while True:
             try:
                 async with rpc.channel(self.meta_store_address) as ch:
                     stub = mpb_grpc.MetaStoreStub(ch)
                     fresh: dict[str, InstanceRecord] = {}
                     async for ev in self._events(stub):
-                        backoff = 0.05
+                        backoff.reset()
                         if ev.type == mpb.WatchEvent.SYNCED:
                             # NOTE: keep the last view (docs/design.md §7): instances the
                             # fresh snapshot lacks stay for a grace period.
@@ -138,8 +139,7 @@ class ClusterView:
             except Exception as e:  # noqa: BLE001 - NOTE: a view that stopped watching would serve stale data forever
                 log.error("meta store watch failed; watching again", error=repr(e))
                 self.connected = False
-            await asyncio.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+            await backoff.wait()
 
     def _record(self, m) -> InstanceRecord:
         """The record of an event; its InstanceInfo reused while unchanged

@@ -23,6 +23,7 @@ from libs.common import convert, rpc
 from libs.common.cluster_view import ClusterView
 from libs.common.logging import get_logger
 from libs.common.prefix_index import PrefixIndex
+from libs.common.backoff import Reconnect
 
 log = get_logger(__name__)
 
@@ -88,14 +89,14 @@ class KvIndexWatcher:
         self.synced.discard(iid)
 
     async def _follow(self, iid: str, address: str) -> None:
-        backoff = 0.05
+        backoff = Reconnect(max_s=self.max_backoff_s)
         while True:
             try:
                 async with rpc.channel(address) as ch:
                     call = ipb_grpc.InstanceStub(ch).WatchKvEvents(ipb.WatchKvEventsRequest())
                     async for m in call:
                         self._apply(iid, m)
-                        backoff = 0.05
+                        backoff.reset()
                 log.info("instance ended its KV event stream", instance_id=iid)
             except asyncio.CancelledError:
                 self._forget(iid)
@@ -107,8 +108,7 @@ class KvIndexWatcher:
                 if iid in self.synced:
                     log.warning("KV event stream lost", instance_id=iid, error=e.code().name)
             self._forget(iid)
-            await asyncio.sleep(backoff)
-            backoff = min(self.max_backoff_s, backoff * 2)
+            await backoff.wait()
 
     def _apply(self, iid: str, m) -> None:
         kind = m.WhichOneof("body")

@@ -17,6 +17,7 @@ from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import convert, rpc
 from libs.common.logging import get_logger
 from libs.common.types import InstanceInfo, InstanceStatus
+from libs.common.backoff import Reconnect
 
 log = get_logger(__name__)
 
@@ -57,7 +58,7 @@ class StatusReporter:
                 pass
 
     async def _loop(self) -> None:
-        backoff = 0.05
+        backoff = Reconnect()
         while True:
             try:
                 async with rpc.channel(self.meta_store) as ch:
@@ -66,25 +67,23 @@ class StatusReporter:
                     if not self.registered:
                         log.info("registered", meta_store=self.meta_store)
                     self.registered = True
-                    backoff = 0.05
+                    backoff.reset()
                     if await self._report(stub):
                         log.info("meta store forgot us; registering again")
                     else:
                         log.info("meta store ended the status stream; reconnecting")
-                        await asyncio.sleep(backoff)
+                        await backoff.wait()
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as e:
                 if self.registered:
                     log.warning("meta store unreachable; retrying", error=e.code().name, details=e.details())
                 self.registered = False
-                await asyncio.sleep(backoff)
-                backoff = min(1.0, backoff * 2)
+                await backoff.wait()
             except Exception as e:  # noqa: BLE001 - NOTE: a reporter that stops lets the instance expire
                 log.error("status report failed; retrying", error=repr(e))
                 self.registered = False
-                await asyncio.sleep(backoff)
-                backoff = min(1.0, backoff * 2)
+                await backoff.wait()
 
     async def _report(self, stub: mpb_grpc.MetaStoreStub) -> bool:
         """Report over one long-lived call after every poke (at most every

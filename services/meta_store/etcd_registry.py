@@ -39,6 +39,7 @@ from libs.common import convert
 from libs.common import etcd as etcdlib
 from libs.common.logging import get_logger
 from libs.common.types import InstanceInfo
+from libs.common.backoff import Reconnect
 from services.meta_store.registry import Registry
 
 log = get_logger(__name__)
@@ -134,7 +135,7 @@ class EtcdRegistry(Registry):
             await self.etcd.close()
 
     async def _run(self) -> None:
-        backoff = 0.1
+        backoff = Reconnect(first_s=0.1)
         while True:
             self.etcd = etcdlib.client(self.endpoints)
             try:
@@ -146,11 +147,12 @@ class EtcdRegistry(Registry):
                     log.warning("etcd lost; the local TTL decides liveness until it returns", error=repr(e))
             except Exception:  # noqa: BLE001 - a bug here must not end the replica's tie to etcd
                 log.exception("etcd session failed")
+            if self.connected:
+                backoff.reset()  # a session that ran: the first retry is quick again
             self.connected = False
             self.peers.clear()
             await self.etcd.close()
-            await asyncio.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+            await backoff.wait()
 
     async def _session(self) -> None:
         session = await self.etcd.lease(etcdlib.lease_ttl(self.ttl_s))

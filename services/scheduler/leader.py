@@ -23,6 +23,7 @@ from typing import Awaitable, Callable
 
 from libs.common import etcd as etcdlib
 from libs.common.logging import get_logger
+from libs.common.backoff import Reconnect
 
 log = get_logger(__name__)
 
@@ -93,12 +94,12 @@ class EtcdLeadership(Leadership):
 
     # --- the campaign ----------------------------------------------------------------
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Reconnect()
         while True:
             self.etcd = etcdlib.client(self.endpoints, timeout_s=max(0.2, self.ttl / 3))
             try:
                 await self._campaign()
-                backoff = 0.05
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except (*etcdlib.errors(), ConnectionError) as e:
@@ -109,8 +110,7 @@ class EtcdLeadership(Leadership):
                 await self._step_down("lost etcd")
             self._lease_id = None
             await self.etcd.close()
-            await asyncio.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+            await backoff.wait()
 
     async def _campaign(self) -> None:
         t = self.etcd.transactions
