@@ -91,28 +91,12 @@ def line(d: dict | None = None) -> str:
     return f"CPU {cpu_features.summary()}; torch {d['torch']['capability']}; {onednn}; vLLM kernels {vllm}"
 
 
-def recorded() -> dict:
-    """When, and at which commit of this repository, a result was made
-    (docs/results' front page reads it, ferry/results.py)."""
-    import datetime
-    import subprocess
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
-                                capture_output=True, text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                    cwd=os.path.dirname(__file__), capture_output=True, text=True,
-                                    timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, False
-    return {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": f"{commit}+changes" if commit and dirty else commit}
-
-
 def write_json(path: str, obj: dict, indent: int = 1) -> None:
-    """A benchmark's result, with the machine it ran on (``machine``) and
-    when and at which commit (``recorded``) added."""
+    """A benchmark's result, with the machine it ran on (``machine``) added.
+    Nothing that changes from run to run (the simulator's results are the
+    same bytes for the same command): when and at which commit a result was
+    made is its file's git history (ferry/results.py reads it)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**obj, "machine": describe(), "recorded": recorded()}, f, indent=indent, default=str)
+        json.dump({**obj, "machine": describe()}, f, indent=indent, default=str)
         f.write("\n")

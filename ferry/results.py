@@ -6,9 +6,8 @@ file it is read from (under docs/results), where in that JSON the number is
 (``value``: dotted keys, ``[i]`` for a list's element, ``[key=value]`` for
 the element of a list whose ``key`` is ``value``), its unit and the command
 that wrote the file. ``python -m ferry.results`` renders the table (the
-machine from the file's ``machine`` record, the commit and date from the
-file's own ``recorded`` record or else from git: the last commit that
-touched the file) between the markers in docs/results/README.md;
+machine from the file's ``machine`` record, the commit and date from git:
+the last commit that touched the file) between the markers in docs/results/README.md;
 ``--check`` fails when a headline's file, number or command is missing or
 the page is not the one the files give (tests/test_results_page.py runs it)."""
 
@@ -94,11 +93,8 @@ def machine_of(doc: dict) -> str:
     return text
 
 
-def recorded(doc: dict, path: pathlib.Path) -> tuple[str, str]:
-    """(commit, date) of a result: its own record, else its last commit."""
-    rec = doc.get("recorded") or {}
-    if rec.get("commit") and rec.get("utc"):
-        return rec["commit"], rec["utc"][:10]
+def recorded(path: pathlib.Path) -> tuple[str, str]:
+    """(commit, date) of a result: the last commit that touched its file."""
     try:
         out = subprocess.run(["git", "log", "-1", "--format=%h %cs", "--", str(path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=30).stdout.split()
@@ -145,7 +141,7 @@ def rows(headlines: list[Headline], results: pathlib.Path = RESULTS) -> list[lis
         if not isinstance(value, (int, float)) or not math.isfinite(float(value)):
             raise HeadlineError(f"{h.metric}: {h.file} {h.value} is {value!r}, not a finite number")
         command_exists(h.command)
-        commit, date = recorded(doc, path)
+        commit, date = recorded(path)
         metric = f"{h.metric} ({h.note})" if h.note else h.metric
         out.append([metric, f"{_number(value)} {h.unit}".strip(), f"`{h.command}`", commit, date, machine_of(doc),
                     f"[{h.file}]({h.file})"])

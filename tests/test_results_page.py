@@ -48,13 +48,13 @@ def test_a_missing_file_number_or_command_fails(tmp_path):
             results.rows([broken], tmp_path)
 
 
-def test_a_result_names_its_machine_and_when_it_was_made(tmp_path):
+def test_a_result_names_its_machine_and_its_commit(tmp_path):
     from ferry.machine import write_json
 
     path = tmp_path / "r.json"
     write_json(str(path), {"x": 1})
     doc = json.loads(path.read_text())
-    assert doc["machine"]["cpu"]["cores"] >= 1 and doc["recorded"]["utc"].startswith("20")
-    commit, date = results.recorded(doc, path)
-    assert date == doc["recorded"]["utc"][:10] and commit == doc["recorded"]["commit"]
-    assert "cores" in results.machine_of(doc)
+    assert "cores" in results.machine_of(doc) and results.machine_of({}) == "not recorded"
+    assert results.recorded(path) == ("uncommitted", "")  # outside the repository's history
+    commit, date = results.recorded(results.RESULTS / "chaos.json")
+    assert len(commit) >= 7 and date.startswith("20")

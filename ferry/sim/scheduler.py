@@ -24,7 +24,7 @@ from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Kernel
 from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
-from libs.common.policies.phases import Placement, place
+from libs.common.policies.phases import Placement, count_placed, place
 from libs.common.prefix_hash import block_hashes
 from libs.common.types import InstanceStatus, OrderResult, Priority
 from services.scheduler.policies import (
@@ -32,7 +32,6 @@ from services.scheduler.policies import (
     DispatchRequest,
     InstanceView,
     PromptHashes,
-    blocks_for,
 )
 from services.scheduler.rescheduler import Rescheduler
 from services.scheduler.service import SchedulerConfig
@@ -103,11 +102,9 @@ class SimScheduler:
         if placed is None:
             return None
         now = self.k.now
-        demand = blocks_for(num_tokens, self.statuses[placed.prefill].block_size) - req.hits.get(placed.prefill, 0)
-        self.pending.add(placed.prefill, request_id, max(1, demand), now)
-        if placed.decode is not None:
-            self.pending.add(placed.decode, request_id,
-                             blocks_for(num_tokens + 1, self.statuses[placed.decode].block_size), now)
+        # prefix_hits lists only instances of the size it hashed at: a hit is at the instance's own size
+        count_placed(placed, req, lambda iid: self.statuses[iid].block_size, self.statuses[placed.prefill].block_size,
+                     lambda iid, rid, blocks: self.pending.add(iid, rid, blocks, now))
         return placed
 
     def prefix_hits(self, token_ids: Sequence[int], request_id: str = "") -> dict:

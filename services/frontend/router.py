@@ -27,8 +27,8 @@ from libs.common.cluster_view import ClusterView
 from libs.common.errors import Code, FerryError, Unavailable, from_grpc, is_unavailable
 from libs.common.kv_index import KvIndexWatcher
 from libs.common.logging import get_logger
-from libs.common.policies import POLICIES, Dispatcher, DispatchRequest, demand_blocks, get
-from libs.common.policies.phases import place
+from libs.common.policies import POLICIES, Dispatcher, DispatchRequest, get
+from libs.common.policies.phases import Placement, count_placed, place
 from libs.common.prefix_hash import block_hashes
 from libs.common.types import Priority
 from services.frontend import metrics
@@ -252,17 +252,15 @@ class Router:
                                   hits=self.kv_index.hits(hashes, bs), affinity=affinity)
         views = self.view.views()
         placed = place(self._local, views, req) if views else None
-        iid, decode = (placed.prefill, placed.decode) if placed else (None, None)
-        if iid is None:  # no status known yet: round robin over registered instances
+        if placed is None:  # no status known yet: round robin over registered instances
             ids = sorted(i for i in self.view.records if i not in exclude)
             if not ids:
                 raise Unavailable("no instance available (scheduler unreachable, none known)")
-            iid = ids[self._rr.next_round_robin(len(ids))]
-        rec = self.view.records[iid]
-        hit = req.hits.get(iid, 0) if rec.info.block_size == bs else 0
-        self.view.add_pending(iid, request_id, demand_blocks(num_prompt_tokens, rec.info.block_size, hit))
-        if decode is None:
-            return Dispatched(iid, rec.info.address, priority)
-        drec = self.view.records[decode]
-        self.view.add_pending(decode, request_id, demand_blocks(num_prompt_tokens + 1, drec.info.block_size))
-        return Dispatched(iid, rec.info.address, priority, decode, drec.info.address)
+            placed = Placement(ids[self._rr.next_round_robin(len(ids))])
+        records = self.view.records
+        count_placed(placed, req, lambda iid: records[iid].info.block_size, bs, self.view.add_pending)
+        rec = records[placed.prefill]
+        if placed.decode is None:
+            return Dispatched(placed.prefill, rec.info.address, priority)
+        return Dispatched(placed.prefill, rec.info.address, priority, placed.decode,
+                          records[placed.decode].info.address)

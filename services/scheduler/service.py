@@ -23,11 +23,11 @@ from libs.common.cluster_view import ClusterView
 from libs.common.config import CommonConfig, opt
 from libs.common.errors import Code, FailedPrecondition, FerryError, NotFound, Unavailable, abort_with
 from libs.common.logging import get_logger
-from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, demand_blocks, get
+from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Policy, get
 from libs.common.policies.index import DispatchIndex
 from libs.common.instance_client import GrpcInstanceClients
 from libs.common.policies.base import affine
-from libs.common.policies.phases import Placement, place
+from libs.common.policies.phases import Placement, count_placed, place
 from libs.common.server import Service
 from libs.common.types import Priority, Role
 from services.scheduler import metrics
@@ -197,19 +197,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         placed = self.svc.place(req)
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
+        count_placed(placed, req, lambda iid: view.records[iid].info.block_size, request.block_size, view.add_pending)
         rec = view.records[placed.prefill]
-        hit = req.hits.get(placed.prefill, 0) if rec.info.block_size == request.block_size else 0
-        view.add_pending(placed.prefill, request.request_id,
-                         demand_blocks(request.num_prompt_tokens, rec.info.block_size, hit))
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
         reply = pb.DispatchReply(instance_id=placed.prefill, address=rec.info.address,
                                  policy=self.svc.dispatcher.name, run_priority=int(run))
         if placed.decode is not None:
-            drec = view.records[placed.decode]
-            # Its KV lands there within a prompt's time: count it now, as a dispatch.
-            view.add_pending(placed.decode, request.request_id,
-                             demand_blocks(request.num_prompt_tokens + 1, drec.info.block_size))
-            reply.decode_instance_id, reply.decode_address = placed.decode, drec.info.address
+            reply.decode_instance_id, reply.decode_address = placed.decode, view.records[placed.decode].info.address
         return reply
 
     async def GetClusterView(self, request, context):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 
-from libs.common.policies.base import Dispatcher, DispatchRequest, InstanceView, affine
+from libs.common.policies.base import Dispatcher, DispatchRequest, InstanceView, affine, demand_blocks
 from libs.common.types import Role
 
 # Splitwise (ISCA'24, §4.3): serialized transfer is cheaper below about 512
@@ -112,3 +113,18 @@ def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchReques
     if not [v for v in decoders if v.instance_id not in then.exclude]:
         return Placement(first)
     return Placement(first, dispatcher.choose(decoders, then))
+
+
+def count_placed(placed: Placement, req: DispatchRequest, block_size_of: Callable[[str], int], hashed_at: int,
+                 add_pending: Callable[[str, str, int], None]) -> None:
+    """What a placement takes until its instances report the request, the one
+    count of the scheduler's Dispatch, the frontend's bypass and the
+    simulator: the prefill instance the prompt's blocks net of the prefix it
+    holds (where the prompt was hashed at that instance's block size:
+    ``hashed_at``), the decode instance the prompt and its first token.
+    ``add_pending(instance, request, blocks)``: the view's."""
+    bs = block_size_of(placed.prefill)
+    hit = req.hits.get(placed.prefill, 0) if bs == hashed_at else 0
+    add_pending(placed.prefill, req.request_id, demand_blocks(req.num_prompt_tokens, bs, hit))
+    if placed.decode is not None:
+        add_pending(placed.decode, req.request_id, demand_blocks(req.num_prompt_tokens + 1, block_size_of(placed.decode)))
