@@ -1,6 +1,7 @@
 """Imports point down: libs/ (generated protobuf included) imports nothing of
 the project above it, services/ nothing of the command-line package, and the
-code the benchmarks and the simulator share (ferry/measure) neither of them.
+code the benchmarks and the simulator share (ferry/measure) neither of them;
+no service imports another (they share libs/ and talk over gRPC).
 Every import is read from the source (functions' lazy imports too)."""
 
 from __future__ import annotations
@@ -58,6 +59,38 @@ def upward_imports(rel: str, modules: set[str]) -> list[str]:
         allowed = SIM_USES_BENCH.get(rel, set())
         bad += [m for m in modules if _under(m, "ferry.bench") and m not in allowed]
     return sorted(set(bad))
+
+
+SERVICES = ("frontend", "scheduler", "instance", "meta_store")
+
+
+def cross_service_imports(rel: str, modules: set[str]) -> list[str]:
+    """A service's imports of another service (they meet in libs/ and over gRPC)."""
+    parts = rel.split("/")
+    if parts[0] != "services" or len(parts) < 3 or parts[1] not in SERVICES:
+        return []
+    return sorted(m for m in modules for other in SERVICES
+                  if other != parts[1] and _under(m, f"services.{other}"))
+
+
+def test_no_service_imports_another():
+    found = {}
+    for p in _sources():
+        rel = p.relative_to(ROOT).as_posix()
+        bad = cross_service_imports(rel, imports_of(p))
+        if bad:
+            found[rel] = bad
+    assert not found, f"a service importing another: {found}"
+
+
+@pytest.mark.parametrize(("rel", "modules", "bad"), [
+    ("services/instance/migration/x.py", {"services.frontend.router", "services.instance.runner"},
+     ["services.frontend.router"]),
+    ("services/scheduler/x.py", {"services.scheduler.policies", "libs.common.types"}, []),
+    ("ferry/inprocess.py", {"services.frontend.router", "services.instance.runner"}, []),
+])
+def test_the_service_rule_sees_what_it_should(rel, modules, bad):
+    assert cross_service_imports(rel, modules) == bad
 
 
 def test_no_module_imports_a_layer_above_it():

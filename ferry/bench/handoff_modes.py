@@ -70,12 +70,12 @@ class _Meter:
 
 async def _one(cluster, mode: str, rid: str, prompt: list[int], meter: _Meter) -> dict:
     """Run one request; times from submission (seconds). Its client follows
-    the handoff with the frontend's loop (migration/local.py's Client)."""
+    the handoff with the frontend's loop (ferry/inprocess.py's Client)."""
     from libs.common.policies.phases import HandoffMode
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
     from services.instance.migration.layerwise import LayerwiseHandoff
-    from services.instance.migration.local import Client
+    from ferry.inprocess import Client
 
     a = cluster.nodes["a"]
     req = EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=2, ignore_eos=True), 0, time.time())
@@ -113,7 +113,7 @@ async def _bench(lengths: list[int], repeats: int, dtype: str, budget: int, mode
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
     from services.instance.migration import MigrationConfig
-    from services.instance.migration.local import Cluster
+    from ferry.inprocess import Cluster
 
     max_len = max(lengths) + 64
     blocks = -(-max_len // 16) * 2 + 8

@@ -1,5 +1,5 @@
 """``ferry bench migration-local``: live migration between two native engines
-in this process (services/instance/migration/local.py), on any device: the
+in this process (ferry/inprocess.py), on any device: the
 migration's own costs, with no gRPC, frontend or second process.
 
 Made for a GPU (``--device cuda --model llama-3.1-8b``, random weights): the
@@ -51,7 +51,7 @@ class _Background:
         self._count = 0
 
     async def _slot(self, i: int) -> None:
-        from services.instance.migration.local import Client
+        from ferry.inprocess import Client
 
         rng = random.Random(i)
         while True:
@@ -94,7 +94,7 @@ def _med(vals) -> float | None:
 
 
 async def _one(cluster, bgs, prompt, out_tokens, at_token, rid, blocking=False) -> dict:
-    from services.instance.migration.local import Client
+    from ferry.inprocess import Client
 
     cl = Client(cluster, rid)
     task = asyncio.create_task(cl.run("a", prompt, out_tokens))
@@ -117,7 +117,7 @@ async def _one(cluster, bgs, prompt, out_tokens, at_token, rid, blocking=False) 
 
 
 async def _length(cluster, bgs, length, runs, out_tokens, at_token, vocab, modes, set_mode) -> dict:
-    from services.instance.migration.local import Client
+    from ferry.inprocess import Client
 
     rng = random.Random(length)
     prompt = [rng.randrange(3, vocab) for _ in range(length)]
@@ -185,7 +185,7 @@ def _row(length, mode, ref_step, r, control: bool) -> str:
 async def _run(opts: dict, on_length) -> dict:
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig
-    from services.instance.migration.local import Cluster
+    from ferry.inprocess import Cluster
     from services.instance.migration.messages import MigrationConfig
 
     lengths, out_tokens, bg = opts["lengths"], opts["out_tokens"], opts["background"]

@@ -3,7 +3,7 @@ yields StreamEvents and can be cancelled (which aborts the request there),
 over gRPC (``GrpcPeers``) or straight into instances of this process
 (``InProcessPeers``: agents, for the exactly-once tests of
 services/frontend/generation.py without sockets; the nodes of the in-process
-cluster of services/instance/migration/local.py, whose Client follows moves
+cluster of ferry/inprocess.py, whose Client follows moves
 with the same loop). A call that fails raises ``PeerError``, a
 FerryError with the instance's status code."""
 
@@ -41,7 +41,7 @@ class InstancePeers(Protocol):
 
 class LocalInstance(Protocol):
     """What InProcessPeers calls: services/instance/agent.py's Agent, or a
-    Node of services/instance/migration/local.py. Both raise FerryErrors."""
+    Node of ferry/inprocess.py. Both raise FerryErrors."""
 
     def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]: ...
 

@@ -1,6 +1,6 @@
 """Per-request token streams on an instance. The engine thread's outputs land
 here; Generate/Attach read from here (``serve_stream``: the agent's, and the
-in-process cluster's of migration/local.py). Unbounded queues, so a slow
+in-process cluster's of ferry/inprocess.py). Unbounded queues, so a slow
 client never stalls the engine."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class StreamTable:
     def deliver(self, outputs, on_output=None) -> None:
         """A step's outputs (TokenOutput) onto their requests' streams: the
         delivery part of the instance's one step callback (the agent's, and
-        the in-process cluster's of migration/local.py). A finished request's
+        the in-process cluster's of ferry/inprocess.py). A finished request's
         stream closes once its client is attached (NOTE: a migrated-in request
         that finishes before its client re-attached keeps its stream until
         Attach drains it). ``on_output(out)`` runs after the stream has the

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from libs.common.types import MigrateOutOrder
 from services.instance.engine.base import Engine
-from services.instance.migration import MigrationConfig, local
-from services.instance.migration.local import Client, Node
+from ferry import inprocess
+from services.instance.migration import MigrationConfig
+from ferry.inprocess import Client, Node
 
 CONFIG = MigrationConfig(max_stages=4, last_stage_max_blocks=1, chunk_bytes=16 * 16 * 2 * 4 * 2, deadline_ms=300,
                          max_migrate_out=4, max_migrate_in=4, max_migrate_out_per_dest=4)
@@ -16,8 +17,8 @@ CONFIG = MigrationConfig(max_stages=4, last_stage_max_blocks=1, chunk_bytes=16 *
 __all__ = ["CONFIG", "Client", "Cluster", "HookedPeer", "Node", "order"]
 
 
-class Cluster(local.Cluster):
-    """The in-process cluster (services/instance/migration/local.py) whose
+class Cluster(inprocess.Cluster):
+    """The in-process cluster (ferry/inprocess.py) whose
     nodes take the tests' small-chunk, short-deadline CONFIG by default."""
 
     def add(self, name: str, engine: Engine, config: MigrationConfig = CONFIG) -> Node:

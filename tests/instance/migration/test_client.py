@@ -1,4 +1,4 @@
-"""The in-process cluster's Client (services/instance/migration/local.py)
+"""The in-process cluster's Client (ferry/inprocess.py)
 reads with the frontend's loop (run_generation) and still checks delivery
 strictly: events pushed by hand onto the nodes' streams, each fault one the
 frontend's loop alone would raise on (a gap) or let pass (a repeat, a move
