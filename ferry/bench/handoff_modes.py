@@ -69,12 +69,14 @@ class _Meter:
 
 
 async def _one(cluster, mode: str, rid: str, prompt: list[int], meter: _Meter) -> dict:
-    """Run one request; times from submission (seconds). Its client follows
-    the handoff with the frontend's loop (ferry/inprocess.py's Client)."""
-    from libs.common.policies.phases import HandoffMode
+    """Run one request; times from submission (seconds). A handoff is the
+    one production runs: planned and added as the agent adds a request the
+    scheduler gave a decode instance (Handoffs.plan / add; the mode forced by
+    the per-layer threshold: 1 for per-layer, 0 for serialized, i.e.
+    SourceMigration(handoff=True) at the first token). Its client follows the
+    handoff with the frontend's loop (ferry/inprocess.py's Client)."""
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
-    from services.instance.migration.layerwise import LayerwiseHandoff
     from ferry.inprocess import Client
 
     a = cluster.nodes["a"]
@@ -82,13 +84,17 @@ async def _one(cluster, mode: str, rid: str, prompt: list[int], meter: _Meter) -
     a.streams.open(rid)
     meter.reset()
     t0, loop0 = time.perf_counter(), time.thread_time()
-    handoff = None
+    started: list[asyncio.Task] = []
     if mode == "colocated":
         await a.runner.call(a.engine.add_request, req)
     else:
-        handoff = LayerwiseHandoff(a.host, rid, "b", "b", cluster.peer("b"), a.manager.config,
-                                   HandoffMode(mode), request=req)
-        task = asyncio.create_task(handoff.run())
+        handoffs = a.manager.handoffs
+        handoffs.per_layer_threshold = 1 if mode == "per_layer" else 0
+        handoffs.on_start = lambda _rid, task: started.append(task)
+        plan = handoffs.plan(rid, "b", "b", len(prompt))
+        if plan.mode.value != mode:
+            raise click.ClickException(f"the engine cannot hand off {mode}: planned {plan.mode.value}")
+        await handoffs.add(req, plan)
     client = Client(cluster, rid)
     tokens = await client.follow("a")
     times = [t - t0 for t in client.times]
@@ -96,8 +102,10 @@ async def _one(cluster, mode: str, rid: str, prompt: list[int], meter: _Meter) -
            # this (event loop) thread: chunks made and copied, the client
            "loop_cpu_ms": (time.thread_time() - loop0) * 1000,
            "emit_ms": meter.emit_s * 1000, "scatter_ms": meter.scatter_s * 1000}
-    if handoff is not None:
-        out = await task
+    if mode != "colocated":
+        if not started:
+            raise click.ClickException(f"the {mode} handoff of {len(prompt)} tokens did not start")
+        out = await started[0]
         if not out.committed:
             raise click.ClickException(f"{mode} handoff of {len(prompt)} tokens aborted: {out.reason}")
         # downtime: suspended after the prompt -> its first step at b begins

@@ -75,6 +75,8 @@ class Handoffs:
         # Serialized plans' requests exported where the engine held them: written on the engine
         # thread (at_boundary) before the step's outputs reach the loop, taken by on_output.
         self.exported: dict[str, Exported] = {}
+        # Told of every handoff started (request id, its task): ferry bench handoff-modes times the live path.
+        self.on_start: Callable[[str, asyncio.Task], None] | None = None
         host.runner.at_boundary = self.at_boundary
 
     def plan(self, request_id: str, dest_id: str, dest_address: str, num_prompt_tokens: int) -> HandoffPlan:
@@ -159,6 +161,8 @@ class Handoffs:
             return None
         self.running[p.request_id] = task
         task.add_done_callback(lambda t, rid=p.request_id: self._done(rid, t))
+        if self.on_start is not None:
+            self.on_start(p.request_id, task)
         return task
 
     def _done(self, request_id: str, task: asyncio.Task) -> None:

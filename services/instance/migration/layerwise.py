@@ -1,23 +1,23 @@
-"""The prefill -> decode handoff of one request (Splitwise), on the migration
+"""The per-layer prefill -> decode handoff of one request (Splitwise,
+libs.common.policies.phases.HandoffMode.PER_LAYER), on the migration
 protocol: same pre-allocate / transfer / commit handshake, same peers, same
-abort rules. Two modes (libs.common.policies.phases.HandoffMode):
+abort rules. While the prompt computes here, the engine hands each layer's
+K/V of each prompt chunk to a tap (Engine.tap_layers) the moment the layer
+wrote it; the chunks go to the destination at once (KvChunk.layer) into the
+blocks it reserved first. When the prompt is done only the commit is left:
+the copy hid behind the prompt's later layers. (The serialized handoff is
+the migration itself: SourceMigration(handoff=True), source.py, from the
+request the engine held after its first token; the one production runs and
+``ferry bench handoff-modes`` measures.)
 
-- PER_LAYER: while the prompt computes here, the engine hands each layer's
-  K/V of each prompt chunk to a tap (Engine.tap_layers) the moment the layer
-  wrote it; the chunks go to the destination at once (KvChunk.layer) into
-  the blocks it reserved first. When the prompt is done only the commit is
-  left: the copy hid behind the prompt's later layers.
-- SERIALIZED: the same, but nothing moves until the prompt is done; then
-  every block goes whole (the existing whole-block path).
+The request is suspended at the step boundary right after the step that
+finished its prompt (its first token came from here), and the request state
+travels in the commit; the client follows ``moved`` as after a migration.
+Blocks the prompt computed before the tap went on (the handoff started late)
+go first, per layer, gathered here.
 
-Either way the request is suspended at the step boundary right after the
-step that finished its prompt (its first token came from here), and the
-request state travels in the commit; the client follows ``moved`` as after a
-migration. Blocks the prompt computed before the tap went on (the handoff
-started late) go first, per layer, gathered here.
-
-States: SELECT -> PRE_ALLOC -> STREAM | WAIT_PREFILL -> SUSPENDED -> [COPY]
--> COMMIT -> DONE; any failure -> ABORT (the request goes on here, as after
+States: SELECT -> PRE_ALLOC -> STREAM -> SUSPENDED -> COMMIT -> DONE; any
+failure -> ABORT (the request goes on here, as after
 an aborted migration; the reservation is released or expires).
 
 NOTE: cancellation-safe like SourceMigration (whose abort path it reuses):
@@ -52,9 +52,7 @@ class HandoffState(enum.Enum):
     SELECT = "select"
     PRE_ALLOC = "pre_alloc"
     STREAM = "stream"  # per-layer chunks go as the prompt's layers compute
-    WAIT_PREFILL = "wait_prefill"  # serialized: nothing moves until the prompt is done
     SUSPENDED = "suspended"  # out of the batch right after the prompt's last step
-    COPY = "copy"  # serialized: every block, whole
     COMMIT = "commit"
     DONE = "done"
 
@@ -63,11 +61,9 @@ H = HandoffState
 ABORT = SourceState.ABORT  # the abort state the shared abort path moves to
 _EDGES = {
     H.SELECT: {H.PRE_ALLOC},
-    H.PRE_ALLOC: {H.STREAM, H.WAIT_PREFILL},
+    H.PRE_ALLOC: {H.STREAM},
     H.STREAM: {H.SUSPENDED},
-    H.WAIT_PREFILL: {H.SUSPENDED},
-    H.SUSPENDED: {H.COPY, H.COMMIT},
-    H.COPY: {H.COMMIT},
+    H.SUSPENDED: {H.COMMIT},
     H.COMMIT: {H.DONE},
     H.DONE: set(),
     ABORT: set(),
@@ -109,15 +105,14 @@ class LayerwiseHandoff(SourceMigration):
     """
 
     def __init__(self, host: MigrationHost, request_id: str, dest_id: str, dest_address: str,
-                 peer: DestinationPeer, config: MigrationConfig, mode: HandoffMode = HandoffMode.PER_LAYER,
-                 request: EngineRequest | None = None, fault: Fault = failpoint_faults):
+                 peer: DestinationPeer, config: MigrationConfig, request: EngineRequest | None = None,
+                 fault: Fault = failpoint_faults):
         # handoff=True: the destination counts it against max_handoff_in, the
         # manager apart from load-balancing migrations
         super().__init__(host, request_id, dest_id, dest_address, peer, config, fault, handoff=True)
         self.id = self.id.replace("mig-", "hand-", 1)
         self.m = HandoffMachine("source", self.id, request_id, H.SELECT)
         self.out.migration_id = self.id
-        self.mode = HandoffMode(mode)
         self.request = request
         self.loop = self.runner.loop
         self.events: asyncio.Queue = asyncio.Queue()  # LayerKv, then one _Suspended
@@ -155,7 +150,7 @@ class LayerwiseHandoff(SourceMigration):
         if phase is None or phase[0] == "suspended":
             return "request is not waiting or running"
         stats = self.engine.request_stats(self.request_id)
-        if not self.engine.tap_layers(self.request_id, self._tap, copy=self.mode is HandoffMode.PER_LAYER):
+        if not self.engine.tap_layers(self.request_id, self._tap, copy=True):
             return f"the {self.engine.name} engine has no per-layer hook"
         return stats["num_tokens"], phase[1], self.engine.full_blocks(self.request_id)
 
@@ -305,16 +300,15 @@ class LayerwiseHandoff(SourceMigration):
         target, self.preemptions, catch_up = sel
         self.num_blocks = cdiv(target, self.engine.block_size)
         self.caught_up = len(catch_up)  # blocks computed before the tap
-        self._to(H.PRE_ALLOC, blocks=self.num_blocks, mode=self.mode.value)
+        self._to(H.PRE_ALLOC, blocks=self.num_blocks, mode=HandoffMode.PER_LAYER.value)
         # The prompt's full blocks the destination's prefix cache holds are linked there, not sent.
         bs = self.engine.block_size
         full = target // bs
         hashes = (tuple(block_hashes(self.request.prompt_token_ids[:full * bs], bs)) if self.request is not None
                   else None)  # a request added here: the engine has not hashed its prompt yet
         self.linked = await self._pre_allocate(0, self.num_blocks, full=full, hashes=hashes)
-        per_layer = self.mode is HandoffMode.PER_LAYER
-        self._to(H.STREAM if per_layer else H.WAIT_PREFILL, blocks=self.num_blocks, catch_up=len(catch_up))
-        written = await self.peer.transfer(self._stream(catch_up if per_layer else []))
+        self._to(H.STREAM, blocks=self.num_blocks, catch_up=len(catch_up))
+        written = await self.peer.transfer(self._stream(catch_up))
         done = self.suspended
         if done is None or done.state is None:
             raise MigrationAborted("request finished or was aborted before its prompt was handed off")
@@ -325,12 +319,8 @@ class LayerwiseHandoff(SourceMigration):
         if state.num_computed_tokens != target or len(done.blocks) != self.num_blocks:
             raise MigrationAborted(f"{state.num_computed_tokens} tokens in {len(done.blocks)} blocks "
                                    f"after the prompt, {target} in {self.num_blocks} expected")
-        if per_layer:
-            if written != self.stage_blocks:
-                raise MigrationAborted(f"destination completed {written} of {self.stage_blocks} blocks")
-        else:
-            self._to(H.COPY, blocks=self.num_blocks)
-            self.out.bytes += await self._copy(0, list(done.blocks)[self.linked:])
+        if written != self.stage_blocks:
+            raise MigrationAborted(f"destination completed {written} of {self.stage_blocks} blocks")
         self.out.blocks = self.stage_blocks
         self._to(H.COMMIT, blocks=self.out.blocks, bytes=self.out.bytes)
         await self.peer.commit(self.id, state)

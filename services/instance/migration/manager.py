@@ -174,7 +174,7 @@ class MigrationManager:
             raise ResourceExhausted(f"request {request_id!r} is already migrating")
         peer = self._peers(dest_address)
         if mode is HandoffMode.PER_LAYER:
-            mig = LayerwiseHandoff(self.host, request_id, dest_id, dest_address, peer, self.config, mode,
+            mig = LayerwiseHandoff(self.host, request_id, dest_id, dest_address, peer, self.config,
                                    request=request, fault=self.fault)
         else:
             mig = SourceMigration(self.host, request_id, dest_id, dest_address, peer, self.config, self.fault,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from libs.common.types import SamplingParams
 from services.instance.engine.base import EngineRequest
-from services.instance.migration.layerwise import HandoffMode, LayerwiseHandoff
+from services.instance.migration.layerwise import LayerwiseHandoff
 from services.instance.migration.messages import KvChunk, MigrationConfig
 from tests.instance.migration.harness import CONFIG, Client, Cluster
 
@@ -28,20 +28,19 @@ def open_client(c: Cluster, rid: str, node: str) -> Client:
     return Client(c, rid)
 
 
-def handoff(c: Cluster, rid: str, prompt: list[int], n: int, mode: HandoffMode, src: str = "a",
+def handoff(c: Cluster, rid: str, prompt: list[int], n: int, src: str = "a",
             dst: str = "b", config: MigrationConfig = CONFIG, add: bool = True,
             **sampling) -> LayerwiseHandoff:
     a = c.nodes[src]
-    return LayerwiseHandoff(a.host, rid, dst, dst, c.peer(dst), config, mode,
+    return LayerwiseHandoff(a.host, rid, dst, dst, c.peer(dst), config,
                             request=engine_request(rid, prompt, n, **sampling) if add else None,
                             fault=a._fault)
 
 
-async def run_with_handoff(c: Cluster, rid: str, prompt: list[int], n: int, mode: HandoffMode,
-                           **kw) -> tuple[Client, asyncio.Task, LayerwiseHandoff, asyncio.Task]:
+async def run_with_handoff(c: Cluster, rid: str, prompt: list[int], n: int, **kw) -> tuple[Client, asyncio.Task, LayerwiseHandoff, asyncio.Task]:
     """Open the client's stream at a, start the handoff (it adds the request)."""
     cl = open_client(c, rid, kw.get("src", "a"))
-    h = handoff(c, rid, prompt, n, mode, **kw)
+    h = handoff(c, rid, prompt, n, **kw)
     ht = asyncio.create_task(h.run())
     return cl, asyncio.create_task(cl.follow(kw.get("src", "a"))), h, ht
 

@@ -14,7 +14,7 @@ import pytest
 from services.instance.engine import create_engine
 from services.instance.engine.base import EngineConfig
 from services.instance.engine.fake import fake_generate
-from services.instance.migration.layerwise import HandoffMode, HandoffState
+from services.instance.migration.layerwise import HandoffState
 from services.instance.migration.messages import PeerError
 from services.instance.migration.states import DestState, SourceState
 from tests.instance.migration.harness import Cluster, HookedPeer
@@ -28,8 +28,6 @@ from tests.instance.migration.layerwise_harness import (
 
 PROMPT = [97 + (i * 7) % 26 for i in range(100)]  # 7 blocks of 16, the last partial
 N = 30
-PER_LAYER, SERIALIZED = HandoffMode.PER_LAYER, HandoffMode.SERIALIZED
-MODES = [PER_LAYER, SERIALIZED]
 
 
 def fake(num_blocks=64, budget=24, delay_ms=5.0):
@@ -59,16 +57,14 @@ async def stays_at_a(c: Cluster, cl, task) -> None:
     await clean(c)
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_handoff_gives_exactly_the_colocated_tokens(two, mode):
-    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N, mode)
+async def test_handoff_gives_exactly_the_colocated_tokens(two):
+    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N)
     out = await asyncio.wait_for(ht, 30)
     assert out.committed, out
     assert await asyncio.wait_for(task, 30) == fake_generate(PROMPT, N)
     assert cl.path == ["a", "b"]
     assert out.blocks == 7 and out.commit_ack_ms > 0
-    last = [HandoffState.COPY, HandoffState.COMMIT, HandoffState.DONE] if mode is SERIALIZED else \
-        [HandoffState.COMMIT, HandoffState.DONE]
+    last = [HandoffState.COMMIT, HandoffState.DONE]
     assert h.m.history[-len(last):] == last
     assert out.downtime_ms >= out.commit_ack_ms  # b stepped it
     await clean(two)
@@ -88,7 +84,7 @@ async def test_per_layer_chunks_flow_while_the_prompt_computes(two):
             seen.append((ch.layer, ch.offset // 128, n, r.num_computed_tokens if r else -1))
 
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, record)
-    _, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, PER_LAYER)
+    _, task, _, ht = await run_with_handoff(two, "r", PROMPT, N)
     assert (await asyncio.wait_for(ht, 30)).committed
     await asyncio.wait_for(task, 30)
     assert {s[0] for s in seen} == {0}  # the fake engine has one layer
@@ -101,16 +97,6 @@ async def test_per_layer_chunks_flow_while_the_prompt_computes(two):
     assert all(24 * i <= c < len(PROMPT) for i, c in enumerate(computed)), computed
     await clean(two)
 
-    seen.clear()
-    _, task, _, ht = await run_with_handoff(two, "s", PROMPT, N, SERIALIZED)
-    a = two.nodes["a"]
-    assert (await asyncio.wait_for(ht, 30)).committed
-    await asyncio.wait_for(task, 30)
-    # The rest of the prompt at once, once it was done and suspended: b's cache holds the prompt's 6 full
-    # blocks (from "r"), linked there, so only the partial last one goes.
-    assert seen == [(None, 0, 1, -1)]
-    assert (await asyncio.wait_for(ht, 1)).linked_blocks == 6
-    await clean(two)
 
 
 async def test_a_lost_layer_chunk_is_never_committed(two):
@@ -130,7 +116,7 @@ async def test_a_lost_layer_chunk_is_never_committed(two):
             return await self.inner.transfer(lossy())
 
     two.peer_wrappers["b"] = lambda p: Lossy(p, None)
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, PER_LAYER)
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N)
     out = await asyncio.wait_for(ht, 30)
     assert dropped and not out.committed and "completed 5 of 7 blocks" in out.reason, out
     await stays_at_a(two, cl, task)
@@ -141,7 +127,7 @@ async def test_late_start_sends_the_computed_blocks_first(two):
     the blocks it computed before go first, then the rest per layer."""
     a = two.nodes["a"]
     cl = open_client(two, "r", "a")
-    h = handoff(two, "r", PROMPT, N, PER_LAYER, add=False)
+    h = handoff(two, "r", PROMPT, N, add=False)
     await a.runner.call(a.engine.add_request, engine_request("r", PROMPT, N))
     while a.engine.requests["r"].num_computed_tokens < 48:
         await asyncio.sleep(0.001)
@@ -154,31 +140,28 @@ async def test_late_start_sends_the_computed_blocks_first(two):
     await clean(two)
 
 
-POINTS = {
-    PER_LAYER: ["pre_alloc", "stream", "crash_mid_transfer", "suspended", "commit"],
-    SERIALIZED: ["pre_alloc", "wait_prefill", "suspended", "copy", "commit"],
-}
+POINTS = ["pre_alloc", "stream", "crash_mid_transfer", "suspended", "commit"]
 
 
 def fault_name(point: str) -> str:
     return "source.crash_mid_transfer" if point == "crash_mid_transfer" else f"handoff.{point}"
 
 
-@pytest.mark.parametrize("mode,point", [(m, p) for m in MODES for p in POINTS[m]])
-async def test_failure_at_every_state_leaves_the_request_at_the_source(two, mode, point):
+@pytest.mark.parametrize("point", POINTS)
+async def test_failure_at_every_state_leaves_the_request_at_the_source(two, point):
     def fail():
         raise RuntimeError(f"injected at {point}")
 
     two.nodes["a"].faults[fault_name(point)] = fail
-    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N, mode)
+    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N)
     out = await asyncio.wait_for(ht, 30)
     assert not out.committed and f"injected at {point}" in out.reason, out
     assert h.m.state is SourceState.ABORT
     await stays_at_a(two, cl, task)
 
 
-@pytest.mark.parametrize("mode,point", [(m, p) for m in MODES for p in POINTS[m]])
-async def test_cancel_at_every_state_leaves_the_request_on_one_instance(two, mode, point):
+@pytest.mark.parametrize("point", POINTS)
+async def test_cancel_at_every_state_leaves_the_request_on_one_instance(two, point):
     hit = []
 
     def cancel_me():
@@ -186,12 +169,12 @@ async def test_cancel_at_every_state_leaves_the_request_on_one_instance(two, mod
         asyncio.current_task().cancel()
 
     two.nodes["a"].faults[fault_name(point)] = cancel_me
-    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N, mode)
+    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N)
     try:
         await asyncio.wait_for(ht, 30)
         # Past the suspend, per-layer has nothing left but the in-process
         # commit, which may complete before the cancel lands.
-        assert point == "commit" or (point, mode) == ("suspended", PER_LAYER)
+        assert point in ("commit", "suspended")
     except asyncio.CancelledError:
         pass
     assert hit == [point]
@@ -200,12 +183,11 @@ async def test_cancel_at_every_state_leaves_the_request_on_one_instance(two, mod
     await clean(two)
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_destination_fails_mid_stream(two, mode):
+async def test_destination_fails_mid_stream(two):
     """The destination goes away with chunks under way (its reply is an
     error): the request stays at a; the source's abort frees b's blocks."""
     n = []
-    at = 2 if mode is PER_LAYER else 1  # serialized sends its 7 blocks in one chunk
+    at = 2
 
     def break_mid_stream(ch):
         if ch.data or ch.src_blocks:
@@ -214,7 +196,7 @@ async def test_destination_fails_mid_stream(two, mode):
             raise PeerError("UNAVAILABLE: destination went away")
 
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, break_mid_stream)
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, mode)
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N)
     out = await asyncio.wait_for(ht, 30)
     assert not out.committed and "destination went away" in out.reason
     await stays_at_a(two, cl, task)
@@ -229,7 +211,7 @@ async def test_destination_aborts_its_reservation_mid_stream(two):
             aborted.append(asyncio.ensure_future(b.manager.dest.abort(ch.migration_id, "b is terminating")))
 
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, abort_at_b)
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, PER_LAYER)
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N)
     out = await asyncio.wait_for(ht, 30)
     assert not out.committed and "aborted" in out.reason, out
     assert aborted and await aborted[0]
@@ -242,7 +224,7 @@ async def test_source_gone_mid_stream_the_reservation_expires(two):
     b = two.nodes["b"]
     two.peer_wrappers["b"] = lambda p: HookedPeer(p, lose={"abort"})
     two.nodes["a"].faults["source.crash_mid_transfer"] = lambda: asyncio.current_task().cancel()
-    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N, PER_LAYER)
+    cl, task, h, ht = await run_with_handoff(two, "r", PROMPT, N)
     with pytest.raises(asyncio.CancelledError):
         await ht
     assert b.manager.dest.reservations[h.id].machine.state in (DestState.RESERVED, DestState.EXPIRED)
@@ -255,7 +237,7 @@ async def test_destination_refuses_the_prompt():
     c.add("a", fake())
     c.add("b", fake(num_blocks=4))
     try:
-        cl, task, _, ht = await run_with_handoff(c, "r", PROMPT, N, PER_LAYER)
+        cl, task, _, ht = await run_with_handoff(c, "r", PROMPT, N)
         out = await asyncio.wait_for(ht, 30)
         assert not out.committed and "refused" in out.reason, out
         await stays_at_a(c, cl, task)
@@ -263,9 +245,8 @@ async def test_destination_refuses_the_prompt():
         await c.stop()
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_request_that_ends_with_its_first_token_stays(two, mode):
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, 1, mode)
+async def test_request_that_ends_with_its_first_token_stays(two):
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, 1)
     out = await asyncio.wait_for(ht, 30)
     assert not out.committed and "finished or was aborted" in out.reason, out
     assert await asyncio.wait_for(task, 30) == fake_generate(PROMPT, 1)
@@ -287,7 +268,7 @@ async def test_request_aborted_at_the_source_mid_prompt(two):
             fired.append(asyncio.ensure_future(abort_once(ch)))
 
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, on_chunk)
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, PER_LAYER)
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N)
     out = await asyncio.wait_for(ht, 30)
     assert not out.committed and "finished or was aborted" in out.reason, out
     await asyncio.wait_for(task, 30)
@@ -295,8 +276,7 @@ async def test_request_aborted_at_the_source_mid_prompt(two):
     await clean(two)
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_handoff_over_grpc(two, mode):
+async def test_handoff_over_grpc(two):
     """The same handoff through the gRPC peer and the migration RPCs on a
     loopback server (KvChunk.layer on the wire)."""
     import grpc
@@ -337,12 +317,12 @@ async def test_handoff_over_grpc(two, mode):
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         two.peer_wrappers["b"] = lambda p: GrpcPeer(channel, 5.0)
-        cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, mode)
+        cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N)
         out = await asyncio.wait_for(ht, 30)
         assert out.committed, out
         assert await asyncio.wait_for(task, 30) == fake_generate(PROMPT, N)
         assert cl.path == ["a", "b"]
-        assert layers == ([0] * 5 if mode is PER_LAYER else [None])
+        assert layers == [0] * 5
         await clean(two)
     finally:
         await channel.close()

@@ -2,9 +2,10 @@
 default model (SmolLM2-135M, 30 layers): a request prefilled on a (in
 chunks that end inside blocks) with its KV streamed layer by layer to b,
 then decoded on b, emits exactly the tokens of a run that stays on a
-(greedy and seeded); so does the serialized handoff, a handoff started half
-way through the prompt, and a handoff whose destination fails mid-stream
-(the request decodes on at a). No block leaks on either side."""
+(greedy and seeded); so does a handoff started half way through the prompt,
+and a handoff whose destination fails mid-stream (the request decodes on at
+a). No block leaks on either side. (The serialized handoff, the migration
+itself with handoff=True: test_handoff_native.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 pytest.importorskip("torch")
 
 from services.instance.engine.base import LayerKv
-from services.instance.migration.layerwise import HandoffMode
 from services.instance.migration.messages import PeerError
 from tests.instance.migration.harness import CONFIG, Client, Cluster
 from tests.instance.migration.layerwise_harness import (
@@ -77,25 +77,19 @@ async def clean(c: Cluster) -> None:
         await node.check_clean()
 
 
-@pytest.mark.parametrize("mode,sampling", [(HandoffMode.PER_LAYER, GREEDY), (HandoffMode.PER_LAYER, SEEDED),
-                                           (HandoffMode.SERIALIZED, SEEDED)], ids=["per_layer-greedy",
-                                                                                   "per_layer-seeded",
-                                                                                   "serialized-seeded"])
-async def test_handoff_gives_exactly_the_colocated_tokens(two, mode, sampling):
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_handoff_gives_exactly_the_colocated_tokens(two, sampling):
     want = await reference(two, sampling)
     layers = []
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, lambda ch: layers.append(ch.layer) if ch.data or ch.src_blocks else None)
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, mode, config=CFG, **sampling)
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, config=CFG, **sampling)
     out = await asyncio.wait_for(ht, 120)
     assert out.committed, out
     assert await asyncio.wait_for(task, 120) == want
     assert cl.path == ["a", "b"]
-    if mode is HandoffMode.PER_LAYER:
-        # every layer of each of the 3 prompt chunks, in layer order within a chunk
-        assert layers == list(range(LAYERS)) * 3
-        assert out.bytes == 10 * 24 * 1024 * LAYERS  # each block once per layer (fp32: 24 KiB a layer)
-    else:
-        assert layers and set(layers) == {None}  # whole blocks, after the prompt
+    # every layer of each of the 3 prompt chunks, in layer order within a chunk
+    assert layers == list(range(LAYERS)) * 3
+    assert out.bytes == 10 * 24 * 1024 * LAYERS  # each block once per layer (fp32: 24 KiB a layer)
     await clean(two)
 
 
@@ -130,7 +124,7 @@ async def test_handoff_started_half_way_through_the_prompt(two):
     want = await reference(two, GREEDY)
     a = two.nodes["a"]
     cl = open_client(two, "r", "a")
-    h = handoff(two, "r", PROMPT, N, HandoffMode.PER_LAYER, config=CFG, add=False)
+    h = handoff(two, "r", PROMPT, N, config=CFG, add=False)
     await a.runner.call(a.engine.add_request, engine_request("r", PROMPT, N))
     while a.engine.requests["r"].num_computed_tokens < BUDGET:
         await asyncio.sleep(0.001)
@@ -153,7 +147,7 @@ async def test_destination_fails_mid_stream_the_request_decodes_at_the_source(tw
             raise PeerError("UNAVAILABLE: destination went away")
 
     two.peer_wrappers["b"] = lambda p: WatchedPeer(p, break_at_layer_20)
-    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, HandoffMode.PER_LAYER, config=CFG, **SEEDED)
+    cl, task, _, ht = await run_with_handoff(two, "r", PROMPT, N, config=CFG, **SEEDED)
     out = await asyncio.wait_for(ht, 120)
     assert not out.committed and "destination went away" in out.reason
     assert await asyncio.wait_for(task, 120) == want
