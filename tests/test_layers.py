@@ -93,6 +93,31 @@ def test_the_service_rule_sees_what_it_should(rel, modules, bad):
     assert cross_service_imports(rel, modules) == bad
 
 
+def private_names_from_other_benches(rel: str, source: str) -> list[str]:
+    """A benchmark's imports of another benchmark's private (_-named) helpers
+    (what the benches share is public, in ferry/bench/harness.py)."""
+    if not rel.startswith("ferry/bench/"):
+        return []
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.startswith("ferry.bench."):
+            out += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return sorted(out)
+
+
+def test_no_bench_imports_another_bench_private_helpers():
+    found = {}
+    for p in sorted((ROOT / "ferry" / "bench").glob("*.py")):
+        rel = p.relative_to(ROOT).as_posix()
+        bad = private_names_from_other_benches(rel, p.read_text())
+        if bad:
+            found[rel] = bad
+    assert not found, found
+    assert private_names_from_other_benches("ferry/bench/x.py", "def f():\n    from ferry.bench.chaos import _leaks, "
+                                            "Chaos") == ["ferry.bench.chaos._leaks"]
+
+
 def test_no_module_imports_a_layer_above_it():
     found = {}
     for p in _sources():

@@ -16,7 +16,8 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import _scheduler_view, expected_fake_text
+from ferry.bench.chaos import expected_fake_text
+from ferry.bench.harness import scheduler_view
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.machine import write_json
@@ -83,7 +84,7 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
             async def sample():
                 while True:
                     try:
-                        v = await _scheduler_view(cluster.scheduler)
+                        v = await scheduler_view(cluster.scheduler)
                         counts.append((time.monotonic() - t0, len([i for i in v.instances if i.HasField("status")])))
                     except grpc.RpcError:
                         pass

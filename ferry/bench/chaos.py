@@ -22,14 +22,13 @@ import click
 import grpc
 import httpx
 
+from ferry.bench.harness import leaks, scheduler_view
 from ferry.bench.sse import Completion, StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import meta_store_pb2 as mpb
 from libs.pb import meta_store_pb2_grpc as mpb_grpc
-from libs.pb import scheduler_pb2 as spb
-from libs.pb import scheduler_pb2_grpc as spb_grpc
 from libs.common import rpc
 from services.instance.engine.fake import fake_generate
 from ferry.machine import write_json
@@ -126,11 +125,6 @@ async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Eve
         _account(stats, prompt, n, done.text, done.final, done.request_id)
 
 
-async def _scheduler_view(address: str, timeout: float = 1.0) -> spb.ClusterViewReply:
-    async with rpc.channel(address) as ch:
-        return await spb_grpc.SchedulerStub(ch).GetClusterView(spb.ClusterViewRequest(), timeout=timeout)
-
-
 async def _meta_instances(address: str) -> list:
     async with rpc.channel(address) as ch:
         return list((await mpb_grpc.MetaStoreStub(ch).List(mpb.ListRequest(), timeout=1.0)).instances)
@@ -170,7 +164,7 @@ class Chaos:
     async def healthy(self, http: httpx.AsyncClient) -> bool:
         """Scheduler and meta store see >= n live instances, and a probe is exact."""
         try:
-            view = await _scheduler_view(self.c.scheduler)
+            view = await scheduler_view(self.c.scheduler)
             live = [i for i in view.instances if i.HasField("status") and not i.status.terminating]
             if len(live) < self.n or len(await _meta_instances(self.c.meta_store)) < self.n:
                 return False
@@ -355,7 +349,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
             stop.set()
             await asyncio.gather(*clients, *chaos.victims)
             load_s = time.monotonic() - chaos.t0
-            leaked, integrity_errors, live = await _leaks(cluster)
+            leaked, integrity_errors, live = await leaks(cluster)
     finally:
         await asyncio.to_thread(cluster.stop)
     return {
@@ -374,34 +368,6 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
         "max_recovery_s": max((f.recovery_s or 0.0 for f in chaos.faults), default=0.0),
         "log_dir": log_dir,
     }
-
-
-async def _leaks(cluster: LocalCluster, timeout_s: float = 15.0) -> tuple[int, list[str], list[str]]:
-    """After idle: total - free blocks summed over every live instance (the
-    static ones and those the scheduler launched)."""
-    addresses = {i.name: i.address for i in cluster.instances() if i.alive()}
-    try:
-        for rec in (await _scheduler_view(cluster.scheduler, 2.0)).instances:
-            addresses.setdefault(rec.info.instance_id, rec.info.address)
-    except grpc.RpcError:
-        pass
-    leaked, errors = 0, []
-    for name, address in sorted(addresses.items()):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                async with rpc.channel(address) as ch:
-                    r = await ipb_grpc.InstanceStub(ch).CheckIntegrity(ipb.CheckIntegrityRequest(), timeout=5)
-            except grpc.RpcError as e:
-                errors.append(f"{name}: unreachable ({e.code().name})")
-                break
-            if (r.num_requests == 0 and r.num_reservations == 0) or time.monotonic() > deadline:
-                leaked += r.total_blocks - r.free_blocks
-                if not r.ok:
-                    errors.append(f"{name}: {r.error}")
-                break
-            await asyncio.sleep(0.1)
-    return leaked, errors, sorted(addresses)
 
 
 def print_report(res: dict) -> None:

@@ -28,6 +28,7 @@ import statistics
 import time
 
 import click
+from ferry.bench.harness import random_prompts
 from ferry.machine import write_json
 
 REFERENCE_TEXTS = [
@@ -37,13 +38,6 @@ REFERENCE_TEXTS = [
     "Write a haiku about the sea, then explain which words carry the rhythm.",
     " ".join(f"Item {i}: a list entry that makes the prompt long." for i in range(10)),
 ]
-
-
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, min(vocab, 32000), (batch, length), generator=g).tolist()
 
 
 def native_run(engine, prompts: list[list[int]], output_len: int) -> dict:
@@ -242,7 +236,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     result["vllm"] = vl if isinstance(vl, dict) else None
     for bs in bss:
         _measure(eng, vl if not isinstance(vl, dict) else None, bs,
-                 lambda rep, bs=bs: _prompts(bs, prompt_len, vocab, bs + 1000 * rep), output_len, repeats, result,
+                 lambda rep, bs=bs: random_prompts(bs, prompt_len, vocab, bs + 1000 * rep), output_len, repeats, result,
                  det)
     if vl is not None and not isinstance(vl, dict):
         vl.close()
@@ -259,7 +253,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
         hf = AutoModelForCausalLM.from_pretrained(mdir, dtype=getattr(torch, dt)).to(device).eval()
         for bs in hf_bss:
             result["transformers_tok_s"][str(bs)] = round(
-                hf_tok_s(hf, _prompts(bs, prompt_len, vocab, bs), output_len, device), 2)
+                hf_tok_s(hf, random_prompts(bs, prompt_len, vocab, bs), output_len, device), 2)
             click.echo(f"transformers bs={bs}: {result['transformers_tok_s'][str(bs)]} tok/s", err=True)
         del hf
         result["matches_reference"] = reference_check(mdir, device)

@@ -23,7 +23,8 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import Chaos, Stats, _leaks, _scheduler_view, steady_client
+from ferry.bench.chaos import Chaos, Stats, steady_client
+from ferry.bench.harness import leaks, scheduler_view
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.common import etcd as etcdlib
 
@@ -46,7 +47,7 @@ async def _leader(etcd, keys: etcdlib.Keys) -> str | None:
 
 async def _orders(cluster: LocalCluster, name: str) -> int | None:
     try:
-        return (await _scheduler_view(cluster.child(name).address, 1.0)).migrations_ordered
+        return (await scheduler_view(cluster.child(name).address, 1.0)).migrations_ordered
     except grpc.RpcError:
         return None
 
@@ -142,7 +143,7 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
             leader_now = await _leader(etcd, keys)
             orders_now = await _orders(cluster, leader_now) if leader_now else None
             launched_after = cluster.launched_pids()
-            leaked, integrity_errors, live = await _leaks(cluster)
+            leaked, integrity_errors, live = await leaks(cluster)
     finally:
         await etcd.close()
         await asyncio.to_thread(cluster.stop)

@@ -28,7 +28,8 @@ STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "s
 
 
 def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_len: int, repeats: int) -> dict:
-    from ferry.bench.engine import _prompts, decode_step_ms
+    from ferry.bench.engine import decode_step_ms
+    from ferry.bench.harness import random_prompts
     from libs.common.types import Grammar, GrammarKind, SamplingParams
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineRequest
@@ -57,16 +58,16 @@ def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_l
         seconds = time.perf_counter() - t0
         return {"tok_s": n / seconds, "prefill_s": first, "decode_ms": decode_step_ms(seconds, first, output_len)}
 
-    run(_prompts(1, prompt_len, vocab, 7), True)  # compile the grammar once: the cache serves every later run
+    run(random_prompts(1, prompt_len, vocab, 7), True)  # compile the grammar once: the cache serves every later run
     out: dict = {"decode": {"plain": [], "grammar": [], "ratio": []}, "ttft_ms": {"plain": [], "grammar": []}}
     for rep in range(repeats):
-        prompts = _prompts(batch, prompt_len, vocab, 100 + rep)
+        prompts = random_prompts(batch, prompt_len, vocab, 100 + rep)
         order = (False, True) if rep % 2 == 0 else (True, False)
         got = {g: run([[*p[:-1], p[-1] + int(g)] for p in prompts], g) for g in order}
         out["decode"]["plain"].append(got[False]["tok_s"])
         out["decode"]["grammar"].append(got[True]["tok_s"])
         out["decode"]["ratio"].append(got[True]["tok_s"] / got[False]["tok_s"])
-        one = _prompts(1, prompt_len, vocab, 900 + rep)[0]
+        one = random_prompts(1, prompt_len, vocab, 900 + rep)[0]
         for g in order:
             sp = SamplingParams(max_tokens=1, grammar=grammar if g else None)
             t0 = time.perf_counter()

@@ -160,7 +160,7 @@ def largest_gap(times: list[float], t0: float, t1: float, through: float = 0.0) 
     return max(gaps) if gaps else None
 
 
-def _switch(times: list[float], res) -> tuple[float, dict | None, float]:
+def switch_point(times: list[float], res) -> tuple[float, dict | None, float]:
     """(the source's suspend on this process's clock (both are this host's),
     the switch's breakdown, when its gap ends). NOTE: a slow first step at
     the destination can end the switch gap past t1 + STALL_TAIL_S; the stall's
@@ -212,7 +212,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         res = info["res"]
         bg = bgs[info["src"].name]
         dst_bg = bgs[next(i.name for i in cluster.instances() if i.name != info["src"].name)]
-        suspend, parts, through = _switch(times, res)
+        suspend, parts, through = switch_point(times, res)
         stall, itl = client_stall(times, info["t0"], info["t1"], through)
         big = largest_gap(times, info["t0"], info["t1"], through)
         if parts is not None and big is not None:
@@ -250,7 +250,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     _, btimes, _ = await _stream(http, body, block_at)
     await info["task"]
     blocking_ms = info["res"].downtime_ms or None
-    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], _switch(btimes, info["res"])[2])
+    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], switch_point(btimes, info["res"])[2])
     # Baseline 2: recompute = prefill prompt + output so far at the destination.
     dst = cluster.instances()[1]
     async with rpc.channel(dst.address) as ch:

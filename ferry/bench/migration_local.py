@@ -34,7 +34,7 @@ import time
 
 import click
 
-from ferry.bench.migration import _switch, client_stall
+from ferry.bench.migration import client_stall, switch_point
 from ferry.machine import write_json
 
 
@@ -107,7 +107,7 @@ async def _one(cluster, bgs, prompt, out_tokens, at_token, rid, blocking=False) 
     res = await cluster.nodes["a"].manager.migrate_one(rid, "b", "b", blocking=blocking)
     t1 = time.perf_counter()
     tokens = await task
-    _, parts, through = _switch(cl.times, res)
+    _, parts, through = switch_point(cl.times, res)
     stall, itl = client_stall(cl.times, t0, t1, through)
     return {"committed": res.committed, "reason": res.reason, "downtime_ms": res.downtime_ms or None,
             "commit_ack_ms": res.commit_ack_ms, "total_ms": res.duration_ms, "stages": res.stages,

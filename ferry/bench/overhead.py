@@ -164,7 +164,7 @@ def _p50_ms(xs: list[float]) -> float:
     return 1000 * float(np.median(xs))
 
 
-async def _ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
+async def added_ttft_ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
     """Added TTFT p50 of each cluster, their samples interleaved in rounds
     (the same machine state for all): {label: {frontend, direct, added}}."""
     got = await _ttft_samples({k: (c.url, c.instances()[0].address) for k, c in clusters.items()},
@@ -286,7 +286,7 @@ def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) 
     try:
         for c in clusters.values():
             c.start(timeout_s=60)
-        res = asyncio.run(_ab(clusters, samples))
+        res = asyncio.run(added_ttft_ab(clusters, samples))
     finally:
         for c in clusters.values():
             c.stop()

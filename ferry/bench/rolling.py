@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import click
 import httpx
 
-from ferry.bench.chaos import _leaks, expected_fake_text
+from ferry.bench.chaos import expected_fake_text
+from ferry.bench.harness import leaks
 from ferry.bench.retrying import Attempted, Outcome, pct, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 
@@ -101,7 +102,7 @@ async def run_rolling(engine: str, instances: int, concurrency: int, baseline_s:
             stop.set()
             await asyncio.gather(*clients)
             duration = time.perf_counter() - t0
-            leaked, integrity_errors, live = await _leaks(cluster)
+            leaked, integrity_errors, live = await leaks(cluster)
     finally:
         await asyncio.to_thread(cluster.stop)
     first, last = restarts[0].began, restarts[-1].ended

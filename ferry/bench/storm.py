@@ -29,7 +29,7 @@ import aiohttp
 import click
 import httpx
 
-from ferry.bench.chaos import _leaks
+from ferry.bench.harness import leaks
 from ferry.bench.retrying import pct, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from services.frontend.service import raise_open_file_limit
@@ -176,7 +176,7 @@ async def run_storm(engine: str, instances: int, streams: int, leavers: int, slo
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as side:
             after = await stream_with_retries(side, {"prompt": "after the storm", "max_tokens": max_tokens},
                                               retry_refused=False)
-        leaked, integrity_errors, live = await _leaks(cluster, timeout_s=120)
+        leaked, integrity_errors, live = await leaks(cluster, timeout_s=120)
         dead = [c.name for c in cluster.children if not c.alive()]
     finally:
         stop.set()

@@ -1,6 +1,6 @@
 """``ferry bench overhead --tracing``: what tracing adds to TTFT. Three
 fake-engine clusters, started together and sampled in turns (the same
-machine state for all, ``overhead._ab``): tracing off, the same again (the
+machine state for all, ``overhead.added_ttft_ab``): tracing off, the same again (the
 noise floor of the comparison), and tracing on at 100% sampling, its
 processes exporting every span to a local OTLP receiver in a process of its
 own (ferry/trace_sink.py: receiving costs the measured processes nothing).
@@ -45,7 +45,7 @@ def off_path_ns(number: int = 200_000) -> dict[str, float]:
 
 
 def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
-    from ferry.bench.overhead import _ab
+    from ferry.bench.overhead import added_ttft_ab
 
     port = free_port()
     log = tempfile.TemporaryFile("w+")
@@ -58,7 +58,7 @@ def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
     try:
         for c in clusters.values():
             c.start(timeout_s=60)
-        res = asyncio.run(_ab(clusters, samples))
+        res = asyncio.run(added_ttft_ab(clusters, samples))
         time.sleep(6)  # the batch processors' last exports (every 5 s by default)
     finally:
         for c in clusters.values():
