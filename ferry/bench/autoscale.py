@@ -21,6 +21,7 @@ from ferry.bench.harness import scheduler_view
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.machine import write_json
+from ferry.measure.metrics import percentile as pct
 
 
 def parse_steps(spec: str) -> list[tuple[float, float]]:
@@ -43,13 +44,6 @@ def arrivals(steps: list[tuple[float, float]], seed: int) -> list[float]:
             out.append(t)
         start += secs
     return out
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_tokens: int,
@@ -104,7 +98,7 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
     return {"autoscale": autoscale, "requests": len(times), "errors": errors, "wrong": wrong,
             "elapsed_s": round(elapsed, 1), "workload_s": total, "instance_seconds": round(inst_s, 1),
             "max_instances_seen": max((n for _, n in counts), default=0),
-            "ttft_p50_s": round(pct(ttft, 0.5), 3), "ttft_p99_s": round(pct(ttft, 0.99), 3),
+            "ttft_p50_s": round(pct(ttft, 50), 3), "ttft_p99_s": round(pct(ttft, 99), 3),
             "instances_over_time": [(round(t, 1), n) for t, n in counts[::4]]}
 
 

@@ -62,6 +62,8 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def pct(xs: list[float], q: float) -> float | None:
+    """ferry/measure/metrics.percentile's nearest rank, kept here: this bench
+    runs on older trees too (copied in for before/after runs)."""
     if not xs:
         return None
     xs = sorted(xs)

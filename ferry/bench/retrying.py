@@ -85,9 +85,3 @@ async def stream_with_retries(http: httpx.AsyncClient, body: dict, deadline_s: f
         res.outcome = Outcome.ANSWERED if c.final is not None else Outcome.CUT
         return res
 
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]

@@ -28,8 +28,9 @@ import httpx
 
 from ferry.bench.chaos import expected_fake_text
 from ferry.bench.harness import leaks
-from ferry.bench.retrying import Attempted, Outcome, pct, stream_with_retries
+from ferry.bench.retrying import Attempted, Outcome, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.measure.metrics import percentile as pct
 
 
 @dataclass

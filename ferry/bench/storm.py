@@ -30,8 +30,9 @@ import click
 import httpx
 
 from ferry.bench.harness import leaks
-from ferry.bench.retrying import pct, stream_with_retries
+from ferry.bench.retrying import stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.measure.metrics import percentile as pct
 from services.frontend.service import raise_open_file_limit
 
 

@@ -87,6 +87,17 @@ class RequestRecord:
         return d
 
 
+def percentile(xs, q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of ``xs`` by nearest rank (the sample
+    at rank floor(q/100 x n), a value that occurred; None for no samples):
+    the benches' one convention for tails of their own samples. (stats_ms
+    and summarize interpolate, numpy's default, for the serving summaries.)"""
+    s = sorted(xs)
+    if not s:
+        return None
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
 def stats_ms(values_s: list[float], scale: float = 1.0) -> dict:
     """mean/p50/p99 in milliseconds of seconds-valued samples divided by
     ``scale`` (the sim time scale; 1 = wall time). None when there are none."""

@@ -77,3 +77,12 @@ def test_the_longest_stall_is_summarized_only_when_streamed():
     plain = [rec(0, "normal", 0.0, 0.1, 1.1, 1.1, 11)]
     assert "max_gap_ms" not in summarize(plain)  # not streamed (the simulator): the summary is as before
     assert "max_gap_s" not in plain[0].to_dict() and rs[0].to_dict()["max_gap_s"] == 0.4
+
+
+def test_the_benches_percentile_is_a_sample_by_nearest_rank():
+    from ferry.measure.metrics import percentile
+
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0  # a value that occurred, not an interpolation
+    assert percentile(list(range(1, 101)), 99) == 100 and percentile(list(range(1, 101)), 0) == 1
+    assert percentile([5.0, 1.0], 50) == 5.0  # rank floor(0.5 x 2) = 1 of the sorted two
