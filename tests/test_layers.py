@@ -73,13 +73,19 @@ def cross_service_imports(rel: str, modules: set[str]) -> list[str]:
                   if other != parts[1] and _under(m, f"services.{other}"))
 
 
-def test_no_service_imports_another():
+def _violations(rule, paths=None) -> dict[str, list[str]]:
+    """What ``rule(relative path, path)`` finds in each source (all of libs, services, ferry unless ``paths``)."""
     found = {}
-    for p in _sources():
+    for p in paths if paths is not None else _sources():
         rel = p.relative_to(ROOT).as_posix()
-        bad = cross_service_imports(rel, imports_of(p))
+        bad = rule(rel, p)
         if bad:
             found[rel] = bad
+    return found
+
+
+def test_no_service_imports_another():
+    found = _violations(lambda rel, p: cross_service_imports(rel, imports_of(p)))
     assert not found, f"a service importing another: {found}"
 
 
@@ -107,24 +113,15 @@ def private_names_from_other_benches(rel: str, source: str) -> list[str]:
 
 
 def test_no_bench_imports_another_bench_private_helpers():
-    found = {}
-    for p in sorted((ROOT / "ferry" / "bench").glob("*.py")):
-        rel = p.relative_to(ROOT).as_posix()
-        bad = private_names_from_other_benches(rel, p.read_text())
-        if bad:
-            found[rel] = bad
+    found = _violations(lambda rel, p: private_names_from_other_benches(rel, p.read_text()),
+                        sorted((ROOT / "ferry" / "bench").glob("*.py")))
     assert not found, found
     assert private_names_from_other_benches("ferry/bench/x.py", "def f():\n    from ferry.bench.chaos import _leaks, "
                                             "Chaos") == ["ferry.bench.chaos._leaks"]
 
 
 def test_no_module_imports_a_layer_above_it():
-    found = {}
-    for p in _sources():
-        rel = p.relative_to(ROOT).as_posix()
-        bad = upward_imports(rel, imports_of(p))
-        if bad:
-            found[rel] = bad
+    found = _violations(lambda rel, p: upward_imports(rel, imports_of(p)))
     assert not found, f"upward imports: {found}"
 
 
