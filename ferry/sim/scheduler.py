@@ -161,7 +161,7 @@ class SimScheduler:
                            self.dispatcher.uses_priorities) if self.policy.pairs_by_move_cost else None)
         views = self.views()
         pairs = pair_migrations(views, self.config.out_threshold, self.config.in_threshold,
-                                self.freeness_of, frozenset(self.busy), costs)
+                                self.freeness_of, frozenset(self.busy), costs, self.policy)
         for p in pairs:
             self.busy.add(p.source)
             self.migrations_ordered += 1
@@ -180,7 +180,8 @@ class SimScheduler:
                 # the live manager's order, as the instance's MigrateOut RPC runs it
                 task = self.loop.create_task(src.manager.migrate_out(MigrateOutOrder(
                     dst.instance_id, dst.instance_id, self.config.out_threshold,
-                    use_priorities=self.dispatcher.uses_priorities, linkable=link or {})))
+                    use_priorities=self.dispatcher.uses_priorities, linkable=link or {},
+                    max_requests=self.policy.order_max_requests, pick=self.policy.order_pick)))
                 result = yield TaskDone(task)
                 self.outcomes.extend(result.results)
                 for o in result.results:

@@ -156,6 +156,7 @@ _STATUS_SCALARS = (
     "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
     "waiting_demand_blocks", "engine_steps", "unschedulable", "shared_blocks", "running_prefill_tokens",
+    "preempted_waiting",
 )
 _PREFIX_FIELDS = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks",
                   "preempted_queries", "preempted_hits")
@@ -192,7 +193,8 @@ def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
         "used_blocks": m.used_blocks, "waiting_demand_blocks": m.waiting_demand_blocks,
         "running_prefill_tokens": m.running_prefill_tokens, "engine_steps": m.engine_steps,
         "role": _ROLE_OF.get(m.role, Role.MIXED),  # a role from a newer peer: treated as mixed
-        "unschedulable": m.unschedulable, "prefix_cache": prefix, "shared_blocks": m.shared_blocks})
+        "unschedulable": m.unschedulable, "prefix_cache": prefix, "shared_blocks": m.shared_blocks,
+        "preempted_waiting": m.preempted_waiting})
     return s
 
 

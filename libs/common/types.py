@@ -247,6 +247,7 @@ class InstanceStatus:
     unschedulable: bool = False  # its engine is stuck in a step (services/instance/hang.py)
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     shared_blocks: int = 0  # in use by more than one request, counted once
+    preempted_waiting: int = 0  # waiting requests that were preempted (llumnix-v0's sources)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class Rescheduler:
                               self.policy.uses_priorities)
         views = self.view.views()
         pairs = pair_migrations(views, self.config.out_threshold, self.config.in_threshold, self.freeness_of, busy,
-                                costs)
+                                costs, self.policy)
         by_id = {v.instance_id: v for v in views} if costs is not None else {}
         for p in pairs:
             # the order says which of the source's requests' prefixes the destination holds
@@ -97,7 +97,8 @@ class Rescheduler:
                 reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
                     dest_instance_id=pair.destination, dest_address=dst,
                     stop_when_freeness_above=self.config.out_threshold,
-                    use_priorities=self.policy.uses_priorities, linkable_blocks=link or {}), timeout=60)
+                    use_priorities=self.policy.uses_priorities, linkable_blocks=link or {},
+                    max_requests=self.policy.order_max_requests, pick=self.policy.order_pick), timeout=60)
             metrics.order_done(reply)
             if reply.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,

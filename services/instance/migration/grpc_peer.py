@@ -72,7 +72,7 @@ async def chunks_from_pb(stream) -> AsyncIterator[KvChunk]:
 
 def order_from_pb(m: pb.MigrateOutRequest) -> MigrateOutOrder:
     return MigrateOutOrder(m.dest_instance_id, m.dest_address, m.stop_when_freeness_above, m.max_requests,
-                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks))
+                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks), m.pick)
 
 
 def outcome_to_pb(o: Outcome) -> pb.MigrationResult:

@@ -165,6 +165,9 @@ class MigrateOutOrder:
     blocking: bool = False
     # Request id -> its first blocks the destination holds (libs/common/policies/migration.Linkable).
     linkable: dict[str, int] = field(default_factory=dict)
+    # Which request moves first (libs/common/policies/migration.PICKS): "" =
+    # the cheapest; "last_running" = the last admitted (Policy.order_pick).
+    pick: str = ""
 
 
 @dataclass
