@@ -193,7 +193,8 @@ def print_compare(result: dict) -> None:
                                   "grid": "ferry.sim.grid:grid",
                                   "kunserve": "ferry.sim.kunserve_cli:kunserve",
                                   "queueing": "ferry.sim.queueing_cli:queueing",
-                                  "splitwise": "ferry.sim.splitwise_cli:splitwise"})
+                                  "splitwise": "ferry.sim.splitwise_cli:splitwise",
+                                  "sweep-stats": "ferry.sim.sweep_stats:sweep_stats_cmd"})
 def sim() -> None:
     """Discrete-event simulation of a sim cluster: Ferry's own policies and engine core on a virtual clock."""
 

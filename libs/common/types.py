@@ -247,6 +247,7 @@ class InstanceStatus:
     unschedulable: bool = False  # its engine is stuck in a step (services/instance/hang.py)
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     shared_blocks: int = 0  # in use by more than one request, counted once
+    preempted_waiting: int = 0  # waiting requests that were preempted (llumnix-v0's sources)
 
 
 @dataclass(frozen=True)
@@ -353,6 +354,9 @@ class MigrateOutOrder:
     blocking: bool = False
     # Request id -> its first blocks the destination holds (libs/common/policies/migration.Linkable).
     linkable: dict[str, int] = field(default_factory=dict)
+    # Which request moves first (libs/common/policies/migration.PICKS): "" =
+    # the cheapest; "last_running" = the last admitted (Policy.order_pick).
+    pick: str = ""
 
 
 @dataclass

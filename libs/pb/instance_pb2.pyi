@@ -316,7 +316,7 @@ class KvEventsMessage(_message.Message):
     def __init__(self, snapshot: _Optional[_Union[_common_pb2.KvSnapshot, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.KvEventBatch, _Mapping]] = ...) -> None: ...
 
 class MigrateOutRequest(_message.Message):
-    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking", "linkable_blocks")
+    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking", "linkable_blocks", "pick")
     class LinkableBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +332,7 @@ class MigrateOutRequest(_message.Message):
     USE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     BLOCKING_FIELD_NUMBER: _ClassVar[int]
     LINKABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PICK_FIELD_NUMBER: _ClassVar[int]
     dest_instance_id: str
     dest_address: str
     stop_when_freeness_above: float
@@ -340,7 +341,8 @@ class MigrateOutRequest(_message.Message):
     use_priorities: bool
     blocking: bool
     linkable_blocks: _containers.ScalarMap[str, int]
-    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ..., linkable_blocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    pick: str
+    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ..., linkable_blocks: _Optional[_Mapping[str, int]] = ..., pick: _Optional[str] = ...) -> None: ...
 
 class MigrateOutReply(_message.Message):
     __slots__ = ("started", "committed", "aborted", "results")

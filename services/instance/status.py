@@ -32,6 +32,7 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
         engine_steps=engine_steps, role=role,
         unschedulable=unschedulable,
         prefix_cache=load.prefix_cache, shared_blocks=load.shared_blocks,
+        preempted_waiting=load.preempted_waiting,
     )
 
 
@@ -54,4 +55,5 @@ def material(load: EngineLoad) -> tuple:
     left)."""
     return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
             load.num_preemptions, load.reserved_blocks,
-            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests), load.shared_blocks)
+            tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests), load.shared_blocks,
+            load.preempted_waiting)

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from libs.common.policies import POLICIES, POLICY_NAMES, Dispatcher, DispatchRequest, InstanceView, blocks_for
+from libs.common.policies import POLICIES, POLICY_NAMES, Dispatcher, DispatchRequest, InstanceView, Policy, blocks_for
 from libs.common.policies.freeness import base_freeness, llumnix_freeness, memory_load
 from libs.common.policies.migration import next_to_migrate
 from libs.common.types import RequestPhase
@@ -112,7 +112,8 @@ class MigrationPair:
 
 def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshold: float,
                     freeness_of: Callable[[InstanceView], float] = llumnix_freeness,
-                    busy: frozenset[str] = frozenset(), cost: MoveCost | None = None) -> list[MigrationPair]:
+                    busy: frozenset[str] = frozenset(), cost: MoveCost | None = None,
+                    policy: Policy | None = None) -> list[MigrationPair]:
     """Pair sources (F < out_threshold, or terminating) with destinations
     (F > in_threshold, not terminating, no queue of their own): repeatedly
     lowest-F source with highest-F destination. Called every round on fresh
@@ -122,20 +123,30 @@ def pair_migrations(views: list[InstanceView], out_threshold: float, in_threshol
     after the migration, a queue, its migrate-in limit) guards the rest.
     With ``cost`` (Policy.pairs_by_move_cost), each source in turn (lowest F
     first) takes the destination left where its move is cheapest, of equal
-    costs the highest F: with no prefix held anywhere, the same pairs."""
+    costs the highest F: with no prefix held anywhere, the same pairs.
+    The ``policy``'s further rules (Policy.preempted_sources: an instance
+    with a preempted request waiting is a source and no destination;
+    Policy.strict_destinations False: a destination's queue and pending
+    dispatches do not rule it out), as Llumnix's first release pairs
+    (libs/common/policies/llumnix_v0.py)."""
+    preempted = policy is not None and policy.preempted_sources
+    strict = policy is None or policy.strict_destinations
+
     def f(v: InstanceView) -> float:
         return float("-inf") if v.status.terminating else freeness_of(v)
 
     # NOTE: a hung engine (unschedulable) can neither send nor take a request
     live = [(f(v), v) for v in views
             if v.instance_id not in busy and v.migratable and not v.status.unschedulable]  # each F once
-    sources = sorted(((fv, v) for fv, v in live if fv < out_threshold and
-                      (v.status.num_running > 0 or v.status.terminating)), key=lambda p: p[0])
+    sources = sorted(((fv, v) for fv, v in live
+                      if (fv < out_threshold or (preempted and v.status.preempted_waiting > 0))
+                      and (v.status.num_running > 0 or v.status.terminating)), key=lambda p: p[0])
     # NOTE: an instance with a queue is never a destination: migrating in
     # would take the blocks its own head of line waits for. Nor is one that
     # does not decode (Splitwise prefill): a running request decodes.
     dests = sorted(((fv, v) for fv, v in live if not v.status.terminating and fv > in_threshold
-                    and v.status.num_waiting == 0 and v.pending_requests == 0 and v.status.role.decodes),
+                    and (not strict or (v.status.num_waiting == 0 and v.pending_requests == 0))
+                    and not (preempted and v.status.preempted_waiting > 0) and v.status.role.decodes),
                    key=lambda p: p[0], reverse=True)
     pairs = []
     if cost is not None:

@@ -83,7 +83,7 @@ class Rescheduler:
                               self.policy.uses_priorities)
         views = self.view.views()
         pairs = pair_migrations(views, self.config.out_threshold, self.config.in_threshold, self.freeness_of, busy,
-                                costs)
+                                costs, self.policy)
         by_id = {v.instance_id: v for v in views} if costs is not None else {}
         for p in pairs:
             # the order says which of the source's requests' prefixes the destination holds
@@ -103,7 +103,7 @@ class Rescheduler:
                       destination_freeness=round(pair.destination_freeness, 2))
             result = await self.clients(pair.source, src).migrate_out(MigrateOutOrder(
                 pair.destination, dst, self.config.out_threshold, use_priorities=self.policy.uses_priorities,
-                linkable=link or {}))
+                linkable=link or {}, max_requests=self.policy.order_max_requests, pick=self.policy.order_pick))
             metrics.order_done(result)
             self.on_result(result)
             if result.started:

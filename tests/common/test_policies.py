@@ -13,8 +13,8 @@ from services.instance.status import high_priority_headroom
 
 
 def test_registry_keeps_the_cli_names_in_order():
-    assert policies.POLICY_NAMES == ("round_robin", "infaas++", "llumnix_base", "llumnix", "llumnix-prefix",
-                                     "llmd-prefix", "dynamo-kv", "sglang-cache-aware")
+    assert policies.POLICY_NAMES == ("round_robin", "infaas++", "llumnix_base", "llumnix", "llumnix-v0",
+                                     "llumnix-prefix", "llmd-prefix", "dynamo-kv", "sglang-cache-aware")
     assert all(policies.get(n).name == n for n in policies.POLICY_NAMES)
     with pytest.raises(ValueError, match="supported: round_robin"):
         policies.get("best")
@@ -28,8 +28,10 @@ def test_each_policy_says_how_it_dispatches_migrates_and_uses_priorities():
     assert full.migrates and full.uses_priorities and full.migration_freeness is not None
     for p in (base, full):
         assert p.migrate_out_threshold < p.migrate_in_threshold
-    assert not any(policies.get(n).uses_prefix for n in policies.POLICY_NAMES[:4])  # the prefix-blind ones
-    for n in policies.POLICY_NAMES[4:]:
+    v0 = policies.get("llumnix-v0")  # Llumnix's first release: one threshold for both
+    assert v0.migrates and not v0.uses_priorities and v0.migrate_out_threshold == v0.migrate_in_threshold
+    assert not any(policies.get(n).uses_prefix for n in policies.POLICY_NAMES[:5])  # the prefix-blind ones
+    for n in policies.POLICY_NAMES[5:]:
         p = policies.get(n)
         assert p.uses_prefix and p.select is not None
         assert p.migrates == (n == "llumnix-prefix") and p.uses_priorities == (n == "llumnix-prefix")

@@ -149,6 +149,19 @@ class Policy:
     # each source goes to the destination where its next request is cheapest
     # (services/scheduler/policies.py pair_migrations).
     pairs_by_move_cost: bool = False
+    # Migration pairing's further rules (services/scheduler/policies.py
+    # pair_migrations). ``preempted_sources``: an instance with a preempted
+    # request waiting (InstanceStatus.preempted_waiting) is a source whatever
+    # its freeness, and never a destination. ``strict_destinations``: a
+    # destination has no queue and no dispatch pending (False: its freeness
+    # alone decides, as in Llumnix's first release).
+    preempted_sources: bool = False
+    strict_destinations: bool = True
+    # The migrate-out order the rescheduler sends (MigrateOutOrder):
+    # ``order_max_requests`` migrations at most (0: the instance's default),
+    # the first chosen by ``order_pick`` (libs/common/policies/migration.PICKS).
+    order_max_requests: int = 0
+    order_pick: str = ""
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:

@@ -10,7 +10,8 @@ draining) it moves the cheapest: lower priority first when priorities
 count, then the shorter sequence, or, when the order knows which prefixes
 the destination holds (``linkable``: request id -> its first blocks held
 there, which the destination links instead of receiving), the fewest tokens
-to send."""
+to send. An order may name another ``pick`` (PICKS): "last_running", the
+request admitted last (Llumnix's first release, LCFS: llumnix_v0.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from collections.abc import Mapping
 from libs.common.types import InstanceStatus, RequestLoad, RequestPhase
 
 Linkable = Mapping[str, int]  # request id -> its first blocks the destination holds
+LAST_RUNNING = "last_running"
+PICKS = ("", LAST_RUNNING)  # MigrateOutOrder.pick: "" = the rules above
 
 
 def head_of_line_shortfall(status: InstanceStatus) -> int:
@@ -76,21 +79,37 @@ def cover_shortfall(requests: tuple[RequestLoad, ...], shortfall: int, use_prior
     return min(cands, key=lambda r: (-r.physical_blocks, to_send(r), r.num_tokens, r.request_id)).request_id
 
 
+def last_running(requests: tuple[RequestLoad, ...], exclude: frozenset[str] = frozenset()) -> str | None:
+    """The running request admitted last (the last RUNNING one in the
+    status's order: an engine lists its running queue in admission order,
+    services/instance/engine/core/engine.py ``load``), not in ``exclude``."""
+    for r in reversed(requests):
+        if r.state == RequestPhase.RUNNING and r.request_id not in exclude:
+            return r.request_id
+    return None
+
+
 def next_to_migrate(status: InstanceStatus, started: int, stop_when_freeness_above: float,
                     use_priorities: bool, tried: frozenset[str] = frozenset(),
-                    linkable: Linkable | None = None) -> str | None:
+                    linkable: Linkable | None = None, pick: str = "") -> str | None:
     """The next request a migrate-out order moves, given the source's status
     now and how many migrations the order started; None when the order is
     done. The first always starts. After it, a terminating source drains;
     otherwise the order stops once freeness is above the threshold, or once
     no head of line is blocked and the source is not overloaded (freeness
-    >= 0): the scheduler pairs again next round if it is still a source."""
+    >= 0): the scheduler pairs again next round if it is still a source.
+    ``pick`` "last_running": the request admitted last, whatever the
+    shortfall or the sizes (the order's stop rule unchanged)."""
+    if pick not in PICKS:
+        raise ValueError(f"unknown migration pick {pick!r}; supported: {PICKS}")
     shortfall = head_of_line_shortfall(status)
     if started and not status.terminating:
         if status.freeness > stop_when_freeness_above:
             return None
         if shortfall == 0 and status.freeness >= 0:
             return None
+    if pick == LAST_RUNNING:
+        return last_running(status.requests, tried)
     if shortfall > 0 and not status.terminating:
         return cover_shortfall(status.requests, shortfall, use_priorities, tried, linkable, max(1, status.block_size))
     order = migration_order(status.requests, use_priorities, tried, linkable, max(1, status.block_size))
@@ -124,5 +143,5 @@ def accepts_migration(status: InstanceStatus, blocks: int, keep_freeness_above: 
     return True, ""
 
 
-__all__ = ["accepts_migration", "cover_shortfall", "head_of_line_shortfall", "migration_order",
-           "next_to_migrate"]
+__all__ = ["LAST_RUNNING", "PICKS", "accepts_migration", "cover_shortfall", "head_of_line_shortfall",
+           "last_running", "migration_order", "next_to_migrate"]

@@ -122,6 +122,9 @@ class EngineLoad:
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     # Prompt tokens running requests have yet to compute (chunked prefill).
     running_prefill_tokens: int = 0
+    # Waiting requests that were preempted (to run again): vLLM 0.4's
+    # num_killed_request, which llumnix-v0 pairs by.
+    preempted_waiting: int = 0
 
 
 class EngineError(Exception):

@@ -282,4 +282,4 @@ class MigrationManager:
         if order.request_id:
             return None if order.request_id in tried else order.request_id
         return next_to_migrate(self.order_status(), started, order.stop_when_freeness_above,
-                               order.use_priorities, frozenset(tried), order.linkable)
+                               order.use_priorities, frozenset(tried), order.linkable, order.pick)

@@ -36,7 +36,7 @@ def test_an_outcome_carries_the_linked_blocks_and_an_order_the_linkable_ones():
 def test_an_order_and_its_result_survive_protobuf_both_ways():
     """The scheduler's side (libs/common/instance_client.py) sends what the instance's side reads."""
     order = MigrateOutOrder("d", "a:1", 12.5, max_requests=1, request_id="r7", use_priorities=True,
-                            linkable={"r7": 3})
+                            linkable={"r7": 3}, pick="last_running")
     assert convert.migrate_out_from_pb(convert.migrate_out_to_pb(order)) == order
     result = OrderResult(2, 1, 1, [Outcome("m1", "r1", True, stages=3, blocks=9, bytes=1152, duration_ms=4.0,
                                            downtime_ms=1.5, commit_ack_ms=0.5, suspended_at=1.0e9, linked_blocks=2),

@@ -325,6 +325,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             reserved_blocks=self.pool.num_reserved,
             shared_blocks=len(shared),
             prefix_cache=self.prefix_cache_stats(),
+            preempted_waiting=sum(1 for r in s.waiting if r.num_preemptions),
         )
 
     def check_integrity(self) -> None:

@@ -305,6 +305,7 @@ class VllmEngine(Engine, MigrationHooks):
         reqs: list[RequestLoad] = []
         demands: list[tuple[tuple, int]] = []
         shared: set[int] = set()
+        preempted = 0  # waiting requests that were preempted
         prefill = 0  # prompt tokens running requests have yet to compute (chunked prefill)
         blocks = self.pool.blocks
         for state, queue in ((RequestPhase.RUNNING, s.running), (RequestPhase.WAITING, list(s.waiting) + list(s.kv_holding_waiting))):
@@ -324,6 +325,7 @@ class VllmEngine(Engine, MigrationHooks):
                 if state == RequestPhase.RUNNING and left > 1:  # computing its prompt in chunks
                     prefill += left
                 if state == RequestPhase.WAITING:
+                    preempted += v.num_preemptions > 0
                     need = max(0, cdiv(v.num_tokens + 1, self._block_size) - len(ids))
                     if not ids:
                         need -= self._hit_saves(v)
@@ -335,7 +337,7 @@ class VllmEngine(Engine, MigrationHooks):
             head_of_line_demand_blocks=demands[0][1] if demands else 0,
             waiting_demand_blocks=sum(d for _, d in demands), num_preemptions=self._num_preemptions,
             reserved_blocks=len(self.sconn.reserved) if self.sconn else 0, shared_blocks=len(shared),
-            prefix_cache=self.prefix_cache_stats(), running_prefill_tokens=prefill)
+            prefix_cache=self.prefix_cache_stats(), running_prefill_tokens=prefill, preempted_waiting=preempted)
 
     def _hit_saves(self, v) -> int:
         """Free blocks a waiting request's prefix-cache hit spares it: the
