@@ -287,7 +287,8 @@ def state_from_pb(m: ipb.RequestState) -> RequestState:
 def order_to_pb(o: GenerateOrder) -> ipb.GenerateRequest:
     m = ipb.GenerateRequest(request_id=o.request_id, prompt_token_ids=o.prompt_token_ids,
                             sampling=sampling_to_pb(o.sampling), priority=int(o.priority),
-                            resume_token_ids=o.resume_token_ids, flush_interval_ms=o.flush_interval_ms)
+                            resume_token_ids=o.resume_token_ids, flush_interval_ms=o.flush_interval_ms,
+                            program_id=o.program_id)
     if o.handoff is not None:
         m.handoff.instance_id, m.handoff.address = o.handoff
     return m
@@ -297,7 +298,8 @@ def order_from_pb(m: ipb.GenerateRequest) -> GenerateOrder:
     h = m.handoff
     return GenerateOrder(m.request_id, tuple(m.prompt_token_ids), sampling_from_pb(m.sampling),
                          priority_from_pb(m.priority), tuple(m.resume_token_ids),
-                         (h.instance_id, h.address) if h.instance_id or h.address else None, m.flush_interval_ms)
+                         (h.instance_id, h.address) if h.instance_id or h.address else None, m.flush_interval_ms,
+                         m.program_id)
 
 
 def stream_event_to_pb(e: StreamEvent) -> ipb.TokenEvent:

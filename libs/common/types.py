@@ -289,6 +289,7 @@ class GenerateOrder:
     resume_token_ids: tuple[int, ...] = ()
     handoff: tuple[str, str] | None = None
     flush_interval_ms: int = 0
+    program_id: str = ""  # the program (agent session) it is a turn of ("" = none)
 
 
 @dataclass(frozen=True)

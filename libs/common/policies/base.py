@@ -44,6 +44,10 @@ class DispatchRequest:
     # An instance this request should go to if it can take it (n > 1: where the
     # first choice computed the prompt the others share; "" = none).
     affinity: str = ""
+    # The program (an agent's session) this request is a turn of, as the
+    # client named it (prompt_cache_key or the x-session-id header; "" = none):
+    # what program-aware policies group turns by (issue 53).
+    program_id: str = ""
 
 
 def affine(views: list[InstanceView], req: DispatchRequest) -> str | None:

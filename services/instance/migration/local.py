@@ -207,7 +207,7 @@ class _ClientRouter:
         self.view = SimpleNamespace(records=self.nodes)
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority, exclude: frozenset,
-                       token_ids=None, affinity: str = "") -> Dispatched:
+                       token_ids=None, affinity: str = "", program_id: str = "") -> Dispatched:
         assert not exclude, f"{request_id} would resume elsewhere (excluded: {sorted(exclude)})"
         return Dispatched(self.node, self.node, priority, self.handoff, self.handoff)
 
