@@ -319,7 +319,8 @@ WORKLOAD_OPTIONS = (
                  help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
     click.option("--prefix", default="none", show_default=True,
                  help="prefix structure: none | system:K:LEN[:ALPHA] (K shared system prompts, Zipf popularity) | "
-                      "sessions:TURNS[:THINK_S] (multi-turn conversations) | trace:PATH[:BLOCK] (Mooncake-format "
+                      "sessions:TURNS[:THINK_S] (multi-turn conversations) | agentic[:TURNS[:TOOL_S[:SCALE]]] "
+                      "(agent programs, -n of them: ferry/measure/prefixes.py) | trace:PATH[:BLOCK] (Mooncake-format "
                       "JSON lines with hash_ids; its arrivals and lengths)"),
     click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True),
