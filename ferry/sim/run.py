@@ -354,7 +354,7 @@ class Cluster:
         prompt = self.prompt(i)
         if self.keep_tokens:
             self.prompts[i] = prompt
-        ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now)
+        ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now, program_id=wl.program_id(req))
         self.prompt_lens[ereq.request_id] = len(prompt)
         if decode is not None:
             self.loop.create_task(self._enter(i, inst, ereq, decode))

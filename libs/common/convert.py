@@ -269,7 +269,7 @@ def state_to_pb(s: RequestState) -> ipb.RequestState:
         rng_state=s.rng_state, arrival_time=s.arrival_time, first_token_time=s.first_token_time,
         num_preemptions=s.num_preemptions, priority=int(s.priority),
         frontend_address=s.frontend_address, preemption_loss_ms=s.preemption_loss_ms,
-        num_migrations=s.num_migrations, num_computed_tokens=s.num_computed_tokens,
+        num_migrations=s.num_migrations, num_computed_tokens=s.num_computed_tokens, program_id=s.program_id,
     )
 
 
@@ -280,7 +280,7 @@ def state_from_pb(m: ipb.RequestState) -> RequestState:
         priority=Priority(m.priority), rng_state=m.rng_state, arrival_time=m.arrival_time,
         first_token_time=m.first_token_time, num_preemptions=m.num_preemptions,
         preemption_loss_ms=m.preemption_loss_ms, num_migrations=m.num_migrations,
-        num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address,
+        num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address, program_id=m.program_id,
     )
 
 

@@ -274,6 +274,7 @@ class RequestState:
     num_computed_tokens: int = 0
     frontend_address: str = ""
     extra: dict = field(default_factory=dict)
+    program_id: str = ""  # the program (agent session) it is a turn of (GenerateOrder.program_id)
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,21 @@ def test_the_ledger_counts_turns_and_attained_service_and_forgets_the_oldest():
     assert led.get("a").cached_tokens == 110
     led.record("c", 10, 0, 5.0)  # b is the least recently seen
     assert led.get("b") is None and len(led) == 2
+
+
+def test_the_instance_keeps_the_program_with_the_request_and_a_migration_carries_it():
+    """The engine's request holds its program (its stats say it), its exported
+    state carries it over the wire, and the destination's request has it."""
+    from services.instance.engine.base import EngineConfig, EngineRequest
+    from services.instance.engine.fake import FakeEngine
+
+    src, dst = (FakeEngine(EngineConfig(num_blocks=64)) for _ in range(2))
+    src.add_request(EngineRequest("r", tuple(range(3, 40)), SamplingParams(max_tokens=8), program_id="p1"))
+    src.step()
+    assert src.request_stats("r")["program_id"] == "p1"
+    assert src.suspend_request("r")
+    state = convert.state_from_pb(convert.state_to_pb(src.export_state("r")))
+    assert state.program_id == "p1"
+    blocks = dst.reserve_blocks(-(-state.num_computed_tokens // dst.block_size))
+    dst.install_request(state, blocks)
+    assert dst.request_stats("r")["program_id"] == "p1"

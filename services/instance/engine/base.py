@@ -46,6 +46,9 @@ class EngineRequest:
     # commits (drop_request) or aborts (resume_request). An engine that cannot
     # hold leaves it running; the handoff then suspends it itself.
     hold_after_prefill: bool = False
+    # The program (an agent's session) it is a turn of (GenerateOrder.program_id; "" = none):
+    # kept with the request, carried by its migrations, in its stats.
+    program_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,8 @@ class Node:
         plan = None if order.handoff is None else self.manager.handoffs.plan(rid, *order.handoff, n_tokens)
         try:
             await self.manager.handoffs.add(EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority,
-                                                          time.time(), order.resume_token_ids), plan)
+                                                          time.time(), order.resume_token_ids,
+                                                          program_id=order.program_id), plan)
         except BaseException:
             self.manager.handoffs.forget(rid)
             self.streams.close(rid)

@@ -108,6 +108,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)
         req.hold_after_prefill = request.hold_after_prefill
+        req.program_id = request.program_id
         self.executor.init_request(req)
         if request.resume_token_ids:
             self.executor.resume_sampler(req, len(request.resume_token_ids))
@@ -187,7 +188,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     @staticmethod
     def _final_stats(req: Request) -> dict:
         return {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
-                "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens}
+                "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens,
+                "program_id": req.program_id}
 
     # --- one request's failure fails that request only ----------------------------------
     def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -348,7 +350,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
                 "num_preemptions": r.num_preemptions, "preemption_loss_ms": r.preemption_loss_ms,
                 "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens,
-                "prefix_hit_tokens": r.prefix_hit_tokens}
+                "prefix_hit_tokens": r.prefix_hit_tokens, "program_id": r.program_id}
 
     # --- migration hooks --------------------------------------------------------
     def _get(self, request_id: str) -> Request:
@@ -532,6 +534,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             num_migrations=r.num_migrations,
             num_computed_tokens=r.num_computed_tokens,
             extra=dict(r.extra),
+            program_id=r.program_id,
         )
 
     def install_request(self, state: RequestState, block_ids: list[int]) -> None:
@@ -556,6 +559,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         r.preemption_loss_ms = state.preemption_loss_ms
         r.num_migrations = state.num_migrations
         r.extra = dict(state.extra)
+        r.program_id = state.program_id
         self.executor.init_request(r)
         if state.rng_state:
             self.executor.set_rng_state(r, state.rng_state)
