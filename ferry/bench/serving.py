@@ -31,7 +31,7 @@ import click
 import httpx
 
 from ferry.bench import client
-from ferry.measure import hit_rate, metrics, prefixes
+from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
@@ -261,6 +261,9 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
     summary = metrics.summarize(records, opts.scale)
     summary["wall_s"] = wall
     summary["dead_processes"] = dead
+    prog = programs.summary(work.requests, records, 16, opts.scale)  # live: no per-turn cache hits (None)
+    if prog is not None:
+        summary["programs"] = prog
     # NOTE: the sampler may add a sample after the prefix one (it stops a
     # moment later): found by its key, not its place.
     at = [i for i, x in enumerate(samples) if "prefix_cache" in x]
