@@ -51,6 +51,7 @@ from ferry.sim.recorder import Recorder
 from ferry.sim.scheduler import SimScheduler
 from libs.common.config import click_options, from_options
 from libs.common.logging import setup_logging
+from libs.common.policies import get as get_policy
 from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
 from libs.common.types import Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
@@ -110,7 +111,9 @@ def parse_config(cls: type, args: list[str]):
 def configs(opts: SimOptions, policy: str) -> tuple[InstanceConfig, SchedulerConfig]:
     """The configs a live benchmark would start its services with (wall time)."""
     inst_slow, sched_slow = slowed_intervals(opts.sim_slowdown)
-    icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow,
+    ttl = get_policy(policy).program_ttl_s  # Continuum's pinning is the engines' (before --instance-arg, which wins)
+    pin = ["--program-ttl-s", f"{ttl / opts.sim_slowdown!r}"] if ttl > 0 else []
+    icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow, *pin,
                                          *opts.instance_args])
     scfg = parse_config(SchedulerConfig, ["--dispatch", policy, *sched_slow, *opts.scheduler_args])
     return icfg, scfg

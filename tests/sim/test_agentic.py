@@ -135,3 +135,24 @@ def test_program_summary_by_hand():
     assert programs.summary(reqs[3:], recs[3:], 16) is None
     assert "llumnix" in programs.table({"llumnix": {"programs": s}}) and programs.table({"x": {}}) == ""
     assert Counter(r.session for r in reqs)[0] == 2
+
+
+def test_continuum_pins_programs_between_turns_and_every_pin_ends():
+    """The continuum policy sets its TTL on the simulated engines: turns end
+    pinning their program's blocks; after the run and the TTL no pin, no
+    request and no used block is left, and the pools are consistent."""
+    from libs.common.policies import get
+
+    opts = SimOptions(instances=2, prefix="agentic:4:2:10", arrivals="poisson:0.5", num_requests=6, progress=False)
+    work = opts.workload(1.0, 13616)
+    c = Cluster(opts, "continuum", work)
+    assert all(i.engine.pins.ttl_s == get("continuum").program_ttl_s == 30.0 for i in c.instances.values())
+    c.run()
+    assert sum(i.engine.pins.pinned_total for i in c.instances.values()) > 0
+    left = c.settle(horizon_s=get("continuum").program_ttl_s + 5.0)
+    assert left == {"requests": 0, "used_blocks": 0, "reserved_blocks": 0, "handoffs_under_way": 0}
+    assert all(len(i.engine.pins) == 0 for i in c.instances.values())
+    c.close()
+    plain = Cluster(opts, "llumnix-prefix", work)
+    assert all(i.engine.pins.ttl_s == 0 for i in plain.instances.values())
+    plain.close()

@@ -153,6 +153,11 @@ class Policy:
     # each source goes to the destination where its next request is cheapest
     # (services/scheduler/policies.py pair_migrations).
     pairs_by_move_cost: bool = False
+    # Above 0: the instances pin a program's cached blocks this long after each
+    # of its turns (Continuum's TTL: services/instance/engine/core/pins.py,
+    # InstanceConfig.program_ttl_s); the simulator sets it on its engines,
+    # a live cluster's instances take --program-ttl-s.
+    program_ttl_s: float = 0.0
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:
