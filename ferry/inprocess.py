@@ -63,7 +63,8 @@ class Node:
         plan = None if order.handoff is None else self.manager.handoffs.plan(rid, *order.handoff, n_tokens)
         try:
             await self.manager.handoffs.add(EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority,
-                                                          time.time(), order.resume_token_ids), plan)
+                                                          time.time(), order.resume_token_ids,
+                                                          program_id=order.program_id), plan)
         except BaseException:
             self.manager.handoffs.forget(rid)
             self.streams.close(rid)
@@ -207,7 +208,7 @@ class _ClientRouter:
         self.view = SimpleNamespace(records=self.nodes)
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority, exclude: frozenset,
-                       token_ids=None, affinity: str = "") -> Dispatched:
+                       token_ids=None, affinity: str = "", program_id: str = "") -> Dispatched:
         assert not exclude, f"{request_id} would resume elsewhere (excluded: {sorted(exclude)})"
         return Dispatched(self.node, self.node, priority, self.handoff, self.handoff)
 

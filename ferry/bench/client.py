@@ -20,7 +20,7 @@ from collections.abc import Callable
 import httpx
 
 from ferry.measure.metrics import RequestRecord
-from ferry.measure.workload import Request, Workload, prompt_ids
+from ferry.measure.workload import Request, Workload, program_id, prompt_ids
 
 _TOKEN_CHUNK = '"finish_reason": null'
 
@@ -47,6 +47,8 @@ def request_body(req: Request, ids: list[int], model: str | None, stream: bool =
             "temperature": 0.0, "stream": stream}
     if ferry_priority:
         body["priority"] = req.priority
+        if req.session >= 0:  # a session's or an agent program's turn names its program
+            body["prompt_cache_key"] = program_id(req)
     if token_ids:
         body["return_token_ids"] = True
     if stream:

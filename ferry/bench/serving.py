@@ -31,7 +31,7 @@ import click
 import httpx
 
 from ferry.bench import client
-from ferry.measure import hit_rate, metrics, prefixes
+from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
@@ -261,6 +261,9 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
     summary = metrics.summarize(records, opts.scale)
     summary["wall_s"] = wall
     summary["dead_processes"] = dead
+    prog = programs.summary(work.requests, records, 16, opts.scale)  # live: no per-turn cache hits (None)
+    if prog is not None:
+        summary["programs"] = prog
     # NOTE: the sampler may add a sample after the prefix one (it stops a
     # moment later): found by its key, not its place.
     at = [i for i, x in enumerate(samples) if "prefix_cache" in x]
@@ -319,7 +322,8 @@ WORKLOAD_OPTIONS = (
                  help="sharegpt | trace | fixed:IN:OUT | IN-OUT of S, M, L (paper Table 1), e.g. M-M"),
     click.option("--prefix", default="none", show_default=True,
                  help="prefix structure: none | system:K:LEN[:ALPHA] (K shared system prompts, Zipf popularity) | "
-                      "sessions:TURNS[:THINK_S] (multi-turn conversations) | trace:PATH[:BLOCK] (Mooncake-format "
+                      "sessions:TURNS[:THINK_S] (multi-turn conversations) | agentic[:TURNS[:TOOL_S[:SCALE]]] "
+                      "(agent programs, -n of them: ferry/measure/prefixes.py) | trace:PATH[:BLOCK] (Mooncake-format "
                       "JSON lines with hash_ids; its arrivals and lengths)"),
     click.option("--num-requests", "-n", type=click.IntRange(1), default=100, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True),

@@ -45,6 +45,9 @@ class RequestRecord:
     server_ttft_ms: float | None = None
     max_gap_s: float | None = None  # streaming: the largest gap between two tokens (a stall)
     max_gap_end: float | None = None  # ... when it ended (epoch seconds: beside the services' logs)
+    # Prompt tokens served from a prefix cache (the simulator: the engine's hit at
+    # the admission that gave the first token); None: not known (programs.py).
+    cached_tokens: int | None = None
     # The tokens sent and answered (prefix workloads: the hit-rate bound, the
     # next turn of a session); kept out of the JSON.
     prompt_ids: list[int] | None = field(default=None, repr=False)

@@ -12,6 +12,15 @@ and in the simulator (``ferry sim``). The ``--prefix`` spec:
   earlier message and the tokens the model answered) plus its new message,
   THINK_S seconds (exponential, mean 5) after the previous answer ended.
   Turns that would pass the context length are dropped (the session ends);
+- ``agentic[:TURNS[:TOOL_S[:SCALE]]]``: agent programs (coding agents), from
+  published parameters (``agentic`` below, AGENTIC): the arrivals spec starts
+  programs (``-n`` counts programs, not turns); every turn resends the whole
+  history (a 3,000-token system prompt shared by all programs, every earlier
+  turn's input and output) plus its new input, the program's tool latency
+  after the previous turn's end. TURNS is the median number of turns per
+  program (default 38), TOOL_S the mean tool latency (default 15), SCALE
+  divides every token count (default 1: the published sizes; 10 fits them to
+  a small context). The lengths spec is not used;
 - ``trace:PATH[:BLOCK]``: a trace in the format of the Mooncake public traces,
   JSON lines ``{"timestamp" (ms), "input_length", "output_length",
   "hash_ids"}``, one hash id per BLOCK tokens of the input (default 512, the
@@ -38,8 +47,28 @@ from ferry.measure.workload import Request, Segment, Workload, WorkloadError
 THINK_S = 5.0
 TRACE_BLOCK = 512
 # Key spaces of the segments (high bits): a system prompt, a request's own
-# tokens, a session turn's new message, a trace block.
-SYSTEM, OWN, MESSAGE, TRACE = 1, 2, 3, 4
+# tokens, a session turn's new message, a trace block, the agents' system prompt.
+SYSTEM, OWN, MESSAGE, TRACE, AGENT_SYSTEM = 1, 2, 3, 4, 5
+
+# ``agentic``: agent programs GENERATED from published parameters, not a trace.
+# - llm-d's agentic code-generation profile (as issue 53 quotes it): a 3,000-token
+#   system prompt shared by every program, per-turn new input about 1,500 tokens
+#   and output about 425, tool latency between turns with a mean of 15 s, the
+#   context growing turn by turn (lognormal).
+# - The public coding-agent traces issue 53 cites: a median of 33-43 turns a
+#   program (input:output 131:1 over whole programs, > 94% prefix hits).
+# This project's choices (the sources give means or medians, not shapes):
+#   new input per turn = round(exp(N(ln 1500, 0.5))), clipped to [16, 16000]
+#     (lognormal increments: the context grows by a lognormal step a turn)
+#   output per turn    = round(exp(N(ln 425, 0.5))), clipped to [1, 4000]
+#   tool latency       = exponential, mean TOOL_S (memoryless tool calls)
+#   turns per program  = max(1, round(exp(N(ln TURNS, 0.6)))) (lognormal:
+#     right-skewed like session lengths; median TURNS = 38, the middle of 33-43)
+#   programs arrive as the arrivals spec says (poisson:RATE: a Poisson process)
+# SCALE divides the token counts (system prompt, input, output) before the
+# clips, so that a run fits a simulated context of a few thousand tokens.
+AGENTIC = {"system": 3000, "input": (1500.0, 0.5, 16, 16000), "output": (425.0, 0.5, 1, 4000),
+           "turns": 38.0, "turns_sigma": 0.6, "tool_s": 15.0}
 
 
 def key(kind: int, *parts: int) -> int:
@@ -106,6 +135,12 @@ def build(arrivals: str, lengths: str, num_requests: int, prefix: str = "none", 
             think = float(args[1]) if len(args) == 2 else THINK_S
             return sessions(arrivals, lengths, num_requests, int(args[0]), think, seed, time_scale,
                             high_priority_fraction, max_model_len, folder, prefix)
+        if kind == "agentic" and len(args) <= 3:
+            turns = float(args[0]) if args else AGENTIC["turns"]
+            tool = float(args[1]) if len(args) >= 2 else AGENTIC["tool_s"]
+            scale = float(args[2]) if len(args) >= 3 else 1.0
+            return agentic(arrivals, num_requests, turns, tool, scale, seed, time_scale, high_priority_fraction,
+                           max_model_len, folder, prefix)
         if kind == "trace" and args:
             block = int(args[1]) if len(args) == 2 else TRACE_BLOCK
             return mooncake(args[0], num_requests, block, seed, time_scale, high_priority_fraction,
@@ -115,7 +150,7 @@ def build(arrivals: str, lengths: str, num_requests: int, prefix: str = "none", 
             raise
         raise WorkloadError(f"bad number in prefix spec {prefix!r}: {e}") from e
     raise WorkloadError(f"unknown prefix spec {prefix!r}; use none, system:K:LEN[:ALPHA], "
-                        f"sessions:TURNS[:THINK_S] or trace:PATH[:BLOCK]")
+                        f"sessions:TURNS[:THINK_S], agentic[:TURNS[:TOOL_S[:SCALE]]] or trace:PATH[:BLOCK]")
 
 
 def _with(base: Workload, requests: list[Request], prefix: str, clip=None) -> Workload:
@@ -179,6 +214,53 @@ def sessions(arrivals: str, lengths: str, num_requests: int, turns: int, think_s
                                 think_s=float(think[j - 1]) / time_scale if t else 0.0))
             context += m + o
     clip = None if max_model_len is None else wl.ClipReport(max_model_len, dropped, num_requests, 0, 0)
+    return _with(starts, reqs, prefix, clip)
+
+
+# --- agent programs --------------------------------------------------------------------------
+
+def agentic(arrivals: str, num_programs: int, turns: float, tool_s: float, scale: float, seed: int,
+            time_scale: float, high_fraction: float, max_model_len: int | None, folder, prefix: str) -> Workload:
+    """``num_programs`` agent programs (AGENTIC). As ``sessions``: a turn's
+    ``prompt_len`` is its whole context, its ``segments`` what it adds (the
+    first turn: the shared system prompt and its input; later ones: their
+    input; the client prepends the history, answers included), ``think_s``
+    its tool latency; ``session`` is the program. A turn that would pass the
+    context length ends its program (counted in the clip report)."""
+    if turns < 1 or tool_s < 0 or scale <= 0:
+        raise WorkloadError(f"agentic[:TURNS[:TOOL_S[:SCALE]]] needs TURNS >= 1, TOOL_S >= 0, SCALE > 0; "
+                            f"got {prefix!r}")
+    starts = wl.build(arrivals, "fixed:1:1", num_programs, seed, time_scale, high_fraction, None, folder)
+    r_turns, r_in, r_out, r_tool = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(9)[5:9])
+    n_turns = np.maximum(1, np.rint(np.exp(r_turns.normal(np.log(turns), AGENTIC["turns_sigma"], num_programs))))
+    total = int(n_turns.sum())
+
+    def sized(rng, median, sigma, lo, hi):
+        raw = np.exp(rng.normal(np.log(median), sigma, total)) / scale
+        return np.clip(np.rint(raw), max(1, round(lo / scale)), max(1, round(hi / scale))).astype(np.int64)
+
+    ins, outs = sized(r_in, *AGENTIC["input"]), sized(r_out, *AGENTIC["output"])
+    tool = r_tool.exponential(tool_s, total) if tool_s > 0 else np.zeros(total)
+    system = max(1, round(AGENTIC["system"] / scale))
+    reqs, dropped, j = [], 0, 0
+    for s, start in enumerate(starts.requests):
+        context = system
+        for t in range(int(n_turns[s])):
+            m, o = int(ins[j]), int(outs[j])
+            think = float(tool[j]) / time_scale if t else 0.0
+            j += 1
+            if max_model_len is not None and context + m + o > max_model_len:
+                dropped += int(n_turns[s]) - t
+                j += int(n_turns[s]) - t - 1
+                break
+            segs = (Segment(key(AGENT_SYSTEM, 0), system),) if t == 0 else ()
+            reqs.append(Request(len(reqs), start.arrival_s, context + m, o, start.priority,
+                                segments=segs + (Segment(key(MESSAGE, s, t), m),), session=s, turn=t,
+                                think_s=think))
+            context += m + o
+    if not reqs:
+        raise WorkloadError(f"{prefix!r}: no turn fits the context of {max_model_len} tokens")
+    clip = None if max_model_len is None else wl.ClipReport(max_model_len, dropped, total, 0, 0)
     return _with(starts, reqs, prefix, clip)
 
 

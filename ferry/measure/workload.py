@@ -369,6 +369,12 @@ def build(arrivals: str, length_spec: str, num_requests: int, seed: int = 0, tim
     return Workload(reqs, arrivals, length_spec, seed, time_scale, clip)
 
 
+def program_id(req: Request) -> str:
+    """The program (``prompt_cache_key``) a session's or an agent program's
+    turn names; "" for a request of no session."""
+    return f"program-{req.session}" if req.session >= 0 else ""
+
+
 def prompt_ids(req: Request, seed: int, lo: int, hi: int) -> list[int]:
     """Token ids in [lo, hi) for the request's prompt (deterministic): its
     segments' (prefixes.py; a session turn: its new message), else random."""

@@ -180,6 +180,10 @@ def print_compare(result: dict) -> None:
                f"{o['instances']} simulated sim instances ({o['profile']}); latencies in ms of model time")
     click.echo(f"seed {result['seeds'][0]}:")
     click.echo(compare_table(result["policies"]))
+    from ferry.measure import programs
+
+    if programs.table(result["policies"]):
+        click.echo(programs.table(result["policies"]))
     if len(result["seeds"]) > 1:
         with_high = any("high" in s for s in result["over_seeds"].values())
         for group in ("all", "high", "normal") if with_high else ("all",):

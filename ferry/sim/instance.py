@@ -264,8 +264,29 @@ class SimInstance:
                 done(result, exc)
         if self.engine.has_work():
             self._start_step()
-        elif cmds:
-            self._publish()
+        else:
+            if cmds:
+                self._publish()
+            self._wake_at_pin_expiry()
+
+    def _wake_at_pin_expiry(self) -> None:
+        """Idle or blocked with programs pinned (core/pins.py): wake when the
+        first pin's TTL passes, which frees its blocks (the live engine thread
+        expires them at its next step or published load)."""
+        t = self.engine.pins.next_expiry()
+        if t is not None and t != getattr(self, "_pin_wake", None):
+            self._pin_wake = t
+            self.k.at(max(self.k.now, t), self._pin_expired)
+
+    def _pin_expired(self) -> None:
+        self._pin_wake = None
+        if self._stepping:
+            return  # the step's end looks again
+        self._before_change()
+        self.clock.t = self.k.now
+        self.engine.load()  # expires what is due
+        self._publish()
+        self._boundary()
 
     def _start_step(self) -> None:
         self._before_change()
@@ -275,8 +296,10 @@ class SimInstance:
         if self.clock.t == now:
             # Nothing could be scheduled (the head of the queue does not fit
             # and nothing runs): the live engine thread spins publishing the
-            # same load; here it waits for the next call.
+            # same load; here it waits for the next call, or for a pinned
+            # program's TTL to pass (core/pins.py), which frees its blocks.
             self._publish()
+            self._wake_at_pin_expiry()
             return
         self._stepping = True
         self._last_step_s = self.clock.t - now

@@ -36,7 +36,7 @@ from typing import Any
 import click
 import structlog
 
-from ferry.measure import hit_rate, metrics, prefixes
+from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
 from ferry.bench.serving import slowed_intervals
 from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
@@ -51,6 +51,7 @@ from ferry.sim.recorder import Recorder
 from ferry.sim.scheduler import SimScheduler
 from libs.common.config import click_options, from_options
 from libs.common.logging import setup_logging
+from libs.common.policies import get as get_policy
 from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
 from libs.common.types import Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.base import EngineError, EngineRequest
@@ -110,7 +111,9 @@ def parse_config(cls: type, args: list[str]):
 def configs(opts: SimOptions, policy: str) -> tuple[InstanceConfig, SchedulerConfig]:
     """The configs a live benchmark would start its services with (wall time)."""
     inst_slow, sched_slow = slowed_intervals(opts.sim_slowdown)
-    icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow,
+    ttl = get_policy(policy).program_ttl_s  # Continuum's pinning is the engines' (before --instance-arg, which wins)
+    pin = ["--program-ttl-s", f"{ttl / opts.sim_slowdown!r}"] if ttl > 0 else []
+    icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow, *pin,
                                          *opts.instance_args])
     scfg = parse_config(SchedulerConfig, ["--dispatch", policy, *sched_slow, *opts.scheduler_args])
     return icfg, scfg
@@ -277,6 +280,13 @@ class Cluster:
 
     def _on_step(self, inst: SimInstance, outputs: list[TokenOutput]) -> None:
         self.recorder.on_tokens(self.k.now, outputs)
+        for o in outputs:  # the prompt's tokens served from cache, where its first token came from
+            if o.index == 0:
+                rec = self.recorder.records[self.recorder.index[o.request_id]]
+                if rec.cached_tokens is None:
+                    st = o.stats if o.finish_reason is not None and o.stats else \
+                        inst.engine.request_stats(o.request_id)
+                    rec.cached_tokens = int(st.get("prefix_hit_tokens", 0))
         if self.keep_tokens:
             for o in outputs:
                 i = self.recorder.index[o.request_id]
@@ -331,7 +341,8 @@ class Cluster:
         req = self.work.requests[i]
         # Prefix-aware policies get the prompt's block hashes, as the live frontend sends them.
         prompt = self.prompt(i) if self.scheduler.policy.uses_prefix else None
-        picked = self.scheduler.dispatch(f"req-{i}", req.prompt_len, Priority.parse(req.priority), prompt)
+        picked = self.scheduler.dispatch(f"req-{i}", req.prompt_len, Priority.parse(req.priority), prompt,
+                                         wl.program_id(req))
         if picked is None:
             self.recorder.fail(i, self.k.now, "no live instance to dispatch to")
             return
@@ -346,7 +357,7 @@ class Cluster:
         prompt = self.prompt(i)
         if self.keep_tokens:
             self.prompts[i] = prompt
-        ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now)
+        ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now, program_id=wl.program_id(req))
         self.prompt_lens[ereq.request_id] = len(prompt)
         if decode is not None:
             self.loop.create_task(self._enter(i, inst, ereq, decode))
@@ -485,6 +496,9 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     summary["dead_processes"] = []
     summary["migrations_ordered"] = cluster.scheduler.migrations_ordered
     summary["prefix_cache"] = cluster.prefix_summary()
+    prog = programs.summary(work.requests, cluster.recorder.records, cluster.profile.block_size)
+    if prog is not None:  # a workload of programs' turns (agentic, sessions)
+        summary["programs"] = prog
     # Blocks sent by committed migrations, and those the destinations linked
     # instead (a prefix-blind migration of the same requests sends both).
     summary["migration_blocks"] = {"sent": cluster.scheduler.blocks_sent, "linked": cluster.scheduler.blocks_linked}

@@ -89,13 +89,13 @@ class SimScheduler:
 
     # --- Dispatch (service.py) ----------------------------------------------------------------
     def place(self, request_id: str, num_tokens: int, priority: Priority,
-              token_ids: Sequence[int] | None = None) -> Placement | None:
+              token_ids: Sequence[int] | None = None, program_id: str = "") -> Placement | None:
         """Where a request of ``num_tokens`` prompt tokens runs: the live
         Dispatch's ``place`` (Splitwise: the prefill instance and the decode
         instance at once), each counted as pending there until a report
         lists the request (net of its hit there where the policy scores
         prefixes; the decode instance for the prompt and its first token)."""
-        req = DispatchRequest(request_id, num_tokens, priority)
+        req = DispatchRequest(request_id, num_tokens, priority, program_id=program_id)
         if token_ids is not None and self.policy.uses_prefix:
             req = replace(req, **self.prefix_hits(token_ids, request_id))
         placed = place(self.dispatcher, self.views(), req)
@@ -131,8 +131,8 @@ class SimScheduler:
         return {"prefix_blocks": len(hashes), "hits": hits}
 
     def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
-                 token_ids: Sequence[int] | None = None) -> tuple[Placement, Priority] | None:
-        placed = self.place(request_id, num_prompt_tokens, priority, token_ids)
+                 token_ids: Sequence[int] | None = None, program_id: str = "") -> tuple[Placement, Priority] | None:
+        placed = self.place(request_id, num_prompt_tokens, priority, token_ids, program_id)
         if placed is None:
             return None
         return placed, (priority if self.dispatcher.uses_priorities else Priority.NORMAL)

@@ -271,7 +271,7 @@ def state_to_pb(s: RequestState) -> ipb.RequestState:
         rng_state=s.rng_state, arrival_time=s.arrival_time, first_token_time=s.first_token_time,
         num_preemptions=s.num_preemptions, priority=int(s.priority),
         frontend_address=s.frontend_address, preemption_loss_ms=s.preemption_loss_ms,
-        num_migrations=s.num_migrations, num_computed_tokens=s.num_computed_tokens,
+        num_migrations=s.num_migrations, num_computed_tokens=s.num_computed_tokens, program_id=s.program_id,
     )
 
 
@@ -282,14 +282,15 @@ def state_from_pb(m: ipb.RequestState) -> RequestState:
         priority=Priority(m.priority), rng_state=m.rng_state, arrival_time=m.arrival_time,
         first_token_time=m.first_token_time, num_preemptions=m.num_preemptions,
         preemption_loss_ms=m.preemption_loss_ms, num_migrations=m.num_migrations,
-        num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address,
+        num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address, program_id=m.program_id,
     )
 
 
 def order_to_pb(o: GenerateOrder) -> ipb.GenerateRequest:
     m = ipb.GenerateRequest(request_id=o.request_id, prompt_token_ids=o.prompt_token_ids,
                             sampling=sampling_to_pb(o.sampling), priority=int(o.priority),
-                            resume_token_ids=o.resume_token_ids, flush_interval_ms=o.flush_interval_ms)
+                            resume_token_ids=o.resume_token_ids, flush_interval_ms=o.flush_interval_ms,
+                            program_id=o.program_id)
     if o.handoff is not None:
         m.handoff.instance_id, m.handoff.address = o.handoff
     return m
@@ -299,7 +300,8 @@ def order_from_pb(m: ipb.GenerateRequest) -> GenerateOrder:
     h = m.handoff
     return GenerateOrder(m.request_id, tuple(m.prompt_token_ids), sampling_from_pb(m.sampling),
                          priority_from_pb(m.priority), tuple(m.resume_token_ids),
-                         (h.instance_id, h.address) if h.instance_id or h.address else None, m.flush_interval_ms)
+                         (h.instance_id, h.address) if h.instance_id or h.address else None, m.flush_interval_ms,
+                         m.program_id)
 
 
 def stream_event_to_pb(e: StreamEvent) -> ipb.TokenEvent:

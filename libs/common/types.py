@@ -275,6 +275,7 @@ class RequestState:
     num_computed_tokens: int = 0
     frontend_address: str = ""
     extra: dict = field(default_factory=dict)
+    program_id: str = ""  # the program (agent session) it is a turn of (GenerateOrder.program_id)
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,7 @@ class GenerateOrder:
     resume_token_ids: tuple[int, ...] = ()
     handoff: tuple[str, str] | None = None
     flush_interval_ms: int = 0
+    program_id: str = ""  # the program (agent session) it is a turn of ("" = none)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,7 @@ class LayerStepReply(_message.Message):
     def __init__(self, hidden: _Optional[bytes] = ..., error: _Optional[str] = ..., kv: _Optional[bytes] = ..., short: _Optional[bool] = ..., attend: _Optional[_Union[AttendRequest, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "resume_token_ids", "frontend_address", "flush_interval_ms", "handoff", "program_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class GenerateRequest(_message.Message):
     FRONTEND_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -177,7 +178,8 @@ class GenerateRequest(_message.Message):
     frontend_address: str
     flush_interval_ms: int
     handoff: Handoff
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ..., flush_interval_ms: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ...) -> None: ...
+    program_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., frontend_address: _Optional[str] = ..., flush_interval_ms: _Optional[int] = ..., handoff: _Optional[_Union[Handoff, _Mapping]] = ..., program_id: _Optional[str] = ...) -> None: ...
 
 class Handoff(_message.Message):
     __slots__ = ("instance_id", "address")
@@ -489,7 +491,7 @@ class TransferKvReply(_message.Message):
     def __init__(self, blocks_written: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RequestState(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "rng_state", "arrival_time", "first_token_time", "num_preemptions", "priority", "frontend_address", "preemption_loss_ms", "num_migrations", "num_computed_tokens", "next_event_index")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "rng_state", "arrival_time", "first_token_time", "num_preemptions", "priority", "frontend_address", "preemption_loss_ms", "num_migrations", "num_computed_tokens", "next_event_index", "program_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +506,7 @@ class RequestState(_message.Message):
     NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_EVENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -518,7 +521,8 @@ class RequestState(_message.Message):
     num_migrations: int
     num_computed_tokens: int
     next_event_index: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ...) -> None: ...
+    program_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ..., program_id: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("migration_id", "state", "has_last_stage", "last_stage", "last_src_blocks")

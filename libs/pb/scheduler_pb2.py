@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libs.pb import common_pb2 as libs_dot_pb_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17libs/pb/scheduler.proto\x12\x08\x66\x65rry.v1\x1a\x14libs/pb/common.proto\"\xe1\x01\n\x0f\x44ispatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12$\n\x08priority\x18\x03 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1c\n\x14\x65xclude_instance_ids\x18\x04 \x03(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x1c\n\x14\x61\x66\x66inity_instance_id\x18\x07 \x01(\t\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\"\xe2\x01\n\rDispatchReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12(\n\x0crun_priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\t\x12\x15\n\rerror_message\x18\t \x01(\t\"\x14\n\x12\x43lusterViewRequest\"t\n\x10\x43lusterViewReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\x12\x17\n\x0f\x64ispatch_policy\x18\x02 \x01(\t\x12\x1a\n\x12migrations_ordered\x18\x03 \x01(\x03\"A\n\x15SetTerminatingRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bterminating\x18\x02 \x01(\x08\"!\n\x13SetTerminatingReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"K\n\x16SetInstanceRoleRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.ferry.v1.Role\"J\n\x14SetInstanceRoleReply\x12 \n\x08previous\x18\x01 \x01(\x0e\x32\x0e.ferry.v1.Role\x12\x10\n\x08\x64raining\x18\x02 \x01(\x05\")\n\x12PrefixIndexRequest\x12\x13\n\x0bwith_hashes\x18\x01 \x01(\x08\"\xc7\x01\n\x10PrefixIndexReply\x12\x36\n\tinstances\x18\x01 \x03(\x0b\x32#.ferry.v1.PrefixIndexReply.Instance\x12\x13\n\x0bnum_entries\x18\x02 \x01(\x03\x1a\x66\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06synced\x18\x03 \x01(\x08\x12\x12\n\nnum_blocks\x18\x04 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x32\xcc\x03\n\tScheduler\x12>\n\x08\x44ispatch\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply\x12H\n\x0e\x44ispatchStream\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply(\x01\x30\x01\x12J\n\x0eGetClusterView\x12\x1c.ferry.v1.ClusterViewRequest\x1a\x1a.ferry.v1.ClusterViewReply\x12P\n\x0eSetTerminating\x12\x1f.ferry.v1.SetTerminatingRequest\x1a\x1d.ferry.v1.SetTerminatingReply\x12K\n\x07SetRole\x12 .ferry.v1.SetInstanceRoleRequest\x1a\x1e.ferry.v1.SetInstanceRoleReply\x12J\n\x0eGetPrefixIndex\x12\x1c.ferry.v1.PrefixIndexRequest\x1a\x1a.ferry.v1.PrefixIndexReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17libs/pb/scheduler.proto\x12\x08\x66\x65rry.v1\x1a\x14libs/pb/common.proto\"\xf5\x01\n\x0f\x44ispatchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12$\n\x08priority\x18\x03 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1c\n\x14\x65xclude_instance_ids\x18\x04 \x03(\t\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x1c\n\x14\x61\x66\x66inity_instance_id\x18\x07 \x01(\t\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x12\n\nprogram_id\x18\t \x01(\t\"\xe2\x01\n\rDispatchReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12(\n\x0crun_priority\x18\x04 \x01(\x0e\x32\x12.ferry.v1.Priority\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\t\x12\x15\n\rerror_message\x18\t \x01(\t\"\x14\n\x12\x43lusterViewRequest\"t\n\x10\x43lusterViewReply\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.ferry.v1.InstanceRecord\x12\x17\n\x0f\x64ispatch_policy\x18\x02 \x01(\t\x12\x1a\n\x12migrations_ordered\x18\x03 \x01(\x03\"A\n\x15SetTerminatingRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bterminating\x18\x02 \x01(\x08\"!\n\x13SetTerminatingReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"K\n\x16SetInstanceRoleRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.ferry.v1.Role\"J\n\x14SetInstanceRoleReply\x12 \n\x08previous\x18\x01 \x01(\x0e\x32\x0e.ferry.v1.Role\x12\x10\n\x08\x64raining\x18\x02 \x01(\x05\")\n\x12PrefixIndexRequest\x12\x13\n\x0bwith_hashes\x18\x01 \x01(\x08\"\xc7\x01\n\x10PrefixIndexReply\x12\x36\n\tinstances\x18\x01 \x03(\x0b\x32#.ferry.v1.PrefixIndexReply.Instance\x12\x13\n\x0bnum_entries\x18\x02 \x01(\x03\x1a\x66\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06synced\x18\x03 \x01(\x08\x12\x12\n\nnum_blocks\x18\x04 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x04\x32\xcc\x03\n\tScheduler\x12>\n\x08\x44ispatch\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply\x12H\n\x0e\x44ispatchStream\x12\x19.ferry.v1.DispatchRequest\x1a\x17.ferry.v1.DispatchReply(\x01\x30\x01\x12J\n\x0eGetClusterView\x12\x1c.ferry.v1.ClusterViewRequest\x1a\x1a.ferry.v1.ClusterViewReply\x12P\n\x0eSetTerminating\x12\x1f.ferry.v1.SetTerminatingRequest\x1a\x1d.ferry.v1.SetTerminatingReply\x12K\n\x07SetRole\x12 .ferry.v1.SetInstanceRoleRequest\x1a\x1e.ferry.v1.SetInstanceRoleReply\x12J\n\x0eGetPrefixIndex\x12\x1c.ferry.v1.PrefixIndexRequest\x1a\x1a.ferry.v1.PrefixIndexReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'libs.pb.scheduler_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DISPATCHREQUEST']._serialized_start=60
-  _globals['_DISPATCHREQUEST']._serialized_end=285
-  _globals['_DISPATCHREPLY']._serialized_start=288
-  _globals['_DISPATCHREPLY']._serialized_end=514
-  _globals['_CLUSTERVIEWREQUEST']._serialized_start=516
-  _globals['_CLUSTERVIEWREQUEST']._serialized_end=536
-  _globals['_CLUSTERVIEWREPLY']._serialized_start=538
-  _globals['_CLUSTERVIEWREPLY']._serialized_end=654
-  _globals['_SETTERMINATINGREQUEST']._serialized_start=656
-  _globals['_SETTERMINATINGREQUEST']._serialized_end=721
-  _globals['_SETTERMINATINGREPLY']._serialized_start=723
-  _globals['_SETTERMINATINGREPLY']._serialized_end=756
-  _globals['_SETINSTANCEROLEREQUEST']._serialized_start=758
-  _globals['_SETINSTANCEROLEREQUEST']._serialized_end=833
-  _globals['_SETINSTANCEROLEREPLY']._serialized_start=835
-  _globals['_SETINSTANCEROLEREPLY']._serialized_end=909
-  _globals['_PREFIXINDEXREQUEST']._serialized_start=911
-  _globals['_PREFIXINDEXREQUEST']._serialized_end=952
-  _globals['_PREFIXINDEXREPLY']._serialized_start=955
-  _globals['_PREFIXINDEXREPLY']._serialized_end=1154
-  _globals['_PREFIXINDEXREPLY_INSTANCE']._serialized_start=1052
-  _globals['_PREFIXINDEXREPLY_INSTANCE']._serialized_end=1154
-  _globals['_SCHEDULER']._serialized_start=1157
-  _globals['_SCHEDULER']._serialized_end=1617
+  _globals['_DISPATCHREQUEST']._serialized_end=305
+  _globals['_DISPATCHREPLY']._serialized_start=308
+  _globals['_DISPATCHREPLY']._serialized_end=534
+  _globals['_CLUSTERVIEWREQUEST']._serialized_start=536
+  _globals['_CLUSTERVIEWREQUEST']._serialized_end=556
+  _globals['_CLUSTERVIEWREPLY']._serialized_start=558
+  _globals['_CLUSTERVIEWREPLY']._serialized_end=674
+  _globals['_SETTERMINATINGREQUEST']._serialized_start=676
+  _globals['_SETTERMINATINGREQUEST']._serialized_end=741
+  _globals['_SETTERMINATINGREPLY']._serialized_start=743
+  _globals['_SETTERMINATINGREPLY']._serialized_end=776
+  _globals['_SETINSTANCEROLEREQUEST']._serialized_start=778
+  _globals['_SETINSTANCEROLEREQUEST']._serialized_end=853
+  _globals['_SETINSTANCEROLEREPLY']._serialized_start=855
+  _globals['_SETINSTANCEROLEREPLY']._serialized_end=929
+  _globals['_PREFIXINDEXREQUEST']._serialized_start=931
+  _globals['_PREFIXINDEXREQUEST']._serialized_end=972
+  _globals['_PREFIXINDEXREPLY']._serialized_start=975
+  _globals['_PREFIXINDEXREPLY']._serialized_end=1174
+  _globals['_PREFIXINDEXREPLY_INSTANCE']._serialized_start=1072
+  _globals['_PREFIXINDEXREPLY_INSTANCE']._serialized_end=1174
+  _globals['_SCHEDULER']._serialized_start=1177
+  _globals['_SCHEDULER']._serialized_end=1637
 # @@protoc_insertion_point(module_scope)

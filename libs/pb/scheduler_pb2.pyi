@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "priority", "exclude_instance_ids", "block_hashes", "block_size", "affinity_instance_id", "traceparent")
+    __slots__ = ("request_id", "num_prompt_tokens", "priority", "exclude_instance_ids", "block_hashes", "block_size", "affinity_instance_id", "traceparent", "program_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DispatchRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     priority: _common_pb2.Priority
@@ -25,7 +26,8 @@ class DispatchRequest(_message.Message):
     block_size: int
     affinity_instance_id: str
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., affinity_instance_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    program_id: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., affinity_instance_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., program_id: _Optional[str] = ...) -> None: ...
 
 class DispatchReply(_message.Message):
     __slots__ = ("instance_id", "address", "policy", "run_priority", "decode_instance_id", "decode_address", "request_id", "error_code", "error_message")

@@ -25,7 +25,7 @@ from services.frontend import metrics
 from services.frontend.admission import Admission
 from services.frontend.auth import check_priority
 from services.frontend.body_limit import BodyLimit
-from services.frontend.completions import check_token_ids, parse_priority, prepare
+from services.frontend.completions import SESSION_HEADER, check_token_ids, parse_priority, prepare
 from services.frontend.disconnect import ClientGone, unless_disconnected
 from services.frontend.event_stream import EventStream
 from services.frontend.responses import Responses, ResponsesRequest
@@ -104,10 +104,12 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
 
     async def respond(request: Request, body, endpoint: str):
         prep = prepare(body, tokenizer, max_len(), request.headers.get("x-priority"), vocab(), model_name,
-                       tool_parser)
+                       tool_parser, request.headers.get(SESSION_HEADER))
         check_priority(prep.choices[0].gen.priority, request.scope.get("state", {}).get(PRIVILEGED, False))
-        if body.user or body.safety_identifier:  # who asked, with the request (OpenAI's end-user ids)
-            log.info("request", request_id=prep.request_id, user=body.user, safety_identifier=body.safety_identifier)
+        program = prep.choices[0].gen.program_id
+        if body.user or body.safety_identifier or program:  # who asked (OpenAI's end-user ids), for which program
+            log.info("request", request_id=prep.request_id, user=body.user, safety_identifier=body.safety_identifier,
+                     program_id=program or None)
         r = Responder(prep, router, tokenizer, model_name, config.max_resumes)
         token_ids = bool(getattr(body, "return_token_ids", False))
         if not body.stream:

@@ -24,7 +24,7 @@ from libs.common.types import Grammar, GrammarKind, Logprobs, Priority, Sampling
 from services.frontend import metrics
 from services.frontend.generation import Generation, run_generation
 from services.frontend.router import Router
-from services.frontend.schema import ChatCompletionRequest, CompletionRequest
+from services.frontend.schema import PROGRAM_ID_MAX, ChatCompletionRequest, CompletionRequest
 from services.frontend.stops import StopMatcher
 from services.frontend.tokenizer import Tokenizer
 from services.frontend.tools import ToolPlan
@@ -79,6 +79,25 @@ def parse_priority(body_value: str | None, header_value: str | None) -> Priority
         return Priority.parse(value)
     except ValueError as e:
         raise InvalidArgument(str(e), param="priority") from e
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def program_of(body_value: str | None, header_value: str | None) -> str:
+    """The program (an agent's session) a request is a turn of: the body's
+    ``prompt_cache_key`` (validated by the schema), else the ``x-session-id``
+    header; "" when neither names one. A header that is empty, longer than
+    PROGRAM_ID_MAX or not printable ASCII is a 400 naming it."""
+    if body_value is not None:
+        return body_value
+    if header_value is None:
+        return ""
+    v = header_value.strip()
+    if not v or len(v) > PROGRAM_ID_MAX or not v.isascii() or not v.isprintable():
+        raise InvalidArgument(f"the {SESSION_HEADER} header names a program: 1 to {PROGRAM_ID_MAX} printable "
+                              f"ASCII characters, got {len(v)} characters", param=SESSION_HEADER)
+    return v
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
@@ -186,8 +205,9 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
 
 def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
             priority_header: str | None = None, vocab_size: int | None = None, model_name: str | None = None,
-            tool_parser=None) -> Prepared:
-    """``vocab_size``: the served model's (default: the tokenizer's);
+            tool_parser=None, session_header: str | None = None) -> Prepared:
+    """``session_header``: the x-session-id header (program_of);
+    ``vocab_size``: the served model's (default: the tokenizer's);
     ``model_name``: the one it serves (another is a 404, as vLLM answers);
     ``tool_parser(tools)``: what reads ``tool_choice: auto``'s calls (none: refused)."""
     vocab = vocab_size or tokenizer.vocab_size
@@ -262,6 +282,7 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenize
         allowed_token_ids=tuple(body.allowed_token_ids or ()), bad_words=_bad_words(body.bad_words, tokenizer),
         grammar=grammar)
     priority = parse_priority(body.priority, priority_header)
+    program = program_of(body.prompt_cache_key, session_header)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices: list[Choice] = []
     for pi, ids in enumerate(prompts):
@@ -278,7 +299,7 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, tokenizer: Tokenize
             if problem:
                 raise InvalidArgument(problem, param=problem.split(" ", 1)[0])
             rid = request_id if len(prompts) * body.n == 1 else f"{request_id}-{index}"
-            c = Choice(index, Generation(rid, ids, sp, priority), pi, leader)
+            c = Choice(index, Generation(rid, ids, sp, priority, program_id=program), pi, leader)
             choices.append(c)
             leader = leader or c
     return Prepared(request_id, int(time.time()), present, prompts, choices)

@@ -53,6 +53,8 @@ class Generation:
     # An instance to go to if it can take the request (n > 1: where the first choice
     # computed the shared prompt: Router.dispatch's affinity).
     affinity: str = ""
+    # The program (an agent's session) it is a turn of (completions.program_of; "" = none).
+    program_id: str = ""
 
 
 async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) -> AsyncIterator[int]:
@@ -87,7 +89,8 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
         if address is None:
             placed = await router.dispatch(
                 gen.request_id, len(gen.prompt_ids) + len(gen.delivered), gen.priority, frozenset(exclude),
-                token_ids=list(gen.prompt_ids) + list(gen.delivered), affinity=gen.affinity)
+                token_ids=list(gen.prompt_ids) + list(gen.delivered), affinity=gen.affinity,
+                program_id=gen.program_id)
             instance_id, address, run_priority = placed.instance_id, placed.address, placed.run_priority
             # Splitwise: the decode instance goes with the request; its stream ends
             # with `moved` there once the prompt is done, followed like a migration.
@@ -97,7 +100,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
             attach = False
         order = None if attach else GenerateOrder(
             gen.request_id, tuple(gen.prompt_ids), gen.sampling, run_priority, tuple(gen.delivered), handoff,
-            gen.flush_interval_ms)
+            gen.flush_interval_ms, gen.program_id)
         try:
             call = router.peers.attach(address, gen.request_id, len(gen.delivered), gen.flush_interval_ms) \
                 if attach else router.peers.generate(address, order)

@@ -139,17 +139,19 @@ class Router:
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
                        exclude: frozenset[str] = frozenset(), token_ids: Sequence[int] | None = None,
-                       affinity: str = "") -> Dispatched:
+                       affinity: str = "", program_id: str = "") -> Dispatched:
         """Where a new request goes and the priority to run it at. The
         scheduler's policy decides the last; in bypass mode the request keeps
         its own. ``token_ids`` (the tokens the instance will be sent): their
         full blocks' hashes go with the request, for prefix-aware policies.
-        ``affinity``: the instance to prefer if it can take it (DispatchRequest).
+        ``affinity``: the instance to prefer if it can take it (DispatchRequest);
+        ``program_id``: the program it is a turn of (DispatchRequest).
         With tracing on, a span of its own (the scheduler's is its sibling)."""
         if not tracing.enabled():
-            return await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity)
+            return await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity,
+                                        program_id)
         t0 = time.time_ns()
-        d = await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity)
+        d = await self._dispatch(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity, program_id)
         # A span of the past, made once the response is out (services/frontend/tracing.py).
         tracing.record("ferry.dispatch", t0, time.time_ns(), {
             "ferry.request_id": request_id, "ferry.priority": priority.name, "ferry.excluded": sorted(exclude),
@@ -159,11 +161,13 @@ class Router:
         return d
 
     async def _dispatch(self, request_id: str, num_prompt_tokens: int, priority: Priority,
-                        exclude: frozenset[str], token_ids: Sequence[int] | None, affinity: str = "") -> Dispatched:
+                        exclude: frozenset[str], token_ids: Sequence[int] | None, affinity: str = "",
+                        program_id: str = "") -> Dispatched:
         if time.monotonic() >= self._bypass_until:
             req = spb.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                       priority=int(priority), exclude_instance_ids=sorted(exclude),
-                                      affinity_instance_id=affinity, traceparent=tracing.traceparent())
+                                      affinity_instance_id=affinity, traceparent=tracing.traceparent(),
+                                      program_id=program_id)
             bs = self.block_size() if token_ids and self._send_hashes else 0
             if bs:
                 req.block_size = bs
@@ -183,7 +187,8 @@ class Router:
             self.bypass = True
             metrics.BYPASS.set(1)
             self._bypass_until = time.monotonic() + self.bypass_retry_s
-        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity)
+        return self._dispatch_locally(request_id, num_prompt_tokens, priority, exclude, token_ids, affinity,
+                                      program_id)
 
     @staticmethod
     def _policy_uses_prefix(name: str) -> bool:
@@ -242,14 +247,15 @@ class Router:
             return None, e.code().name
 
     def _dispatch_locally(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None,
-                          affinity: str = "") -> Dispatched:
+                          affinity: str = "", program_id: str = "") -> Dispatched:
         metrics.BYPASS_DISPATCHES.inc()
-        req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude, affinity=affinity)
+        req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude, affinity=affinity,
+                              program_id=program_id)
         bs = self.block_size() if token_ids and self.kv_index is not None and self._local.policy.uses_prefix else 0
         if bs:
             hashes = block_hashes(token_ids, bs)
             req = DispatchRequest(request_id, num_prompt_tokens, priority, exclude, prefix_blocks=len(hashes),
-                                  hits=self.kv_index.hits(hashes, bs), affinity=affinity)
+                                  hits=self.kv_index.hits(hashes, bs), affinity=affinity, program_id=program_id)
         views = self.view.views()
         placed = place(self._local, views, req) if views else None
         if placed is None:  # no status known yet: round robin over registered instances

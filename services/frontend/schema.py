@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 from libs.common.validation import MAX_LOGPROBS, stops_problem
 
 INT32_MAX = 2**31 - 1  # what crosses to the instances travels as protobuf int32
+# A program id (prompt_cache_key, the x-session-id header): at most this many characters.
+PROGRAM_ID_MAX = 256
 
 
 def _unicode(v: str) -> str:
@@ -141,8 +143,10 @@ class _Common(_Body):
     request_id: Text | None = refused("the request id is the frontend's own (the response's id)")
     metadata: dict | None = refused("metadata is kept only with stored objects: use the Responses API (store)")
     service_tier: Literal["auto", "default"] | None = None  # the one tier Ferry has
-    prompt_cache_key: Text | None = refused("prompt_cache_key is not supported yet: Ferry's prefix-aware "
-                                            "dispatch routes by the prompt's own blocks")
+    # OpenAI's cache routing key: here it names the program (an agent's
+    # session) the request is a turn of, carried to dispatch and the instance
+    # (completions.program_of; it wins over the x-session-id header).
+    prompt_cache_key: Text | None = Field(default=None, min_length=1, max_length=PROGRAM_ID_MAX)
     kv_transfer_params: dict | None = refused("KV transfer parameters are Ferry's own business")
 
     @field_validator("logit_bias")
@@ -348,7 +352,7 @@ HONOURED = frozenset({
     "skip_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
     "return_token_ids", "return_tokens_as_token_ids", "user", "safety_identifier", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "service_tier",
+    "guided_decoding_backend", "service_tier", "prompt_cache_key",
     # completions
     "prompt", "echo", "logprobs", "add_special_tokens",
     # chat

@@ -274,7 +274,8 @@ class Agent(Service):
         refused = self.queue.admit(self.load, n_tokens, resumed=bool(resume))
         if refused:
             raise ResourceExhausted(refused)
-        ereq = EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority, time.time(), resume)
+        ereq = EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority, time.time(), resume,
+                             program_id=order.program_id)
         stream = self.streams.open(rid, next_index=len(resume))
         try:
             await self._enter(ereq, handoff, n_tokens)

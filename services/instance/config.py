@@ -102,6 +102,10 @@ class InstanceConfig(CommonConfig):
     prefix_caching: bool = opt(True, "automatic prefix caching: a request starts at its longest cached prefix "
                                "(whole blocks); free blocks stay cached, evicted least-recently-used (vllm: "
                                "vLLM's own)")
+    program_ttl_s: float = opt(0.0, "Continuum's TTL pinning: after a turn of a named program (prompt_cache_key) "
+                               "ends, its cached blocks stay pinned (not evictable, not free) this many seconds, "
+                               "or until its next turn here takes them (0 = off; the continuum policy's "
+                               "default in the simulator)", min=0.0)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
                          "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
@@ -140,7 +144,7 @@ class InstanceConfig(CommonConfig):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
             seed=self.seed, share_kv=self.migration_shared_kv, prefix_caching=self.prefix_caching,
-            deterministic=self.deterministic, extra=self._engine_extra(),
+            program_ttl_s=self.program_ttl_s, deterministic=self.deterministic, extra=self._engine_extra(),
         )
 
     def _engine_extra(self) -> dict:

@@ -32,6 +32,22 @@ REPORT_LAG = Histogram("ferry_scheduler_report_lag_seconds", "From an instance's
                        "scheduler's view having it (through the meta store)",
                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
                        registry=None)
+# Programs (libs/common/programs.py), aggregated over programs: never labelled by program id.
+PROGRAM_TURNS = Counter("ferry_scheduler_program_turns_total", "Dispatched turns of named programs (agent "
+                        "sessions), by turn: first (the program's first seen here) or returning", ["turn"],
+                        registry=None)
+PROGRAM_PROMPT_TOKENS = Counter("ferry_scheduler_program_prompt_tokens_total", "Prompt tokens of named programs' "
+                                "turns, by turn (first, returning) and source: cached (the chosen instance's held "
+                                "prefix, as the prefix index had it at dispatch; prefix-blind policies look none "
+                                "up) or computed", ["turn", "source"], registry=None)
+
+
+def program_turn(turns: int, prompt_tokens: int, cached_tokens: int) -> None:
+    """A program's turn dispatched (``turns``: its count so far, this one included)."""
+    turn = "first" if turns == 1 else "returning"
+    PROGRAM_TURNS.labels(turn).inc()
+    PROGRAM_PROMPT_TOKENS.labels(turn, "cached").inc(cached_tokens)
+    PROGRAM_PROMPT_TOKENS.labels(turn, "computed").inc(prompt_tokens - cached_tokens)
 
 
 def order_done(result) -> None:
@@ -127,7 +143,8 @@ def export(svc) -> None:
     """Serve ``svc``'s metrics from this process's registry (one scheduler per
     process: a later call replaces the view read)."""
     if _VIEW.svc is None:
-        for m in (DISPATCH_SECONDS, DISPATCHES, ORDERS, MIGRATIONS, DOWNTIME, REPORT_LAG, _VIEW):
+        for m in (DISPATCH_SECONDS, DISPATCHES, ORDERS, MIGRATIONS, DOWNTIME, REPORT_LAG, PROGRAM_TURNS,
+                  PROGRAM_PROMPT_TOKENS, _VIEW):
             REGISTRY.register(m)
     _VIEW.svc = svc
     svc.view.listeners.append(ReportLag(svc.view))

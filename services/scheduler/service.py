@@ -28,6 +28,7 @@ from libs.common.policies.index import DispatchIndex
 from libs.common.instance_client import GrpcInstanceClients
 from libs.common.policies.base import affine
 from libs.common.policies.phases import Placement, count_placed, place
+from libs.common.programs import ProgramLedger
 from libs.common.server import Service
 from libs.common.types import Priority, Role
 from services.scheduler import metrics
@@ -188,7 +189,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if not view.synced.is_set():
             raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
-                              frozenset(request.exclude_instance_ids), affinity=request.affinity_instance_id)
+                              frozenset(request.exclude_instance_ids), affinity=request.affinity_instance_id,
+                              program_id=request.program_id)
         if self.svc.dispatcher.policy.uses_prefix and request.block_hashes:
             req = dataclasses.replace(req, prefix_blocks=len(request.block_hashes),
                                       hits=self.svc.prefix_hits(list(request.block_hashes), request.block_size))
@@ -199,6 +201,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise Unavailable("no live instance to dispatch to")
         count_placed(placed, req, lambda iid: view.records[iid].info.block_size, request.block_size, view.add_pending)
         rec = view.records[placed.prefill]
+        if request.program_id:
+            hit = req.hits.get(placed.prefill, 0) if rec.info.block_size == request.block_size else 0
+            cached = min(hit * rec.info.block_size, max(0, request.num_prompt_tokens - 1))
+            s = self.svc.programs.record(request.program_id, request.num_prompt_tokens, cached, time.time())
+            metrics.program_turn(s.turns, request.num_prompt_tokens, cached)
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
         reply = pb.DispatchReply(instance_id=placed.prefill, address=rec.info.address,
                                  policy=self.svc.dispatcher.name, run_priority=int(run))
@@ -274,6 +281,7 @@ class SchedulerService(Service):
         self.clients = GrpcInstanceClients()  # how its loops and RPCs reach the instances
         self.view.listeners.append(self._forget_gone)
         self.migrations_ordered = 0
+        self.programs = ProgramLedger()  # per program: turns, prompt tokens cached / computed (libs/common/programs.py)
         self.rescheduler = None
         self.launcher = None
         self.autoscaler = None

@@ -14,7 +14,7 @@ from services.instance.status import high_priority_headroom
 
 def test_registry_keeps_the_cli_names_in_order():
     assert policies.POLICY_NAMES == ("round_robin", "infaas++", "llumnix_base", "llumnix", "llumnix-v0",
-                                     "llumnix-prefix", "llmd-prefix", "dynamo-kv", "sglang-cache-aware")
+                                     "llumnix-prefix", "llmd-prefix", "dynamo-kv", "sglang-cache-aware", "continuum")
     assert all(policies.get(n).name == n for n in policies.POLICY_NAMES)
     with pytest.raises(ValueError, match="supported: round_robin"):
         policies.get("best")
@@ -34,7 +34,9 @@ def test_each_policy_says_how_it_dispatches_migrates_and_uses_priorities():
     for n in policies.POLICY_NAMES[5:]:
         p = policies.get(n)
         assert p.uses_prefix and p.select is not None
-        assert p.migrates == (n == "llumnix-prefix") and p.uses_priorities == (n == "llumnix-prefix")
+        ours = n in ("llumnix-prefix", "continuum")  # continuum: llumnix-prefix's dispatch and migration
+        assert p.migrates == ours and p.uses_priorities == ours
+        assert (p.program_ttl_s > 0) == (n == "continuum")  # its TTL pinning is the engines'
 
 
 def test_every_reader_lists_the_registry():

@@ -79,6 +79,7 @@ EFFECTS = {
     "chat_template_kwargs": f"{HERE}::test_chat_template_options_shape_the_prompt",
     "documents": f"{HERE}::test_chat_template_options_shape_the_prompt",
     "modalities": f"{HERE}::test_one_tier_and_one_grammar_backend",
+    "prompt_cache_key": "tests.e2e.test_programs::test_prompt_cache_key_and_the_session_header_reach_dispatch",
     # the Responses API's own
     "input": f"{NATIVE}::test_responses_text_instructions_and_formats",
     "instructions": f"{NATIVE}::test_responses_text_instructions_and_formats",

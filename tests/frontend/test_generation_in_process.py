@@ -60,7 +60,8 @@ class LocalRouter:
         self.view = SimpleNamespace(records=agents)
         self.dispatched: list[str] = []
 
-    async def dispatch(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None, affinity="") -> Dispatched:
+    async def dispatch(self, request_id, num_prompt_tokens, priority, exclude, token_ids=None, affinity="",
+                       program_id="") -> Dispatched:
         for iid, decode in self.plan:
             if iid not in exclude:
                 self.dispatched.append(iid)

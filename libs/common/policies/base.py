@@ -44,6 +44,10 @@ class DispatchRequest:
     # An instance this request should go to if it can take it (n > 1: where the
     # first choice computed the prompt the others share; "" = none).
     affinity: str = ""
+    # The program (an agent's session) this request is a turn of, as the
+    # client named it (prompt_cache_key or the x-session-id header; "" = none):
+    # what program-aware policies group turns by (issue 53).
+    program_id: str = ""
 
 
 def affine(views: list[InstanceView], req: DispatchRequest) -> str | None:
@@ -162,6 +166,11 @@ class Policy:
     # the first chosen by ``order_pick`` (libs/common/policies/migration.PICKS).
     order_max_requests: int = 0
     order_pick: str = ""
+    # Above 0: the instances pin a program's cached blocks this long after each
+    # of its turns (Continuum's TTL: services/instance/engine/core/pins.py,
+    # InstanceConfig.program_ttl_s); the simulator sets it on its engines,
+    # a live cluster's instances take --program-ttl-s.
+    program_ttl_s: float = 0.0
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:

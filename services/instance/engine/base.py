@@ -46,6 +46,9 @@ class EngineRequest:
     # commits (drop_request) or aborts (resume_request). An engine that cannot
     # hold leaves it running; the handoff then suspends it itself.
     hold_after_prefill: bool = False
+    # The program (an agent's session) it is a turn of (GenerateOrder.program_id; "" = none):
+    # kept with the request, carried by its migrations, in its stats.
+    program_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,8 @@ class EngineConfig:
     share_kv: bool = True
     # Automatic prefix caching (engine/core/prefix_cache.py; vLLM's own for vllm).
     prefix_caching: bool = True
+    # Continuum's TTL pinning (core/pins.py): a program's blocks stay pinned this long after its turn (0: off).
+    program_ttl_s: float = 0.0
     profile: str = "llama-7b-a10"  # sim engine: profile name or path
     seed: int = 0
     # A request's tokens (and logprobs) bit for bit independent of its batch, cache hits,

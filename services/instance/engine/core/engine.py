@@ -24,6 +24,7 @@ from services.instance.engine.base import (
 )
 from services.instance.engine.core.block_pool import BlockPool
 from services.instance.engine.core.executor import Executor, Sampled
+from services.instance.engine.core.pins import ProgramPins
 from services.instance.engine.core.probe import executor_works
 from services.instance.engine.core.prefix_engine import PrefixCaching
 from services.instance.engine.core.request import Request, RequestStatus
@@ -84,6 +85,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         self.guests: dict[str, Request] = {}
         self._seq = 0
         self._failed_steps = 0  # steps in a row where every request failed
+        # Continuum's TTL pinning of programs' blocks between turns (pins.py; off at ttl 0).
+        self.pins = ProgramPins(self.pool, config.program_ttl_s, clock)
 
     # --- static facts -------------------------------------------------------
     block_size = property(lambda self: self._block_size)
@@ -108,6 +111,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         req = Request(rid, list(request.prompt_token_ids), sp, request.priority, request.arrival_time,
                       output_token_ids=list(request.resume_token_ids), seq=self._seq)
         req.hold_after_prefill = request.hold_after_prefill
+        req.program_id = request.program_id
         self.executor.init_request(req)
         if request.resume_token_ids:
             self.executor.resume_sampler(req, len(request.resume_token_ids))
@@ -125,7 +129,14 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    def _expire_pins(self) -> None:
+        if len(self.pins):
+            # a program whose next turn is here: its blocks go back to the cache, where that turn's admission
+            # finds them (this step's), then holds them itself
+            self.pins.expire({r.program_id for r in self.requests.values() if r.program_id})
+
     def step(self) -> list[TokenOutput]:
+        self._expire_pins()
         self.scheduler.prefix_reuse = not self.executor.pipelined
         sched = self.scheduler.schedule()
         if sched.preempted:  # recomputed from scratch: a pipeline peer's part goes too
@@ -187,7 +198,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     @staticmethod
     def _final_stats(req: Request) -> dict:
         return {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
-                "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens}
+                "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens,
+                "program_id": req.program_id}
 
     # --- one request's failure fails that request only ----------------------------------
     def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -296,6 +308,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.executor.release_requests([req.request_id])
         self.scheduler.remove(req)
+        if req.program_id and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.pins.pin(req.program_id, req.block_ids[:req.num_cached_blocks])
         if req.block_ids:
             self.pool.free(req.block_ids)
         req.block_ids = []
@@ -305,6 +319,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
 
     # --- load -------------------------------------------------------------------
     def load(self) -> EngineLoad:
+        self._expire_pins()
         s = self.scheduler
         shared: set[int] = set()
         reqs = [RequestLoad(r.request_id, r.priority, state, self._own_blocks(r, shared), r.num_tokens)
@@ -340,7 +355,8 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             self._check_named(r)
             if (r.status is RequestStatus.SUSPENDED) == (r in queued):
                 raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
-        self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()])
+        self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()]
+                                  + self.pins.owned())
 
     def request_stats(self, request_id: str) -> dict:
         r = self.requests.get(request_id)
@@ -349,7 +365,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         return {"arrival_time": r.arrival_time, "first_token_time": r.first_token_time,
                 "num_preemptions": r.num_preemptions, "preemption_loss_ms": r.preemption_loss_ms,
                 "num_computed_tokens": r.num_computed_tokens, "num_tokens": r.num_tokens,
-                "prefix_hit_tokens": r.prefix_hit_tokens}
+                "prefix_hit_tokens": r.prefix_hit_tokens, "program_id": r.program_id}
 
     # --- migration hooks --------------------------------------------------------
     def _get(self, request_id: str) -> Request:
@@ -533,6 +549,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             num_migrations=r.num_migrations,
             num_computed_tokens=r.num_computed_tokens,
             extra=dict(r.extra),
+            program_id=r.program_id,
         )
 
     def install_request(self, state: RequestState, block_ids: list[int]) -> None:
@@ -557,6 +574,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         r.preemption_loss_ms = state.preemption_loss_ms
         r.num_migrations = state.num_migrations
         r.extra = dict(state.extra)
+        r.program_id = state.program_id
         self.executor.init_request(r)
         if state.rng_state:
             self.executor.set_rng_state(r, state.rng_state)
