@@ -137,3 +137,28 @@ def test_the_check_sees_an_upward_import(tmp_path, rel, source, bad):
     p = tmp_path / "m.py"
     p.write_text(source)
     assert upward_imports(rel, imports_of(p)) == bad
+
+
+# One implementation of each control loop and count (issue 52): where each is called from the
+# project's own code. A second caller is a decision to name here, not a copy that drifts.
+ONE_PLACE = {
+    "pair_migrations(": {"services/scheduler/rescheduler.py"},  # the rescheduling loop (live and simulated)
+    "add_pending(": {"libs/common/policies/phases.py"},  # count_placed: the one count of a placement
+    "backoff * 2": set(),  # no hand-written doubling backoff: libs/common/backoff.Reconnect
+}
+
+
+def callers(needle: str) -> set[str]:
+    out = set()
+    for p in _sources():
+        rel = p.relative_to(ROOT).as_posix()
+        for line in p.read_text().splitlines():
+            code = line.split("#", 1)[0]
+            if needle in code and not code.lstrip().startswith(("def ", "async def ")):
+                out.add(rel)
+    return out
+
+
+@pytest.mark.parametrize("needle", sorted(ONE_PLACE))
+def test_each_loop_and_count_has_one_implementation(needle):
+    assert callers(needle) <= ONE_PLACE[needle], f"{needle!r} called from {sorted(callers(needle))}"
