@@ -35,16 +35,19 @@ def test_the_preset_is_registered_with_the_release_rules():
 
 
 def test_v0_freeness_adds_one_to_the_divisor_when_a_request_waits():
-    assert v0_freeness(view("a", free=40, running=4)) == 10.0
-    assert v0_freeness(view("a", free=40, running=4, waiting=3, hol=15)) == (40 - 15) / 5
+    # the watermark: 1% of 100 blocks
+    assert v0_freeness(view("a", free=41, running=4)) == 10.0
+    assert v0_freeness(view("a", free=41, running=4, waiting=3, hol=15)) == (40 - 15) / 5
+    assert v0_freeness(view("a", total=1000, free=410, running=4)) == 100.0
     assert v0_freeness(view("a", free=0, running=0)) == float("inf")  # no request: the least loaded
     assert v0_freeness(view("a", free=50, running=1, terminating=True)) == float("-inf")
 
 
 def test_one_threshold_of_minus_three_for_sources_and_destinations():
-    # F: a = (2 - 12) / 2 = -5 (source), b = (4 - 0) / 2 = 2 (destination), c = -3 exactly (neither)
-    views = [view("a", free=2, running=1, waiting=1, hol=12), view("b", free=4, running=2),
-             view("c", free=0, running=1, waiting=1, hol=6)]
+    # F (1 block of watermark): a = (3 - 1 - 12) / 2 = -5 (source), b = (5 - 1) / 2 = 2 (destination),
+    # c = -3 exactly (neither)
+    views = [view("a", free=3, running=1, waiting=1, hol=12), view("b", free=5, running=2),
+             view("c", free=1, running=1, waiting=1, hol=6)]
     assert v0_freeness(views[2]) == -3.0
     assert pairs(views) == [("a", "b")]
     # the current llumnix_base pairs none of them: b is below its in-threshold of 20
@@ -53,21 +56,21 @@ def test_one_threshold_of_minus_three_for_sources_and_destinations():
 
 
 def test_a_preempted_request_waiting_makes_a_source_and_rules_out_a_destination():
-    # a is roomy (F = 30) but has a preempted request waiting: a source; b is roomier, none preempted.
+    # a is roomy (F = 89 / 3) but has a preempted request waiting: a source; b is roomier, none preempted.
     views = [view("a", free=90, running=2, waiting=1, hol=0, preempted=1), view("b", free=95, running=1),
              view("c", free=99, running=1, preempted=1)]
-    # c (F = 99) is a source too (preempted), left unpaired, and no destination though the freest
+    # c (F = 98) is a source too (preempted), left unpaired, and no destination though the freest
     assert pairs(views) == [("a", "b")]
     # without the rule (llumnix_base's pairing at -3/-3), nobody is a source
     assert pairs(views, policies.get("llumnix_base")) == []
 
 
 def test_pairing_has_no_queue_or_pending_conditions_on_destinations():
-    views = [view("a", free=0, running=4, waiting=1, hol=20),  # F = -4
-             view("b", free=60, running=2, waiting=1, hol=4),  # a queue of its own, F = 56 / 3
-             view("c", free=30, running=1, pending_reqs=2)]  # dispatches pending, F = 30
+    views = [view("a", free=0, running=4, waiting=1, hol=20),  # F = (0 - 1 - 20) / 5 = -4.2
+             view("b", free=60, running=2, waiting=1, hol=4),  # a queue of its own, F = 55 / 3
+             view("c", free=30, running=1, pending_reqs=2)]  # dispatches pending, F = 29
     assert pairs(views) == [("a", "c")]  # most loaded source with the least loaded destination
-    views.append(view("d", free=1, running=1, waiting=1, hol=20))  # F = -9.5, the most loaded
+    views.append(view("d", free=1, running=1, waiting=1, hol=20))  # F = -10, the most loaded
     assert pairs(views) == [("d", "c"), ("a", "b")]
 
 

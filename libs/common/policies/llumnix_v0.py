@@ -9,9 +9,10 @@ the release has it:
   MigrateLoadComputation, "consumed_speed" with prefill migration): the
   load is ``-(free blocks - watermark - the first waiting request's blocks)
   / (running + 1 if any request waits)``, and ``-inf`` with no request at
-  all. Ferry counts the freeness, its negation: ``v0_freeness``. vLLM's
-  watermark (1% of the blocks, an admission reserve) is left out: Ferry's
-  engines keep none. No pending dispatches: the release counts none.
+  all. Ferry counts the freeness, its negation: ``v0_freeness``. The
+  watermark is vLLM's default, 1% of the blocks (vLLM 0.4.2 CacheConfig,
+  ``watermark=0.01``; Ferry's engines keep the same, EngineConfig.watermark,
+  but do not report it). No pending dispatches: the release counts none.
 - **One threshold, -3, for sources and destinations**
   (global_scheduler/migration_scheduler.py, PrefillConstrained: sources have
   load > migrate_out_threshold = 3, destinations load < 3): freeness below
@@ -49,19 +50,21 @@ from libs.common.policies.freeness import base_dispatch_key, base_dispatch_terms
 from libs.common.policies.migration import LAST_RUNNING
 
 THRESHOLD = -3.0  # the release's migrate_out_threshold (3.0) on the load, which is -freeness
+WATERMARK = 0.01  # vLLM's block-manager watermark, a fraction of the blocks
 
 
 def v0_freeness(v: InstanceView) -> float:
-    """The release's migration load, negated: (free blocks - the head of
-    line's demand) / (running + 1 if a request waits); +inf with no request
-    (load -inf), -inf while terminating."""
+    """The release's migration load, negated: (free blocks - the watermark
+    - the head of line's demand) / (running + 1 if a request waits); +inf
+    with no request (load -inf), -inf while terminating."""
     s = v.status
     if s.terminating:
         return float("-inf")
     n = s.num_running + (1 if s.num_waiting else 0)
     if n == 0:
         return float("inf")
-    return (s.free_blocks - s.head_of_line_demand_blocks) / n
+    watermark = int(WATERMARK * s.total_blocks)
+    return (s.free_blocks - watermark - s.head_of_line_demand_blocks) / n
 
 
 POLICY = Policy("llumnix-v0", "Llumnix's first release: freeness dispatch; migration at -3, LCFS, one per pair",
