@@ -4,7 +4,8 @@ same work without it, taking turns in one run.
 - **grammar, decode**: a batch (``--batch``) of requests decoding
   ``--output-len`` tokens on the native engine, each under a JSON-schema
   grammar (a string field long enough never to close) or under none; output
-  tokens per second, the median of the rounds' ratios;
+  tokens per second, the median of the rounds' ratios (the engine's prefix cache off
+  for both parts: a round's two runs share their prompts but for the last token);
 - **grammar, TTFT**: one request's time to its first token with a grammar
   already compiled (the engine's xgrammar cache) against none;
 - **n**: through a one-instance cluster (frontend, scheduler, native
@@ -38,7 +39,9 @@ def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_l
     bs = default_block_size("cpu", dtype)
     eng = create_engine(EngineConfig(engine="native", model=model, dtype=dtype, block_size=bs,
                                      num_blocks=batch * -(-(prompt_len + output_len) // bs) + 16,
-                                     extra={"warmup": True}))
+                                     # off: the two runs of a round share all but their prompts' last token, and the
+                                     # second one's prefix-cache hits made it the faster whichever it was
+                                     prefix_caching=False, extra={"warmup": True}))
     vocab = eng.model_config.vocab_size
     grammar = Grammar(GrammarKind.JSON, STRING_SCHEMA)
 

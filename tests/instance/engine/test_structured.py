@@ -143,3 +143,29 @@ def test_tokens_are_those_alone_whatever_moved_the_request(engines, tok, alone, 
               for r, kind in zip(reqs, kinds * len(reqs))}
     got = _run(engines[1], reqs, engines[2], events)
     assert got == {r.request_id: alone[r.request_id] for r in reqs}
+
+
+def test_the_bans_are_exactly_what_xgrammar_masks():
+    """logits.grammar_bans (numpy's unpacking of the packed bitmask) bans what
+    xgrammar's own apply masks, row by row, at a grammar's start and inside a
+    string, for a vocabulary that is not a multiple of 32."""
+    import xgrammar as xgr
+
+    from services.instance.engine.native.logits import NEG_INF, grammar_bans
+
+    vocab = 1000
+    info = xgr.TokenizerInfo([f"t{i}" if i % 7 else f'"{i}' for i in range(vocab)], vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info).compile_regex(r'"[0-9]+t[0-9]"')
+    fresh, inside = xgr.GrammarMatcher(compiled), xgr.GrammarMatcher(compiled)
+    assert inside.accept_token(7)  # '"7': into the digits
+    matchers = [fresh, inside]
+    logits = torch.randn(2, vocab)
+    want = logits.clone()
+    bits = xgr.allocate_token_bitmask(2, vocab)
+    for j, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bits, j)
+    xgr.apply_token_bitmask_inplace(want, bits)
+    banned = grammar_bans(matchers, vocab)
+    assert banned.shape == (2, vocab) and banned.dtype == torch.bool
+    assert torch.equal(logits.masked_fill(banned, NEG_INF), want)
+    assert 0 < int((~banned[0]).sum()) < vocab and not torch.equal(banned[0], banned[1])

@@ -3,7 +3,7 @@ library vLLM and SGLang use): a request's Grammar (libs/common/types.py) is
 compiled once per engine and spec (xgrammar's compiler caches it: 11 ms cold
 for a small JSON schema on SmolLM2's 49,152 tokens, 0.1 ms again), and each
 request gets its own matcher, which masks what may come next
-(logits.grammar_masks) and accepts each sampled token.
+(logits.grammar_bans) and accepts each sampled token.
 
 A matcher is a function of the grammar and the tokens accepted so far, so a
 request that migrated, was handed off, preempted or resumed gets a new one

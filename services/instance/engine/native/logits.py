@@ -41,8 +41,11 @@ def process(logits: torch.Tensor, reqs: list[Request]) -> None:
         return
     grammar_rows = [i for i in rows if reqs[i].grammar_matcher is not None]
     if grammar_rows:
-        allowed = grammar_masks([reqs[i].grammar_matcher for i in grammar_rows], logits.shape[-1])
-        logits[grammar_rows] = logits[grammar_rows].masked_fill(~allowed.to(logits.device), NEG_INF)
+        banned = grammar_bans([reqs[i].grammar_matcher for i in grammar_rows], logits.shape[-1]).to(logits.device)
+        if len(grammar_rows) == logits.shape[0]:  # every row: in place, no gather and scatter of the rows
+            logits.masked_fill_(banned, NEG_INF)
+        else:
+            logits[grammar_rows] = logits[grammar_rows].masked_fill(banned, NEG_INF)
     for i in rows:
         r, sp, row = reqs[i], reqs[i].sampling, logits[i]
         if sp.allowed_token_ids:
@@ -81,16 +84,18 @@ def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def grammar_masks(matchers, vocab: int) -> torch.Tensor:
-    """[rows, vocab] bool: what each grammar matcher allows next (its packed
-    bitmask unpacked with torch: xgrammar's CPU apply took 0.27 ms a row)."""
+def grammar_bans(matchers, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool: True where a row's grammar matcher does not allow
+    the token next. Its packed bitmask (bit k of word w: token 32w + k) is
+    inverted and unpacked by numpy, little-endian, and viewed as bool: 0.19 ms
+    for 32 rows of SmolLM2's vocabulary, where torch's shifts took 2 ms and
+    xgrammar's CPU apply 0.27 ms a row."""
+    import numpy as np
     import xgrammar as xgr
 
     words = (vocab + 31) // 32
     bits = xgr.allocate_token_bitmask(len(matchers), words * 32)
     for j, m in enumerate(matchers):
         m.fill_next_token_bitmask(bits, j)
-    return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(len(matchers), -1)[:, :vocab].bool()
+    unpacked = np.unpackbits(np.invert(bits.numpy()).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(unpacked).view(torch.bool)
