@@ -29,7 +29,7 @@ from libs.common import cpu_features
 from services.instance.engine import create_engine, vllm_kernels
 from services.instance.engine.base import EngineConfig, EngineError, EngineRequest
 from libs.common.types import SamplingParams
-from tests.instance.engine.helpers import migrate
+from tests.instance.engine.helpers import deterministic_or_skip, migrate
 
 pytestmark = pytest.mark.model
 
@@ -53,7 +53,8 @@ def engines(request):
     dt = request.param
     # ref: the request alone (one prefill chunk, nothing beside it); a and b: the scenario's
     # two engines, small enough that others make the target wait and be preempted.
-    return {"dtype": dt, "ref": _engine(dt, 64), "a": _engine(dt, 40), "b": _engine(dt, 40)}
+    return deterministic_or_skip(lambda: {"dtype": dt, "ref": _engine(dt, 64), "a": _engine(dt, 40),
+                                          "b": _engine(dt, 40)})
 
 
 @dataclass
@@ -217,3 +218,20 @@ def test_every_lower_cpu_kind_it_can_run(cap):
                               os.path.abspath(__file__))))))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
+
+
+def test_a_refusal_of_the_mode_on_this_cpu_skips_and_any_other_error_fails():
+    from tests.instance.engine.helpers import NOT_HERE
+
+    def refused():
+        raise EngineError(NOT_HERE[0] + " (AVX-512 with AMX, 2 threads): projection 1536 x 576 differs")
+
+    with pytest.raises(pytest.skip.Exception, match="refused on this CPU"):
+        deterministic_or_skip(refused)
+
+    def broken():
+        raise EngineError("the deterministic mode needs blocks of a multiple of 32 positions")
+
+    with pytest.raises(EngineError):
+        deterministic_or_skip(broken)
+    assert deterministic_or_skip(lambda: 7) == 7

@@ -17,6 +17,7 @@ from tests.instance.engine.helpers import (
     LOGPROB_NOISE,
     assert_bounded_divergence,
     collect,
+    deterministic_or_skip,
     exact,
     migrate,
     req,
@@ -66,8 +67,8 @@ def test_tokens_equal_the_cache_off(make_engine, base, name, sampling, dtype, de
     prompt, hit = c[name]
     outs = {}
     for caching in (True, False):
-        e = make_engine("native", num_blocks=64, block_size=bs, dtype=dtype, prefix_caching=caching,
-                        deterministic=deterministic)
+        e = deterministic_or_skip(lambda caching=caching: make_engine(
+            "native", num_blocks=64, block_size=bs, dtype=dtype, prefix_caching=caching, deterministic=deterministic))
         e.add_request(req("first", first, max_tokens=4, min_tokens=4, **sampling))
         run(e)
         e.add_request(req("second", prompt, max_tokens=N, min_tokens=N, logprobs=5, **sampling))

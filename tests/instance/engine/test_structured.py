@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from libs.common.types import Grammar, GrammarKind, SamplingParams
 from services.instance.engine import create_engine, vllm_kernels
 from services.instance.engine.base import EngineConfig, EngineRequest
-from tests.instance.engine.helpers import migrate
+from tests.instance.engine.helpers import deterministic_or_skip, migrate
 
 pytestmark = pytest.mark.model
 
@@ -60,7 +60,8 @@ def _engine(num_blocks: int):
 def engines():
     if vllm_kernels.ops() is None:
         pytest.skip("the deterministic mode needs vLLM's CPU kernels (the vllm extra)")
-    return _engine(900), _engine(900), _engine(900)  # 200 requests of 3-8 blocks, all on one engine at the end
+    # 200 requests of 3-8 blocks, all on one engine at the end
+    return deterministic_or_skip(lambda: (_engine(900), _engine(900), _engine(900)))
 
 
 @pytest.fixture(scope="module")
