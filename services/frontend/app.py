@@ -164,9 +164,14 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
     async def tokenize(body: TokenizeRequest):
         """vLLM's /tokenize: a prompt or chat messages -> token ids."""
         if body.messages is not None:
-            ids = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                add_generation_prompt=body.add_generation_prompt,
-                                                continue_final_message=body.continue_final_message)
+            try:
+                ids = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                                    add_generation_prompt=body.add_generation_prompt,
+                                                    continue_final_message=body.continue_final_message)
+            except Exception as e:  # noqa: BLE001 - the template is a program over the client's messages
+                # as for a chat completion (completions.prepare): its refusal is the request's problem
+                raise InvalidArgument(f"the model's chat template cannot format these messages: {e}",
+                                      param="messages") from e
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": max_len(), "tokens": ids}

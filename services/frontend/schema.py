@@ -325,7 +325,7 @@ class TokenizeRequest(_Body):
 
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -288,6 +288,9 @@ def test_tokenize_and_detokenize(cluster, hf):
     assert d["prompt"] == "Hello world"
     bad = httpx.post(f"{cluster.url}/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    # no messages: a 400 naming them (the HTTP fuzzer found a 500 here)
+    r = httpx.post(f"{cluster.url}/tokenize", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"] + str(r.json()["error"]["param"]), r.text
 
 
 def test_image_parts_are_refused_saying_why(client):
