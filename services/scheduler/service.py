@@ -199,10 +199,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         placed = self.svc.place(req)
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
-        count_placed(placed, req, lambda iid: view.records[iid].info.block_size, request.block_size, view.add_pending)
+        hit = count_placed(placed, req, lambda iid: view.records[iid].info.block_size, request.block_size,
+                           view.add_pending)
         rec = view.records[placed.prefill]
         if request.program_id:
-            hit = req.hits.get(placed.prefill, 0) if rec.info.block_size == request.block_size else 0
             cached = min(hit * rec.info.block_size, max(0, request.num_prompt_tokens - 1))
             s = self.svc.programs.record(request.program_id, request.num_prompt_tokens, cached, time.time())
             metrics.program_turn(s.turns, request.num_prompt_tokens, cached)

@@ -116,15 +116,17 @@ def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchReques
 
 
 def count_placed(placed: Placement, req: DispatchRequest, block_size_of: Callable[[str], int], hashed_at: int,
-                 add_pending: Callable[[str, str, int], None]) -> None:
+                 add_pending: Callable[[str, str, int], None]) -> int:
     """What a placement takes until its instances report the request, the one
     count of the scheduler's Dispatch, the frontend's bypass and the
     simulator: the prefill instance the prompt's blocks net of the prefix it
     holds (where the prompt was hashed at that instance's block size:
     ``hashed_at``), the decode instance the prompt and its first token.
-    ``add_pending(instance, request, blocks)``: the view's."""
+    ``add_pending(instance, request, blocks)``: the view's. Returns the
+    prompt's blocks the prefill instance holds, as counted."""
     bs = block_size_of(placed.prefill)
     hit = req.hits.get(placed.prefill, 0) if bs == hashed_at else 0
     add_pending(placed.prefill, req.request_id, demand_blocks(req.num_prompt_tokens, bs, hit))
     if placed.decode is not None:
         add_pending(placed.decode, req.request_id, demand_blocks(req.num_prompt_tokens + 1, block_size_of(placed.decode)))
+    return hit
