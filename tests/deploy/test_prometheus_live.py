@@ -150,7 +150,7 @@ def live(tmp_path_factory):
         _wait("Prometheus to scrape all six processes", all_up)
         start = time.time()
         cluster = json.loads((state / "cluster.json").read_text())
-        asyncio.run(_load(cluster, port, Prom(url)))
+        asyncio.run(_load(cluster, port, Prom(url), start))
         time.sleep(3)  # the last scrapes and evaluations
         yield Prom(url), start, time.time()
     finally:
@@ -172,22 +172,22 @@ def _committed(prom: "Prom") -> tuple[float, float]:
     return (total("ferry_migration_downtime_seconds_count"), total("ferry_scheduler_migration_downtime_seconds_count"))
 
 
-async def _until_the_scheduler_migrates(complete, prom: "Prom", waves: int = 4) -> None:
-    """When the scheduler migrates depends on how the requests' ends fall, so on the machine's speed:
-    waves of long and short requests mixed (the short ones leave the instances unequal) until the
-    instances and the scheduler have each counted a committed migration, a few waves at most."""
+async def _load_until(what: str, done, complete, waves: int = 4) -> None:
+    """When the scheduler migrates, or an instance's KV cache is full while requests wait there, depends
+    on how the requests' ends fall, so on the machine's speed: waves of long and short requests mixed
+    (the short ones leave the instances unequal) until ``done()`` holds, a few waves at most."""
     for wave in range(waves):
         await asyncio.sleep(2)  # the last scrape
-        if all(_committed(prom)):
+        if done():
             return
         lengths = [300 if i % 3 == 0 else 40 for i in range(12)]
-        got = await asyncio.gather(*[complete("z" * 380 + f"{wave}-{i}", n) for i, n in enumerate(lengths)])
+        got = await asyncio.gather(*[complete("z" * 380 + f"{what[:3]}{wave}-{i}", n) for i, n in enumerate(lengths)])
         assert got == [200] * 12, got
     await asyncio.sleep(2)
-    assert all(_committed(prom)), f"no committed migration counted (instances, scheduler): {_committed(prom)}"
+    assert done(), f"not seen after {waves} waves of load: {what}"
 
 
-async def _load(cluster: dict, port: int, prom: "Prom") -> None:
+async def _load(cluster: dict, port: int, prom: "Prom", start: float) -> None:
     base = f"http://127.0.0.1:{port}"
     creds = rpc.Credentials(token=pathlib.Path(cluster["token_file"]).read_text().strip())
     async with httpx.AsyncClient(base_url=base, timeout=120) as http:
@@ -209,7 +209,11 @@ async def _load(cluster: dict, port: int, prom: "Prom") -> None:
         work += [complete("x" * 380 + str(i), 300) for i in range(12)]
         statuses = await asyncio.gather(failing(), *work)
         assert statuses[0] == [500] * 10 and statuses[1:] == [200] * 72, statuses
-        await _until_the_scheduler_migrates(complete, prom)
+        await _load_until("a committed migration counted by the instances and by the scheduler",
+                          lambda: all(_committed(prom)), complete)
+        exhausted = _rule_expressions()["FerryKvCacheExhausted"]
+        await _load_until("an instance's KV cache full while requests wait there",
+                          lambda: prom.finite(exhausted, start, time.time()), complete)
         # An instance killed: it stays in the view (long TTL), so migrations ordered to it abort, its
         # scrape fails and its status ages; dispatches to it resume elsewhere.
         await _kill_and_migrate_to_it(http, creds, cluster)
