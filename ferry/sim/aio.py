@@ -15,7 +15,7 @@ the scheduler's migrate-out orders are the manager's (scheduler.py), and a
 Splitwise handoff is the manager's Handoffs, planned when the request enters
 the prefill instance, as the live agent does (run.py ``_generate``).
 KunServe's groups are formed and restored by the scheduler's live
-KunServeLoop on this loop; its Instance RPCs reach simulated stubs
+KunServeLoop on this loop; its instance clients are simulated members
 (kunserve.py ``SimPipeline``) whose engine calls go through a SimRunner.
 """
 

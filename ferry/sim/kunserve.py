@@ -6,15 +6,16 @@ The controller is the scheduler's live one: ``KunServeLoop``
 (services/scheduler/kunserve.py, its tick, forecast, planning, forming and
 restoring over the Instance RPCs), running on the cluster's SimLoop
 (ferry/sim/aio.py) with the SimScheduler as its view (``views()``,
-``address()``), the kernel's clock, and for each instance a ``SimPipeline``
-stub: the simulator's execution model of the instance side
-(services/instance/kunserve.py ``PipelineHost``):
+``address()``), the kernel's clock, and for each instance a ``SimPipeline``,
+the InstanceClient (libs/common/instance_client.py) of a simulated instance
+(ferry/sim/control.py ``SimClient``) with the simulator's execution model of
+the instance side of KunServe (services/instance/kunserve.py ``PipelineHost``):
 
-- **DropLayers** (§4.1, §4.3): the member's KV pool grows by the dropped
+- **drop_layers** (§4.1, §4.3): the member's KV pool grows by the dropped
   layers' parameter memory at its next step boundary (``grow_blocks``
   through the engine-call mechanism, ``SimRunner``). ``prepare`` does
   nothing; ``hold`` is not modelled (the member steps on until it enters).
-- **SetPipeline, entering** (§4.2): the member's steps run as a pipeline
+- **set_pipeline, entering** (§4.2): the member's steps run as a pipeline
   stage. Its micro-batches pass through all k stages; ideally a group of k
   serves the union of its members' batches with the same compute, so a
   step takes what its own batch takes, plus k-1 activation hops (``hop_ms``);
@@ -24,10 +25,10 @@ stub: the simulator's execution model of the instance side
   (k-1)/k of the running requests' KV moves to the peers (the largest
   member's share over the profile's link), steps run ``1 +
   remote_attention_overhead`` times slower (remote attention).
-- **RestoreLayers** (§4.2): the pool shrinks back by those layers' blocks
+- **restore_layers** (§4.2): the pool shrinks back by those layers' blocks
   (blocks in use are retired as they are freed: the call waits until they
   are), then the parameters come back over ``reload_gbps``.
-- **SetPipeline, leaving** (own = every layer, no peers): the remote share of
+- **set_pipeline, leaving** (own = every layer, no peers): the remote share of
   the KV comes back over ``reload_gbps``, then the member steps alone again.
 
 Each call also pays half a round trip each way (``Delays.rpc_s``).
@@ -57,9 +58,10 @@ import asyncio
 from dataclasses import asdict, dataclass
 
 from ferry.sim.aio import SimRunner
+from ferry.sim.control import SimClient
 from ferry.sim.instance import SimInstance
 from libs.common.policies.kunserve import buddy_group
-from libs.pb import instance_pb2 as ipb
+from libs.common.types import LayerChange
 from services.scheduler.kunserve import KunServeConfig, KunServeLoop
 
 
@@ -104,29 +106,26 @@ def layer_blocks(profile) -> int:
     return int(profile.param_bytes / profile.num_layers // per_block)
 
 
-class SimPipeline:
-    """One simulated instance's KunServe RPCs, as the live Instance stub's
-    (async, a protobuf request and ``timeout`` in, the reply out): the
+class SimPipeline(SimClient):
+    """One simulated instance's client, its KunServe calls run by the
     execution model of the module doc on the SimInstance."""
 
     def __init__(self, ks: "KunServe", inst: SimInstance):
+        super().__init__(ks.c, inst.instance_id)
         self.ks, self.inst = ks, inst
         self.runner = SimRunner(inst, ks.c.loop)
         self.size = 1  # the group's members, this one included (1: alone)
         self.exchange_until = 0.0
 
-    async def _rpc(self) -> None:
-        await asyncio.sleep(self.ks.c.delays.rpc_s / 2)
-
     def _event(self, event: str, **kw) -> None:
         self.ks.member_log.append({"t": self.ks.k.now - self.ks.c.t0, "member": self.inst.instance_id,
                                    "event": event, **kw})
 
-    async def _call(self, name: str, fn, req):
+    async def _call(self, name: str, fn, *args):
         try:
-            await self._rpc()
-            reply = await fn(req)
-            await self._rpc()
+            await self._hop()
+            reply = await fn(*args)
+            await self._hop()
             return reply
         except asyncio.CancelledError:
             raise
@@ -134,46 +133,45 @@ class SimPipeline:
             self.ks.errors.append(f"{self.inst.instance_id} {name}: {e!r}")
             raise
 
-    async def DropLayers(self, req: ipb.DropLayersRequest, timeout: float | None = None) -> ipb.DropLayersReply:
-        return await self._call("DropLayers", self._drop, req)
+    async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
+        return await self._call("drop_layers", self._drop, layers, prepare)
 
-    async def SetPipeline(self, req: ipb.SetPipelineRequest, timeout: float | None = None) -> ipb.SetPipelineReply:
-        return await self._call("SetPipeline", self._set_pipeline, req)
+    async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False) -> int:
+        return await self._call("set_pipeline", self._set_pipeline, own, list(peers))
 
-    async def RestoreLayers(self, req: ipb.RestoreLayersRequest,
-                            timeout: float | None = None) -> ipb.RestoreLayersReply:
-        return await self._call("RestoreLayers", self._restore, req)
+    async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
+        return await self._call("restore_layers", self._restore, layers)
 
     # --- the model --------------------------------------------------------------------------
-    def _blocks(self, layers: ipb.LayerRange) -> int:
-        return (layers.stop - layers.start) * self.ks.layer_blocks
+    def _blocks(self, layers: range) -> int:
+        return len(layers) * self.ks.layer_blocks
 
-    async def _drop(self, req: ipb.DropLayersRequest) -> ipb.DropLayersReply:
+    async def _drop(self, layers: range, prepare: bool) -> LayerChange:
         pool = self.inst.engine.pool
-        if req.prepare:
-            return ipb.DropLayersReply(blocks_added=0, total_blocks=pool.capacity)
-        n = self._blocks(req.layers)
+        if prepare:
+            return LayerChange(0, pool.capacity)
+        n = self._blocks(layers)
         total = await self.runner.call(self.inst.engine.grow_blocks, n)
         self.ks.lent += n
         self._event("drop", blocks=n)
-        return ipb.DropLayersReply(blocks_added=n, total_blocks=total)
+        return LayerChange(n, total)
 
-    async def _set_pipeline(self, req: ipb.SetPipelineRequest) -> ipb.SetPipelineReply:
+    async def _set_pipeline(self, own: range, peers: list[tuple[range, str]]) -> int:
         moved = len(self.inst.engine.requests)
-        if req.peers:
-            members = [self.inst] + [self.ks.c.instances[p.address] for p in req.peers]
+        if peers:
+            members = [self.inst] + [self.ks.c.instances[address] for _, address in peers]
             exchange_s = self.ks.exchange_s(members)
             self._event("enter", size=len(members), exchange_s=exchange_s)
             await self.runner.call(self._enter, len(members), exchange_s)
-            return ipb.SetPipelineReply(requests_moved=moved)
-        if req.own.start != 0 or req.own.stop != self.ks.num_layers:
-            raise ValueError(f"SetPipeline alone with layers {req.own.start}-{req.own.stop} of {self.ks.num_layers}")
+            return moved
+        if own != range(self.ks.num_layers):
+            raise ValueError(f"set_pipeline alone with layers {own.start}-{own.stop} of {self.ks.num_layers}")
         k = self.size
         back_s = self.inst.engine.pool.num_used * (k - 1) / k * self.ks.bytes_per_block / self.ks.reload_bytes_per_s
         await asyncio.sleep(back_s)  # the remote KV back, while the member steps on in the pipeline
         await self.runner.call(self._leave)
         self._event("leave", kv_back_s=back_s)
-        return ipb.SetPipelineReply(requests_moved=moved if k > 1 else 0)
+        return moved if k > 1 else 0
 
     def _enter(self, size: int, exchange_s: float) -> None:
         """Between steps: the member's steps run as a pipeline stage."""
@@ -196,8 +194,8 @@ class SimPipeline:
             out *= 1.0 + p.remote_attention_overhead
         return out
 
-    async def _restore(self, req: ipb.RestoreLayersRequest) -> ipb.RestoreLayersReply:
-        n = self._blocks(req.layers)
+    async def _restore(self, layers: range) -> LayerChange:
+        n = self._blocks(layers)
         pool = self.inst.engine.pool
         await self.runner.call(pool.shrink, n)
         while pool.shrinking:  # blocks in use are retired as their requests free them
@@ -206,7 +204,7 @@ class SimPipeline:
         await asyncio.sleep(reload_s)
         self.ks.lent -= n
         self._event("restore", blocks=n, reload_s=reload_s)
-        return ipb.RestoreLayersReply(blocks_returned=n, total_blocks=pool.capacity)
+        return LayerChange(n, pool.capacity)
 
 
 class KunServe:
@@ -222,23 +220,27 @@ class KunServe:
         self.num_layers = self.profile.num_layers
         self.bytes_per_block = self.profile.kv_bytes_per_token * self.profile.block_size
         self.reload_bytes_per_s = params.reload_gbps * 1e9 / 8
-        self.stubs: dict[str, SimPipeline] = {}
-        self.member_log: list[dict] = []  # what the stubs did, member by member
-        self.errors: list[str] = []  # stub calls that failed (none on a sound run)
+        self.pipelines: dict[str, SimPipeline] = {}
+        self.member_log: list[dict] = []  # what the members did, one by one
+        self.errors: list[str] = []  # KunServe calls that failed (none on a sound run)
         self.lent = 0  # blocks lent by dropped layers now
         self.static = bool(params.static_group_size)
         with cluster.loop.running():
             self.loop = KunServeLoop(cluster.scheduler, params.config(self.num_layers, self.layer_blocks),
-                                     stub_for=self.stub_for, clock=lambda: self.k.now)
+                                     clients=self, clock=lambda: self.k.now)
             if self.static:
                 cluster.loop.create_task(self._static_groups())
             else:
                 self.loop.start()
 
-    def stub_for(self, address: str) -> SimPipeline:
-        if address not in self.stubs:
-            self.stubs[address] = SimPipeline(self, self.c.instances[address])
-        return self.stubs[address]
+    def __call__(self, instance_id: str, address: str) -> SimPipeline:
+        """The loop's instance clients (libs/common/instance_client.InstanceClients)."""
+        if instance_id not in self.pipelines:
+            self.pipelines[instance_id] = SimPipeline(self, self.c.instances[instance_id])
+        return self.pipelines[instance_id]
+
+    def forget(self, instance_id: str) -> None:
+        self.pipelines.pop(instance_id, None)
 
     async def _static_groups(self) -> None:
         """Groups of ``static_group_size`` in instance order, formed by the
@@ -261,7 +263,7 @@ class KunServe:
     # --- results -------------------------------------------------------------------------------
     def summary(self) -> dict:
         """From the live loop's log (its wall-clock timings left out: the same
-        options give the same summary) and the stubs'."""
+        options give the same summary) and the members'."""
         t0 = self.c.t0
         log = [{"t": e["t"] - t0, "event": e["event"], "members": e["members"],
                 **({"freed_blocks": e["freed_blocks"]} if "freed_blocks" in e else {})} for e in self.loop.log]

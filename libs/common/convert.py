@@ -361,3 +361,12 @@ def order_result_to_pb(r: OrderResult) -> ipb.MigrateOutReply:
 
 def order_result_from_pb(m: ipb.MigrateOutReply) -> OrderResult:
     return OrderResult(m.started, m.committed, m.aborted, [outcome_from_pb(r) for r in m.results])
+
+
+# --- KunServe's layer ranges (DropLayers, SetPipeline, RestoreLayers)
+def layers_to_pb(r: range) -> ipb.LayerRange:
+    return ipb.LayerRange(start=r.start, stop=r.stop)
+
+
+def layers_from_pb(m: ipb.LayerRange) -> range:
+    return range(m.start, m.stop)

@@ -1,8 +1,8 @@
 """How the control plane reaches an instance: one client protocol on domain
 types (libs/common/types.py), so that the scheduler's loops (the autoscaler
-and the rescheduler here; KunServe's monitor next) run the same code against
+the rescheduler and KunServe's monitor) run the same code against
 instance processes over gRPC and against the simulator's instances on its
-virtual clock (ferry/sim/run.py's clients).
+virtual clock (ferry/sim/control.py's clients).
 
 ``InstanceClients`` gives the client of an instance by its id and address;
 ``GrpcInstanceClients`` keeps one channel per address (libs/common/rpc.py,
@@ -12,6 +12,7 @@ dialled and closed per call. A failure is a FerryError (errors.from_grpc)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
@@ -20,7 +21,11 @@ from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import convert, rpc
 from libs.common.errors import from_grpc
-from libs.common.types import InstanceStatus, MigrateOutOrder, OrderResult, Role
+from libs.common.types import InstanceStatus, LayerChange, MigrateOutOrder, OrderResult, Role
+
+# KunServe's calls move a layer range's weights and KV between instances: minutes at worst, never
+# forever (a member that stopped answering fails the call, which the monitor retries).
+LAYERS_TIMEOUT_S = 300.0
 
 
 class InstanceClient(Protocol):
@@ -35,6 +40,23 @@ class InstanceClient(Protocol):
         requests move to ``drain_to`` ((id, address), in order). Returns (the
         role before, requests it started to move)."""
 
+    async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
+        """Run the order's migrations (libs/common/policies/migration) and answer when they ended."""
+
+    # KunServe (services/instance/kunserve.py, docs/kunserve.md)
+    async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
+        """Give the parameter memory of ``layers`` to the KV pool; ``hold``:
+        take no step until set_pipeline; ``prepare``: only make the grown
+        storage now (the next drop of the same layers uses it)."""
+
+    async def set_pipeline(self, own: range, peers: Sequence[tuple[range, str]] = (),
+                           pause_exchange: bool = False) -> int:
+        """Run ``own`` and the rest on ``peers`` ((layers, address)); every
+        layer and no peers: alone again. Returns the requests whose KV moved."""
+
+    async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
+        """Take ``layers`` back from the instance at ``from_address``."""
+
 
 class InstanceClients(Protocol):
     def __call__(self, instance_id: str, address: str) -> InstanceClient: ...
@@ -44,10 +66,12 @@ class InstanceClients(Protocol):
 
 
 class GrpcInstanceClient:
-    def __init__(self, stub: ipb_grpc.InstanceStub, timeout_s: float = 5.0, order_timeout_s: float = 60.0):
+    def __init__(self, stub: ipb_grpc.InstanceStub, timeout_s: float = 5.0, order_timeout_s: float = 60.0,
+                 layers_timeout_s: float = LAYERS_TIMEOUT_S):
         self._stub = stub
         self.timeout_s = timeout_s
         self.order_timeout_s = order_timeout_s  # an order runs its migrations before it answers
+        self.layers_timeout_s = layers_timeout_s
 
     async def set_terminating(self, value: bool) -> None:
         try:
@@ -77,6 +101,31 @@ class GrpcInstanceClient:
         except grpc.RpcError as e:
             raise from_grpc(e) from e
         return convert.order_result_from_pb(reply)
+
+    async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
+        req = ipb.DropLayersRequest(layers=convert.layers_to_pb(layers), hold=hold, prepare=prepare)
+        try:
+            reply = await self._stub.DropLayers(req, timeout=self.layers_timeout_s)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from e
+        return LayerChange(reply.blocks_added, reply.total_blocks)
+
+    async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False) -> int:
+        req = ipb.SetPipelineRequest(own=convert.layers_to_pb(own), pause_exchange=pause_exchange,
+                                     peers=[ipb.PipelinePeer(layers=convert.layers_to_pb(r), address=a)
+                                            for r, a in peers])
+        try:
+            return (await self._stub.SetPipeline(req, timeout=self.layers_timeout_s)).requests_moved
+        except grpc.RpcError as e:
+            raise from_grpc(e) from e
+
+    async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
+        req = ipb.RestoreLayersRequest(layers=convert.layers_to_pb(layers), from_address=from_address)
+        try:
+            reply = await self._stub.RestoreLayers(req, timeout=self.layers_timeout_s)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from e
+        return LayerChange(reply.blocks_returned, reply.total_blocks)
 
 
 class GrpcInstanceClients:

@@ -346,6 +346,14 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class LayerChange:
+    """What a KunServe drop or restore of layers did to an instance's KV pool
+    (the scheduler's DropLayers / RestoreLayers RPCs)."""
+    blocks: int  # blocks the pool gained (a drop) or gave back (a restore)
+    total_blocks: int  # the pool's size after it
+
+
+@dataclass(frozen=True)
 class MigrateOutOrder:
     dest_instance_id: str
     dest_address: str

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import grpc
 from prometheus_client import Counter
 
 from libs.pb import instance_pb2 as pb
 from libs.pb import instance_pb2_grpc as pb_grpc
-from libs.common import rpc
+from libs.common import convert, rpc
 from libs.common.errors import FailedPrecondition, InvalidArgument
 from libs.common.logging import get_logger
+from libs.common.types import LayerChange
 from services.instance.engine.base import EngineBroken, EngineError, PeerShort
 
 log = get_logger(__name__)
@@ -101,14 +103,6 @@ def _attend(attend, a: pb.AttendRequest) -> bytes:
     return _raw(attend(a.layer, q, k, v), a.dtype)
 
 
-def _range(r: pb.LayerRange) -> range:
-    return range(r.start, r.stop)
-
-
-def _pb_range(r: range) -> pb.LayerRange:
-    return pb.LayerRange(start=r.start, stop=r.stop)
-
-
 class GrpcPeer:
     """A LayerPeer over gRPC, called from the engine thread (module doc)."""
 
@@ -154,7 +148,7 @@ class GrpcPeer:
 
     def forward_layers(self, layers: range, chunks, hidden, attend=None):
         data, dtype, size = encode_hidden(hidden)
-        msg = pb.LayerStep(layers=_pb_range(layers), hidden=data, dtype=dtype, hidden_size=size,
+        msg = pb.LayerStep(layers=convert.layers_to_pb(layers), hidden=data, dtype=dtype, hidden_size=size,
                            chunks=[pb.GuestChunk(request_id=c.request_id, start=c.start, num_new=c.num_new,
                                                  kv_at_owner=c.kv_at_owner) for c in chunks])
         reply = self._send(msg, attend)
@@ -180,7 +174,7 @@ class GrpcPeer:
     def fetch_kv(self, layers: range, request_id: str, num_tokens: int, layer_bytes: int = 0) -> bytes:
         parts = []
         for piece in self._pieces(layers, layer_bytes):
-            reply = self._send(pb.LayerStep(layers=_pb_range(piece), fetch_kv=request_id, kv_tokens=num_tokens))
+            reply = self._send(pb.LayerStep(layers=convert.layers_to_pb(piece), fetch_kv=request_id, kv_tokens=num_tokens))
             if reply.error:
                 raise EngineError(f"pipeline peer {self.address}: {reply.error}")
             parts.append(reply.kv)
@@ -192,7 +186,7 @@ class GrpcPeer:
         view = memoryview(data)
         for piece in self._pieces(layers, per):
             at = (piece.start - layers.start) * per
-            reply = self._send(pb.LayerStep(layers=_pb_range(piece), push_kv=request_id, kv_tokens=num_tokens,
+            reply = self._send(pb.LayerStep(layers=convert.layers_to_pb(piece), push_kv=request_id, kv_tokens=num_tokens,
                                             kv=bytes(view[at:at + len(piece) * per])))
             if reply.error:
                 raise EngineError(f"pipeline peer {self.address}: {reply.error}")
@@ -225,9 +219,9 @@ class PipelineHost:
             raise InvalidArgument(f"{what}: layers {r.start}..{r.stop - 1} of a {layers}-layer model", param=what)
         return r
 
-    async def drop_layers(self, request: pb.DropLayersRequest) -> pb.DropLayersReply:
+    async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
         engine = self._native()
-        layers = self._check(_range(request.layers), "layers")
+        layers = self._check(layers, "layers")
         t0 = time.perf_counter()
         try:
             # The grown KV storage is made off the engine thread (it steps on meanwhile), ahead
@@ -237,63 +231,67 @@ class PipelineHost:
             if fresh is None:
                 fresh = await asyncio.to_thread(engine.prepare_drop, layers)
             prepared = time.perf_counter()
-            if request.prepare:
+            if prepare:
                 self._prepared = (layers, fresh)
                 log.info("layers ready to drop", layers=f"{layers.start}-{layers.stop - 1}",
                          prepare_ms=round((prepared - t0) * 1000, 1))
-                return pb.DropLayersReply(blocks_added=0, total_blocks=engine.num_total_blocks)
-            added, work = await self.runner.call(_timed, engine.drop_layers, layers, request.hold, fresh)
+                return LayerChange(0, engine.num_total_blocks)
+            added, work = await self.runner.call(_timed, engine.drop_layers, layers, hold, fresh)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         LAYER_CHANGES.labels("drop").inc()
         log.info("layers dropped", layers=f"{layers.start}-{layers.stop - 1}", blocks_added=added,
                  prepare_ms=round((prepared - t0) * 1000, 1), work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
-        return pb.DropLayersReply(blocks_added=added, total_blocks=engine.num_total_blocks)
+        return LayerChange(added, engine.num_total_blocks)
 
-    async def set_pipeline(self, request: pb.SetPipelineRequest) -> pb.SetPipelineReply:
+    async def set_pipeline(self, own: range, peers: Sequence[tuple[range, str]] = (),
+                           pause_exchange: bool = False) -> int:
+        """Run ``own`` here and the other layers on ``peers`` ((layers,
+        address)); no peers and every layer: alone again. Returns the running
+        requests whose KV went to the peers or came back."""
         engine = self._native()
-        own = self._check(_range(request.own), "own")
-        peers = []
-        for p in request.peers:
-            if not p.address:
+        own = self._check(own, "own")
+        stages = []
+        for layers, address in peers:
+            if not address:
                 raise InvalidArgument("a pipeline peer without an address", param="peers")
-            if p.address not in self.peers:
-                self.peers[p.address] = GrpcPeer(p.address, self.runner)
-            peers.append((self._check(_range(p.layers), "peers"), self.peers[p.address]))
+            if address not in self.peers:
+                self.peers[address] = GrpcPeer(address, self.runner)
+            stages.append((self._check(layers, "peers"), self.peers[address]))
+        peers = stages
         solo = not peers and len(own) == engine.kv_layout.num_layers
         t0 = time.perf_counter()
         try:
             if solo:
-                moved, work = await self.runner.call(_timed, engine.leave_pipeline, not request.pause_exchange)
+                moved, work = await self.runner.call(_timed, engine.leave_pipeline, not pause_exchange)
             else:
-                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, peers,
-                                                     not request.pause_exchange)
+                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, peers, not pause_exchange)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,
-                 exchange="left" if solo else ("pause" if request.pause_exchange else "live"),
+                 exchange="left" if solo else ("pause" if pause_exchange else "live"),
                  peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers], work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
-        return pb.SetPipelineReply(requests_moved=moved)
+        return moved
 
-    async def restore_layers(self, request: pb.RestoreLayersRequest) -> pb.RestoreLayersReply:
+    async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
         """Fetch the layers' parameters from the peer that holds them, then
         take them back between steps (the pool gives their memory back)."""
         engine = self._native()
-        layers = self._check(_range(request.layers), "layers")
-        if not request.from_address:
+        layers = self._check(layers, "layers")
+        if not from_address:
             raise InvalidArgument("from_address: the instance that holds the layers", param="from_address")
         states: dict[int, dict] = {i: {} for i in layers}
         t0 = time.perf_counter()
-        async with rpc.channel(request.from_address) as ch:
+        async with rpc.channel(from_address) as ch:
             try:
-                async for t in pb_grpc.InstanceStub(ch).FetchLayers(_pb_range(layers)):
+                async for t in pb_grpc.InstanceStub(ch).FetchLayers(convert.layers_to_pb(layers)):
                     if t.layer not in states:
                         raise FailedPrecondition(f"the peer sent layer {t.layer}, not asked for")
                     states[t.layer][t.name] = decode_hidden(t.data, t.dtype, 1).view(tuple(t.shape))
             except grpc.aio.AioRpcError as e:
-                raise FailedPrecondition(f"layers from {request.from_address}: {e.details()}") from None
+                raise FailedPrecondition(f"layers from {from_address}: {e.details()}") from None
         fetched = time.perf_counter()
         try:
             # Loaded and prepacked off the engine thread (it steps on meanwhile); installed between steps.
@@ -303,17 +301,16 @@ class PipelineHost:
         except (EngineError, RuntimeError) as e:  # a missing or misshapen tensor: load_state_dict says which
             raise FailedPrecondition(f"restoring layers: {e}") from None
         LAYER_CHANGES.labels("restore").inc()
-        log.info("layers restored", layers=f"{layers.start}-{layers.stop - 1}", source=request.from_address,
+        log.info("layers restored", layers=f"{layers.start}-{layers.stop - 1}", source=from_address,
                  blocks_returned=back, fetch_ms=round((fetched - t0) * 1000, 1),
                  prepare_ms=round((prepared - fetched) * 1000, 1), work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
-        return pb.RestoreLayersReply(blocks_returned=back,
-                                     total_blocks=engine.pool.capacity - engine.pool.shrinking)
+        return LayerChange(back, engine.pool.capacity - engine.pool.shrinking)
 
     async def fetch_layers(self, request: pb.LayerRange):
         """This instance's parameters of these layers, one tensor per message."""
         engine = self._native()
-        layers = self._check(_range(request), "layers")
+        layers = self._check(convert.layers_from_pb(request), "layers")
         try:
             states = await self.runner.call(engine.layer_states, layers)
         except EngineError as e:
@@ -378,7 +375,7 @@ class PipelineHost:
             yield pb.LayerStepReply(error=str(e))
             return
         chunks = [GuestChunk(c.request_id, c.start, c.num_new, c.kv_at_owner) for c in step.chunks]
-        task = asyncio.ensure_future(self.runner.guest_call(self.engine.forward_guest, _range(step.layers), chunks,
+        task = asyncio.ensure_future(self.runner.guest_call(self.engine.forward_guest, convert.layers_from_pb(step.layers), chunks,
                                                             hidden, attend))
         answer = None
         try:
@@ -413,7 +410,7 @@ class PipelineHost:
         yield pb.LayerStepReply(hidden=encode_hidden(out)[0])
 
     async def _kv(self, step: pb.LayerStep) -> pb.LayerStepReply:
-        layers = _range(step.layers)
+        layers = convert.layers_from_pb(step.layers)
         try:
             if step.push_kv:
                 await self.runner.guest_call(self.engine.adopt_guest_kv, step.push_kv, layers, step.kv_tokens,

@@ -82,13 +82,19 @@ class InstanceServicer(pb_grpc.InstanceServicer):
 
     # KunServe's pipeline: services/instance/kunserve.py.
     async def DropLayers(self, request, context):
-        return await self.agent.pipelines().drop_layers(request)
+        r = await self.agent.pipelines().drop_layers(convert.layers_from_pb(request.layers), request.hold,
+                                                     request.prepare)
+        return pb.DropLayersReply(blocks_added=r.blocks, total_blocks=r.total_blocks)
 
     async def SetPipeline(self, request, context):
-        return await self.agent.pipelines().set_pipeline(request)
+        moved = await self.agent.pipelines().set_pipeline(
+            convert.layers_from_pb(request.own), [(convert.layers_from_pb(p.layers), p.address) for p in request.peers],
+            request.pause_exchange)
+        return pb.SetPipelineReply(requests_moved=moved)
 
     async def RestoreLayers(self, request, context):
-        return await self.agent.pipelines().restore_layers(request)
+        r = await self.agent.pipelines().restore_layers(convert.layers_from_pb(request.layers), request.from_address)
+        return pb.RestoreLayersReply(blocks_returned=r.blocks, total_blocks=r.total_blocks)
 
     async def FetchLayers(self, request, context):
         async for t in self.agent.pipelines().fetch_layers(request):

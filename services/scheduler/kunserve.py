@@ -1,7 +1,7 @@
 """KunServe's monitor in the scheduler (``--kunserve``; docs/kunserve.md), on
 the pure decisions of libs/common/policies/kunserve.py. The simulator runs
 this same loop on its virtual clock (ferry/sim/kunserve.py: simulated
-Instance stubs).
+instances behind the same InstanceClient, libs/common/instance_client.py).
 
 Every ``interval_s`` it reads the cluster view's status reports into a
 window per instance (``add_sample``), then:
@@ -34,12 +34,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import grpc
 from prometheus_client import Counter, Gauge
 
-from libs.pb import instance_pb2 as ipb
-from libs.pb import instance_pb2_grpc as ipb_grpc
-from libs.common import rpc
+from libs.common.errors import FerryError
+from libs.common.instance_client import GrpcInstanceClients, InstanceClients
 from libs.common.logging import get_logger
 from libs.common.policies.kunserve import (
     BuddyGroup,
@@ -60,9 +58,6 @@ RESTORES = Counter("ferry_kunserve_restores_total", "buddy groups restored (laye
 FAILURES = Counter("ferry_kunserve_failures_total", "group formations or restores that failed", ["action"])
 GROUPS = Gauge("ferry_kunserve_groups", "buddy groups serving as pipelines now")
 FREED = Gauge("ferry_kunserve_freed_blocks", "KV blocks lent by dropped layers now")
-# A drop or restore moves a layer range's weights and KV between instances: minutes at worst,
-# never forever (a member that stopped answering fails the restore, which is retried).
-RESTORE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -114,10 +109,6 @@ async def _all(calls) -> None:
             raise r
 
 
-def _lr(r: range) -> ipb.LayerRange:
-    return ipb.LayerRange(start=r.start, stop=r.stop)
-
-
 def dropped_ranges(num_layers: int, start: int, end: int) -> list[range]:
     """The layers a member keeping [start, end) drops: before and after."""
     return [r for r in (range(start), range(end, num_layers)) if len(r)]
@@ -134,28 +125,25 @@ def holders(plan: BuddyGroup, layers: range) -> list[tuple[range, str]]:
 
 
 class KunServeLoop:
-    def __init__(self, view, config: KunServeConfig, stub_for=None, clock=time.time,
+    def __init__(self, view, config: KunServeConfig, clients: InstanceClients | None = None, clock=time.time,
                  state: LeaderState | None = None):
         """``view``: the scheduler's ClusterView (``views()``, ``address()``);
-        ``stub_for(address)``: an Instance stub (tests pass fakes);
-        ``state``: where the groups outlive this leader (wall-clock times)."""
+        ``clients``: how it reaches the instances (the scheduler's; else its
+        own over gRPC, closed by ``stop``); ``state``: where the groups
+        outlive this leader (wall-clock times)."""
         self.view = view
         self.state = state or MemoryState()
         self.cfg = config
         self.clock = clock
-        self._stub_for = stub_for
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._own_clients = clients is None
+        self.clients = GrpcInstanceClients() if clients is None else clients
         self.samples: dict[str, deque[MemorySample]] = {}
         self.groups: dict[str, LiveGroup] = {}  # member -> its group
         self.log: list[dict] = []
         self._task: asyncio.Task | None = None
 
-    def stub(self, address: str):
-        if self._stub_for is not None:
-            return self._stub_for(address)
-        if address not in self._channels:
-            self._channels[address] = rpc.channel(address)
-        return ipb_grpc.InstanceStub(self._channels[address])
+    def _client(self, g: "LiveGroup", instance_id: str):
+        return self.clients(instance_id, g.addresses[instance_id])
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -178,8 +166,8 @@ class KunServeLoop:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for ch in self._channels.values():
-            await ch.close()
+        if self._own_clients:
+            await self.clients.close()
 
     async def _loop(self) -> None:
         while True:
@@ -236,16 +224,11 @@ class KunServeLoop:
         t0 = time.perf_counter()
         async def drop(m, prepare=False):
             for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
-                await self.stub(addresses[m.instance_id]).DropLayers(
-                    ipb.DropLayersRequest(layers=_lr(r), hold=not prepare, prepare=prepare),
-                    timeout=RESTORE_TIMEOUT_S)
+                await self._client(g, m.instance_id).drop_layers(r, hold=not prepare, prepare=prepare)
 
         async def enter(m):
-            peers = [ipb.PipelinePeer(layers=_lr(range(o.start, o.end)), address=addresses[o.instance_id])
-                     for o in plan.members if o is not m]
-            await self.stub(addresses[m.instance_id]).SetPipeline(
-                ipb.SetPipelineRequest(own=_lr(range(m.start, m.end)), peers=peers,
-                                       pause_exchange=self.cfg.pause_exchange), timeout=RESTORE_TIMEOUT_S)
+            peers = [(range(o.start, o.end), addresses[o.instance_id]) for o in plan.members if o is not m]
+            await self._client(g, m.instance_id).set_pipeline(range(m.start, m.end), peers, self.cfg.pause_exchange)
 
         try:
             await _all(drop(m, prepare=True) for m in plan.members)  # storage ready, no step held yet
@@ -253,14 +236,14 @@ class KunServeLoop:
             await _all(drop(m) for m in plan.members)
             dropped_at = time.perf_counter()
             await _all(enter(m) for m in plan.members)
-        except grpc.aio.AioRpcError as e:
+        except FerryError as e:
             FAILURES.labels("drop").inc()
-            log.error("kunserve: forming a group failed", members=g.ids, error=e.details())
+            log.error("kunserve: forming a group failed", members=g.ids, error=str(e))
             for m in plan.members:
                 try:
                     await self._restore_member(g, m)
-                except grpc.aio.AioRpcError as e2:
-                    log.error("kunserve: undoing a member failed", member=m.instance_id, error=e2.details())
+                except FerryError as e2:
+                    log.error("kunserve: undoing a member failed", member=m.instance_id, error=str(e2))
             return None
         for i in g.ids:
             self.groups[i] = g
@@ -279,16 +262,13 @@ class KunServeLoop:
         return g
 
     async def _restore_member(self, g: LiveGroup, m) -> None:
-        stub = self.stub(g.addresses[m.instance_id])
+        client = self._client(g, m.instance_id)
         t0 = time.perf_counter()
         for r in dropped_ranges(self.cfg.num_layers, m.start, m.end):
             for part, holder in holders(g.plan, r):
-                await stub.RestoreLayers(ipb.RestoreLayersRequest(layers=_lr(part),
-                                                                  from_address=g.addresses[holder]),
-                                         timeout=RESTORE_TIMEOUT_S)
+                await client.restore_layers(part, g.addresses[holder])
         t1 = time.perf_counter()
-        await stub.SetPipeline(ipb.SetPipelineRequest(own=_lr(range(self.cfg.num_layers))),
-                               timeout=RESTORE_TIMEOUT_S)
+        await client.set_pipeline(range(self.cfg.num_layers))
         log.info("kunserve: member restored", member=m.instance_id, layers_ms=round((t1 - t0) * 1000, 1),
                  kv_back_ms=round((time.perf_counter() - t1) * 1000, 1))
 
@@ -299,10 +279,9 @@ class KunServeLoop:
         try:
             for m in g.plan.members:
                 await self._restore_member(g, m)
-        except grpc.aio.AioRpcError as e:
+        except FerryError as e:
             FAILURES.labels("restore").inc()
-            log.error("kunserve: restoring a group failed (tried again next tick)", members=g.ids,
-                      error=e.details())
+            log.error("kunserve: restoring a group failed (tried again next tick)", members=g.ids, error=str(e))
             return False
         for i in g.ids:
             self.groups.pop(i, None)

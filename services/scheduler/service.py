@@ -410,7 +410,7 @@ class SchedulerService(Service):
             self.kunserve = KunServeLoop(self.view, KunServeConfig(
                 c.kunserve_layers, c.kunserve_layer_blocks, min_group_s=c.kunserve_min_group_s,
                 restore_margin=c.kunserve_restore_margin, pause_exchange=c.kunserve_pause_exchange),
-                state=self.state)
+                clients=self.clients, state=self.state)
             await self.kunserve.adopt()
             self.kunserve.start()
 

@@ -12,7 +12,7 @@ import pytest
 
 from libs.pb import instance_pb2 as ipb
 from libs.common.policies.kunserve import buddy_group
-from libs.common.types import InstanceStatus
+from libs.common.types import InstanceStatus, LayerChange
 from services.scheduler.kunserve import KunServeConfig, KunServeLoop, dropped_ranges, holders
 
 LAYERS, LAYER_BLOCKS = 4, 25  # 100 blocks of parameters per replica
@@ -30,20 +30,33 @@ class FakeView:
 
 
 class Recorder:
-    def __init__(self):
-        self.calls: list[tuple[str, str, object]] = []
+    """Instance clients (libs/common/instance_client.InstanceClients) that
+    record the loop's KunServe calls: (address, call, its arguments)."""
 
-    def stub_for(self, address):
+    def __init__(self):
+        self.calls: list[tuple[str, str, dict]] = []
+
+    def __call__(self, instance_id, address):
+        assert address == f"addr-{instance_id}"
         rec = self
 
-        class Stub:
-            def __getattr__(self, name):
-                async def call(request, timeout=None):
-                    assert timeout is not None, f"{name} without a deadline"  # every inner unary call has one
-                    rec.calls.append((address, name, request))
-                    return SimpleNamespace()
-                return call
-        return Stub()
+        class Client:
+            async def drop_layers(self, layers, hold=False, prepare=False):
+                rec.calls.append((address, "drop_layers", {"layers": layers, "hold": hold, "prepare": prepare}))
+                return LayerChange(0, 0)
+
+            async def set_pipeline(self, own, peers=(), pause_exchange=False):
+                rec.calls.append((address, "set_pipeline",
+                                  {"own": own, "peers": list(peers), "pause_exchange": pause_exchange}))
+                return 0
+
+            async def restore_layers(self, layers, from_address):
+                rec.calls.append((address, "restore_layers", {"layers": layers, "from_address": from_address}))
+                return LayerChange(0, 0)
+        return Client()
+
+    def forget(self, instance_id):
+        pass
 
 
 def _st(iid: str, t: float, used: int, total: int = 200, waiting_demand: int = 0) -> InstanceStatus:
@@ -64,7 +77,7 @@ async def test_throttle_forms_a_group_and_pressure_gone_restores_it():
     now = [0.0]
     view = FakeView({})
     rec = Recorder()
-    loop = KunServeLoop(view, KunServeConfig(LAYERS, LAYER_BLOCKS, min_group_s=5.0), stub_for=rec.stub_for,
+    loop = KunServeLoop(view, KunServeConfig(LAYERS, LAYER_BLOCKS, min_group_s=5.0), clients=rec,
                         clock=lambda: now[0])
     # a: its queue needs 60 blocks more than it has, and growing; b: half empty.
     for t, used in ((0.0, 180), (0.5, 190), (1.0, 200)):
@@ -75,18 +88,18 @@ async def test_throttle_forms_a_group_and_pressure_gone_restores_it():
     names = [(a, n) for a, n, _ in rec.calls]
     # Both drop (and hold) before either enters: each then has room for the KV the other hands over.
     # Both get the storage ready (no step held), then both drop and hold, then both enter.
-    assert names == [("addr-a", "DropLayers"), ("addr-b", "DropLayers")] * 2 + [("addr-a", "SetPipeline"),
-                                                                                ("addr-b", "SetPipeline")]
+    assert names == [("addr-a", "drop_layers"), ("addr-b", "drop_layers")] * 2 + [("addr-a", "set_pipeline"),
+                                                                                  ("addr-b", "set_pipeline")]
     prep_a, prep_b, drop_a, drop_b, sp_a, sp_b = (r for _, _, r in rec.calls)
-    assert prep_a.prepare and prep_b.prepare and not prep_a.hold and not prep_b.hold
-    assert (prep_a.layers.start, prep_a.layers.stop) == (2, 4)
-    assert drop_a.hold and drop_b.hold and not drop_a.prepare
-    assert (sp_a.own.start, sp_a.own.stop) == (0, 2)
-    assert [(p.layers.start, p.layers.stop, p.address) for p in sp_a.peers] == [(2, 4, "addr-b")]
-    assert (drop_a.layers.start, drop_a.layers.stop) == (2, 4)
-    assert (drop_b.layers.start, drop_b.layers.stop) == (0, 2)
-    assert (sp_b.own.start, sp_b.own.stop) == (2, 4)
-    assert not sp_a.pause_exchange and not sp_b.pause_exchange  # live exchange: requests decode on
+    assert prep_a["prepare"] and prep_b["prepare"] and not prep_a["hold"] and not prep_b["hold"]
+    assert prep_a["layers"] == range(2, 4)
+    assert drop_a["hold"] and drop_b["hold"] and not drop_a["prepare"]
+    assert sp_a["own"] == range(0, 2)
+    assert sp_a["peers"] == [(range(2, 4), "addr-b")]
+    assert drop_a["layers"] == range(2, 4)
+    assert drop_b["layers"] == range(0, 2)
+    assert sp_b["own"] == range(2, 4) and sp_b["peers"] == [(range(0, 2), "addr-a")]
+    assert not sp_a["pause_exchange"] and not sp_b["pause_exchange"]  # live exchange: requests decode on
     rec.calls.clear()
 
     # Pressure gone (both at 50 of their own 200), but the group is young: nothing.
@@ -100,16 +113,17 @@ async def test_throttle_forms_a_group_and_pressure_gone_restores_it():
         view.statuses = {"a": _st("a", t, 50, total=250), "b": _st("b", t, 50, total=250)}
         await loop.tick()
     assert not loop.groups
-    calls = [(a, n, getattr(r, "from_address", None)) for a, n, r in rec.calls]
-    assert calls == [("addr-a", "RestoreLayers", "addr-b"), ("addr-a", "SetPipeline", None),
-                     ("addr-b", "RestoreLayers", "addr-a"), ("addr-b", "SetPipeline", None)]
+    calls = [(a, n, r.get("from_address"), r.get("layers", r.get("own"))) for a, n, r in rec.calls]
+    assert calls == [("addr-a", "restore_layers", "addr-b", range(2, 4)), ("addr-a", "set_pipeline", None, range(4)),
+                     ("addr-b", "restore_layers", "addr-a", range(0, 2)), ("addr-b", "set_pipeline", None, range(4))]
+    assert all(r["peers"] == [] for _, n, r in rec.calls if n == "set_pipeline")
     assert [e["event"] for e in loop.log] == ["drop", "restore"]
 
 
 async def test_no_throttle_no_order():
     view = FakeView({"a": _st("a", 1.0, 100), "b": _st("b", 1.0, 20)})
     rec = Recorder()
-    loop = KunServeLoop(view, KunServeConfig(LAYERS, LAYER_BLOCKS), stub_for=rec.stub_for, clock=lambda: 1.0)
+    loop = KunServeLoop(view, KunServeConfig(LAYERS, LAYER_BLOCKS), clients=rec, clock=lambda: 1.0)
     await loop.tick()
     assert rec.calls == [] and not loop.groups
 
