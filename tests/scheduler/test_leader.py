@@ -55,9 +55,11 @@ async def test_a_leader_that_dies_silently_is_replaced_after_its_lease(etcd_serv
     # a "dies": its campaign stops without resigning (as under SIGKILL).
     a.lead._task.cancel()
     await asyncio.gather(a.lead._task, return_exceptions=True)
-    died = time.monotonic()
-    await until(lambda: b.lead.is_leader, timeout_s=5)
-    assert time.monotonic() - died < 3.0
+    # Its key outlives it by its lease (1 s): b does not lead at once, and then does (how soon the
+    # lease ends is etcd's, and on a loaded machine later than its TTL: no bound on the time here).
+    assert not b.lead.is_leader
+    await until(lambda: b.lead.is_leader, timeout_s=15)
+    assert [e for e, _ in b.events] == ["elected"]
     await b.lead.stop()
     await a.lead.etcd.close()
 
