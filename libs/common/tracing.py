@@ -34,6 +34,7 @@ _enabled = False
 _tracer = None
 _provider = None
 _propagator = None
+_endpoint = ""  # the OTLP endpoint the spans go to ("" when off or to an in-process exporter)
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 
@@ -48,7 +49,7 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
     ...) to the OTLP/gRPC ``endpoint`` (``http://host:4317``; plain text
     unless ``https://``), or to ``exporter`` (an SDK SpanExporter, synchronously:
     tests). Neither: off. Returns whether it is on."""
-    global _enabled, _tracer, _provider, _propagator
+    global _enabled, _tracer, _provider, _propagator, _endpoint
     if not endpoint and exporter is None:
         return False
     from opentelemetry.sdk.resources import Resource
@@ -74,16 +75,23 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
     _provider, _propagator = provider, TraceContextTextMapPropagator()
     # NOTE: not the global provider: vLLM, in an instance's process, sets its own.
     _tracer = provider.get_tracer("ferry")
-    _enabled = True
+    _enabled, _endpoint = True, endpoint if exporter is None else ""
     return True
+
+
+def endpoint() -> str:
+    """The OTLP endpoint this process's spans go to ("" when off, or when
+    they go to an in-process exporter): vLLM's own tracer, in an instance's
+    process, exports there too."""
+    return _endpoint
 
 
 def reset() -> None:
     """Off again (tests), after exporting what is pending."""
-    global _enabled, _tracer, _provider
+    global _enabled, _tracer, _provider, _endpoint
     if _provider is not None:
         _provider.shutdown()
-    _enabled, _tracer, _provider = False, None, None
+    _enabled, _tracer, _provider, _endpoint = False, None, None, ""
 
 
 def flush(timeout_ms: int = 5000) -> None:

@@ -7,15 +7,23 @@ One cluster of three vLLM instances: 0 plain; 1 slow to send a stage (a
 request can finish while its pre-copy is in flight); 2 loses its commit
 replies (the request is suspended at the source, then resumed there from its
 held blocks, and the destination drops its installed copy) and is small
-(a long request does not fit: refused at its first pre-allocation)."""
+(a long request does not fit: refused at its first pre-allocation).
+
+The cluster is traced (spans over OTLP to a receiver in this test,
+ferry/trace_sink.py): vLLM's own span of a request (``llm_request``) lands in
+the request's trace, beside the instance's phases of the request."""
 
 import asyncio
+import os
+import secrets
+import time
 
 import httpx
 import openai
 import pytest
 
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.trace_sink import TraceSink
 from services.instance.engine.vllm import available
 from tests.helpers import instance_status, migrate, stream_completion, wait_idle_and_check
 
@@ -29,15 +37,31 @@ STORY = "Write a short story about a ferry that carries travellers across a wide
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def sink():
+    s = TraceSink().start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, sink):
+    old = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # the children's span processors (Ferry's, vLLM's) export every 0.1 s
     c = LocalCluster(ClusterSpec(
         instances=3, engine="vllm", port=free_port(), dispatch="round_robin", instance_args=ARGS,
+        otlp_endpoint=sink.endpoint,
         per_instance_args={0: ["--num-blocks", "96"],
                            1: ["--num-blocks", "96", "--failpoints", "source.copy_delay_ms=3000"],
                            2: ["--num-blocks", "6", "--max-model-len", "192",
                               "--failpoints", "dest.drop_commit_reply"]},
         log_dir=str(tmp_path_factory.mktemp("vllm"))))
-    c.start(timeout_s=480)
+    try:
+        c.start(timeout_s=480)
+    finally:
+        if old is None:
+            os.environ.pop("OTEL_BSP_SCHEDULE_DELAY", None)
+        else:
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = old
     yield c
     c.stop()
 
@@ -193,3 +217,37 @@ def test_the_api_features_through_vllm(client):
                                        response_format={"type": "json_schema",
                                                         "json_schema": {"name": "c", "schema": schema}})
     jsonschema.validate(json.loads(j.choices[0].message.content), schema)
+
+
+def test_vllms_own_span_lands_in_the_requests_trace(cluster, sink):
+    """The W3C trace context goes into vLLM (its ``trace_headers``): vLLM's
+    span of the request is a child of the frontend's call to the instance
+    (as the instance's own spans of it are), in the client's trace; a request the client does not sample leaves no span of
+    vLLM's (nor a trace of its own)."""
+    quiet = secrets.token_hex(16)
+    for _ in range(3):  # round robin: one on each instance
+        r = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "quiet", "max_tokens": 4},
+                       headers={"traceparent": f"00-{quiet}-{secrets.token_hex(8)}-00"}, timeout=60)
+        assert r.status_code == 200
+    before = {s.span_id for s in sink.spans() if s.name == "llm_request"}
+    trace_id = secrets.token_hex(16)
+    r = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "trace me", "max_tokens": 6},
+                   headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}, timeout=60)
+    assert r.status_code == 200
+    sink.wait(lambda spans: any(s.trace_id == trace_id and s.name == "llm_request" for s in spans), timeout_s=30)
+    time.sleep(0.5)  # stragglers
+    spans = sink.spans(trace_id)
+    by_id = {s.span_id: s for s in spans}
+    (llm,) = [s for s in spans if s.name == "llm_request"]
+    # Under the frontend's call to the instance, beside the instance's own phases of the request.
+    parent = by_id[llm.parent_id]
+    assert parent.service == "ferry-frontend" and parent.name == "ferry.generate", parent
+    (prefill,) = [s for s in spans if s.name == "ferry.prefill"]
+    assert prefill.parent_id == parent.span_id and prefill.instance == r.json()["ferry"]["instances"][0]
+    assert llm.attributes["gen_ai.usage.completion_tokens"] == 6
+    assert llm.attributes["gen_ai.usage.prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+    assert parent.start_ns <= llm.start_ns and llm.end_ns <= parent.end_ns + 5_000_000
+    assert sink.spans(quiet) == []
+    # Every span of vLLM's is in a trace Ferry started (none rooted by vLLM itself).
+    ours = {s.span_id for s in sink.spans() if s.service.startswith("ferry-")}
+    assert all(s.parent_id in ours for s in sink.spans() if s.name == "llm_request" and s.span_id not in before)

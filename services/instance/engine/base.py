@@ -13,7 +13,7 @@ the forward pass) and ``fake`` (deterministic tokens, for service tests).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from libs.common.kv_events import KvEvent
@@ -49,6 +49,9 @@ class EngineRequest:
     # The program (an agent's session) it is a turn of (GenerateOrder.program_id; "" = none):
     # kept with the request, carried by its migrations, in its stats.
     program_id: str = ""
+    # W3C trace headers of its caller's span (libs/common/tracing.headers(); {} when tracing is
+    # off): an engine with tracing of its own (vLLM's ``trace_headers``) records its span under it.
+    trace_headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

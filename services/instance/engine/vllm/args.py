@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import uuid
 
+from libs.common import tracing
 from libs.common.types import Priority, SamplingParams
 from services.instance.engine.base import EngineConfig, EngineError
 
@@ -82,7 +84,12 @@ def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple
         args.enable_prefix_caching = True
         args.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     args.async_scheduling = False
-    args.disable_log_stats = True
+    # Tracing (libs/common/tracing.py): vLLM's own spans (``llm_request``, under the trace headers
+    # each request brings) go to this process's OTLP endpoint, unless the user chose one. They are
+    # built from vLLM's request stats, which are otherwise off (stat_loggers below).
+    if args.otlp_traces_endpoint is None and tracing.endpoint():
+        args.otlp_traces_endpoint = tracing.endpoint()
+    args.disable_log_stats = not args.otlp_traces_endpoint
     migratable = args.kv_transfer_config is None
     if migratable:
         args.kv_transfer_config = KVTransferConfig(
@@ -90,6 +97,42 @@ def engine_args(config: EngineConfig, model: str, extra_args: str = "") -> tuple
             engine_id=f"ferry-{uuid.uuid4().hex[:12]}")
         args.disable_hybrid_kv_cache_manager = True  # the connector moves one KV cache group
     return args, migratable
+
+
+def stat_loggers(args) -> list | None:
+    """What LLMEngine.from_engine_args takes as ``stat_loggers``: with vLLM's
+    request stats on (its tracing needs them), its Prometheus logger is
+    replaced by one that records nothing, since this instance exports the
+    ``vllm:`` names itself (serving_metrics.py) and two collectors of one
+    name cannot share the registry; vLLM's log lines of throughput stay."""
+    if args.disable_log_stats:
+        return None
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class Unexported(PrometheusStatLogger):
+        def __init__(self, vllm_config, engine_indexes=None):  # registers no metric
+            pass
+
+        def record(self, *args, **kwargs) -> None:
+            pass
+
+        def record_sleep_state(self, *args, **kwargs) -> None:
+            pass
+
+        def record_admission_rejection(self, *args, **kwargs) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return [Unexported]
+
+
+def unsampled_trace_headers() -> dict[str, str]:
+    """A parent that is not sampled: vLLM records no span under it (its
+    sampler follows the parent), instead of a root span of a trace of its
+    own for a request Ferry does not trace."""
+    return {"traceparent": f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"}
 
 
 def default_block_size(device: str = "cpu", dtype: str = "auto") -> int:

@@ -58,6 +58,7 @@ class _Req:
     arrival_time: float
     output: list[int] = field(default_factory=list)
     iid: str = ""  # vLLM's id of the current incarnation
+    trace_headers: dict = field(default_factory=dict)  # its caller's span (EngineRequest.trace_headers)
     suspended: bool = False
     computed: int = 0  # tokens with KV in the held blocks while suspended
     first_token_time: float = 0.0
@@ -90,10 +91,11 @@ class VllmEngine(Engine, MigrationHooks):
 
         eargs, wired = vargs.engine_args(config, model, config.extra.get("vllm_args", ""))
         try:
-            self.llm = LLMEngine.from_engine_args(eargs)
+            self.llm = LLMEngine.from_engine_args(eargs, stat_loggers=vargs.stat_loggers(eargs))
         except Exception as e:  # vLLM raises many kinds at start-up
             raise EngineError(f"vLLM could not start: {e}") from e
         self.scheduler = self.llm.engine_core.engine_core.scheduler
+        self._traced = bool(eargs.otlp_traces_endpoint)
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self._block_size = self.llm.vllm_config.cache_config.block_size
         self._max_model_len = self.llm.model_config.max_model_len
@@ -196,7 +198,8 @@ class VllmEngine(Engine, MigrationHooks):
             raise EngineError(f"request {rid!r} already exists")
         check_request(request, self._max_model_len, self.vocab_size)
         r = _Req(rid, list(request.prompt_token_ids), request.sampling, request.priority,
-                 request.arrival_time or time.time(), output=list(request.resume_token_ids))
+                 request.arrival_time or time.time(), output=list(request.resume_token_ids),
+                 trace_headers=dict(request.trace_headers))
         self._submit(r)
 
     def _submit(self, r: _Req, load=None) -> None:
@@ -204,10 +207,14 @@ class VllmEngine(Engine, MigrationHooks):
         from vllm.inputs import TokensPrompt
 
         key = f"{r.request_id}#{next(self._seq)}" if load is not None else None
+        # Traced: vLLM's span of this incarnation under its caller's (a request that migrated in
+        # brings none here: no span of vLLM's for it).
+        headers = (r.trace_headers or vargs.unsampled_trace_headers()) if self._traced else None
         try:
             iid = self.llm.add_request(r.request_id, TokensPrompt(prompt_token_ids=r.prompt + r.output),
                                        vargs.sampling_params(r.sampling, len(r.output), key),
-                                       arrival_time=r.arrival_time, priority=vargs.vllm_priority(r.priority))
+                                       arrival_time=r.arrival_time, priority=vargs.vllm_priority(r.priority),
+                                       trace_headers=headers)
         except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from e
         if load is not None:
