@@ -73,58 +73,44 @@ class GrpcInstanceClient:
         self.order_timeout_s = order_timeout_s  # an order runs its migrations before it answers
         self.layers_timeout_s = layers_timeout_s
 
-    async def set_terminating(self, value: bool) -> None:
+    async def _call(self, method, request, timeout_s: float):
+        """One unary call; a gRPC failure becomes a FerryError."""
         try:
-            await self._stub.SetTerminating(ipb.SetInstanceTerminatingRequest(terminating=value),
-                                            timeout=self.timeout_s)
+            return await method(request, timeout=timeout_s)
         except grpc.RpcError as e:
             raise from_grpc(e) from e
 
+    async def set_terminating(self, value: bool) -> None:
+        await self._call(self._stub.SetTerminating, ipb.SetInstanceTerminatingRequest(terminating=value),
+                         self.timeout_s)
+
     async def status(self) -> InstanceStatus:
-        try:
-            return convert.status_from_pb(await self._stub.GetStatus(ipb.GetStatusRequest(), timeout=self.timeout_s))
-        except grpc.RpcError as e:
-            raise from_grpc(e) from e
+        return convert.status_from_pb(await self._call(self._stub.GetStatus, ipb.GetStatusRequest(), self.timeout_s))
 
     async def set_role(self, role: Role, drain_to=()) -> tuple[Role, int]:
         req = ipb.SetRoleRequest(role=convert.role_to_pb(role),
                                  drain_to=[ipb.Handoff(instance_id=i, address=a) for i, a in drain_to])
-        try:
-            reply = await self._stub.SetRole(req, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from e
+        reply = await self._call(self._stub.SetRole, req, self.timeout_s)
         return convert.role_from_pb(reply.previous), reply.draining
 
     async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
-        try:
-            reply = await self._stub.MigrateOut(convert.migrate_out_to_pb(order), timeout=self.order_timeout_s)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from e
+        reply = await self._call(self._stub.MigrateOut, convert.migrate_out_to_pb(order), self.order_timeout_s)
         return convert.order_result_from_pb(reply)
 
     async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
         req = ipb.DropLayersRequest(layers=convert.layers_to_pb(layers), hold=hold, prepare=prepare)
-        try:
-            reply = await self._stub.DropLayers(req, timeout=self.layers_timeout_s)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from e
+        reply = await self._call(self._stub.DropLayers, req, self.layers_timeout_s)
         return LayerChange(reply.blocks_added, reply.total_blocks)
 
     async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False) -> int:
         req = ipb.SetPipelineRequest(own=convert.layers_to_pb(own), pause_exchange=pause_exchange,
                                      peers=[ipb.PipelinePeer(layers=convert.layers_to_pb(r), address=a)
                                             for r, a in peers])
-        try:
-            return (await self._stub.SetPipeline(req, timeout=self.layers_timeout_s)).requests_moved
-        except grpc.RpcError as e:
-            raise from_grpc(e) from e
+        return (await self._call(self._stub.SetPipeline, req, self.layers_timeout_s)).requests_moved
 
     async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
         req = ipb.RestoreLayersRequest(layers=convert.layers_to_pb(layers), from_address=from_address)
-        try:
-            reply = await self._stub.RestoreLayers(req, timeout=self.layers_timeout_s)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from e
+        reply = await self._call(self._stub.RestoreLayers, req, self.layers_timeout_s)
         return LayerChange(reply.blocks_returned, reply.total_blocks)
 
 

@@ -275,7 +275,8 @@ class Agent(Service):
         if refused:
             raise ResourceExhausted(refused)
         ereq = EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority, time.time(), resume,
-                             program_id=order.program_id, trace_headers=tracing.headers())
+                             program_id=order.program_id,
+                             trace_headers=tracing.headers() if self.engine.traces_requests else {})
         stream = self.streams.open(rid, next_index=len(resume))
         try:
             await self._enter(ereq, handoff, n_tokens)

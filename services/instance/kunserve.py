@@ -259,19 +259,18 @@ class PipelineHost:
             if address not in self.peers:
                 self.peers[address] = GrpcPeer(address, self.runner)
             stages.append((self._check(layers, "peers"), self.peers[address]))
-        peers = stages
-        solo = not peers and len(own) == engine.kv_layout.num_layers
+        solo = not stages and len(own) == engine.kv_layout.num_layers
         t0 = time.perf_counter()
         try:
             if solo:
                 moved, work = await self.runner.call(_timed, engine.leave_pipeline, not pause_exchange)
             else:
-                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, peers, not pause_exchange)
+                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, stages, not pause_exchange)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,
                  exchange="left" if solo else ("pause" if pause_exchange else "live"),
-                 peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in peers], work_ms=round(work * 1000, 1),
+                 peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in stages], work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return moved
 

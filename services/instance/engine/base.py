@@ -50,7 +50,7 @@ class EngineRequest:
     # kept with the request, carried by its migrations, in its stats.
     program_id: str = ""
     # W3C trace headers of its caller's span (libs/common/tracing.headers(); {} when tracing is
-    # off): an engine with tracing of its own (vLLM's ``trace_headers``) records its span under it.
+    # off, or the engine does not trace requests: Engine.traces_requests): vLLM records its span under it.
     trace_headers: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -167,6 +167,9 @@ class IntegrityError(AssertionError):
 
 class Engine(abc.ABC):
     name: str = "base"
+    # Records spans of its own under each request's trace (EngineRequest.trace_headers): only
+    # then does the agent make the headers (vLLM with tracing on).
+    traces_requests: bool = False
 
     # --- static facts -------------------------------------------------------
     @property

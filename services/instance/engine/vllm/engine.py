@@ -95,7 +95,7 @@ class VllmEngine(Engine, MigrationHooks):
         except Exception as e:  # vLLM raises many kinds at start-up
             raise EngineError(f"vLLM could not start: {e}") from e
         self.scheduler = self.llm.engine_core.engine_core.scheduler
-        self._traced = bool(eargs.otlp_traces_endpoint)
+        self.traces_requests = bool(eargs.otlp_traces_endpoint)
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self._block_size = self.llm.vllm_config.cache_config.block_size
         self._max_model_len = self.llm.model_config.max_model_len
@@ -209,7 +209,7 @@ class VllmEngine(Engine, MigrationHooks):
         key = f"{r.request_id}#{next(self._seq)}" if load is not None else None
         # Traced: vLLM's span of this incarnation under its caller's (a request that migrated in
         # brings none here: no span of vLLM's for it).
-        headers = (r.trace_headers or vargs.unsampled_trace_headers()) if self._traced else None
+        headers = (r.trace_headers or vargs.unsampled_trace_headers()) if self.traces_requests else None
         try:
             iid = self.llm.add_request(r.request_id, TokensPrompt(prompt_token_ids=r.prompt + r.output),
                                        vargs.sampling_params(r.sampling, len(r.output), key),
