@@ -61,7 +61,8 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
     attrs = {"service.name": service}
     if instance:
         attrs["service.instance.id"] = instance
-    provider = TracerProvider(resource=Resource.create(attrs), sampler=ParentBased(TraceIdRatioBased(ratio)))
+    provider = TracerProvider(resource=Resource.create(attrs), sampler=ParentBased(TraceIdRatioBased(ratio)),
+                              id_generator=_own_ids())
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
@@ -77,6 +78,39 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
     _tracer = provider.get_tracer("ferry")
     _enabled, _endpoint = True, endpoint if exporter is None else ""
     return True
+
+
+def _own_ids():
+    """The SDK's random ids, drawn from a generator of this process's own,
+    seeded from the OS (and again in a forked child). The SDK's default draws
+    from the ``random`` module, which engines seed: vLLM seeds it with 0 in
+    every instance, and two instances then made the same span ids in the same
+    order, so a span of one had the id of a span of the other (a trace's tree
+    could not be told apart)."""
+    import os
+    import random
+
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
+
+    class OwnIds(RandomIdGenerator):
+        def __init__(self):
+            self._random = random.Random(os.urandom(16))
+            os.register_at_fork(after_in_child=lambda: self._random.seed(os.urandom(16)))
+
+        def generate_span_id(self) -> int:
+            span_id = self._random.getrandbits(64)
+            while span_id == INVALID_SPAN_ID:
+                span_id = self._random.getrandbits(64)
+            return span_id
+
+        def generate_trace_id(self) -> int:
+            trace_id = self._random.getrandbits(128)
+            while trace_id == INVALID_TRACE_ID:
+                trace_id = self._random.getrandbits(128)
+            return trace_id
+
+    return OwnIds()
 
 
 def endpoint() -> str:

@@ -276,6 +276,9 @@ class RequestState:
     frontend_address: str = ""
     extra: dict = field(default_factory=dict)
     program_id: str = ""  # the program (agent session) it is a turn of (GenerateOrder.program_id)
+    # W3C trace headers for the engine (EngineRequest.trace_headers): set by the destination from its
+    # commit's trace context, for an engine that traces requests; not carried on the wire.
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -251,3 +251,38 @@ def test_vllms_own_span_lands_in_the_requests_trace(cluster, sink):
     # Every span of vLLM's is in a trace Ferry started (none rooted by vLLM itself).
     ours = {s.span_id for s in sink.spans() if s.service.startswith("ferry-")}
     assert all(s.parent_id in ours for s in sink.spans() if s.name == "llm_request" and s.span_id not in before)
+
+
+async def test_a_migrated_requests_vllm_span_lands_in_its_trace(cluster, sink):
+    """A request that migrated into a vLLM instance gets vLLM's span of its
+    incarnation there too (RequestState.trace_headers, from the
+    destination's commit): in the request's trace, under a span of the
+    destination's, its prompt the original one plus the tokens delivered
+    before the move."""
+    trace_id = secrets.token_hex(16)
+    body = {"prompt": STORY, "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http, \
+            httpx.AsyncClient(base_url=cluster.url, timeout=300,
+                              headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}) as traced:
+        prompt_tokens = (await http.post("/v1/completions", json={"prompt": STORY, "max_tokens": 1})
+                         ).json()["usage"]["prompt_tokens"]
+        await _dispatch_to(cluster, http, "instance-0")
+        _, final, order = await _migrated_run(cluster, traced, body, "instance-1", at_chunk=8)
+    assert order is not None and order.committed == 1, order
+    assert final["instances"][-1] == "instance-1"
+
+    def destination_span(spans):
+        by_id = {s.span_id: s for s in spans}
+        return [s for s in spans if s.name == "llm_request" and s.parent_id in by_id
+                and by_id[s.parent_id].instance == "instance-1"]
+    sink.wait(lambda spans: destination_span([s for s in spans if s.trace_id == trace_id]), timeout_s=30)
+    time.sleep(0.5)  # stragglers
+    spans = sink.spans(trace_id)
+    (llm,) = destination_span(spans)
+    # The source's incarnation ended by the move (an abort in vLLM): vLLM makes no span of it.
+    assert [s for s in spans if s.name == "llm_request"] == [llm]
+    # Its incarnation there: the prompt plus what was delivered before the move, then the rest.
+    prompt, completion = llm.attributes["gen_ai.usage.prompt_tokens"], llm.attributes["gen_ai.usage.completion_tokens"]
+    assert prompt_tokens + 8 <= prompt < prompt_tokens + 48
+    assert prompt + completion == prompt_tokens + 48
+    assert_clean(cluster)

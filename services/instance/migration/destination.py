@@ -11,12 +11,14 @@ freed by its abort or its expiry."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 
+from libs.common import tracing
 from libs.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from libs.common.logging import get_logger
 from libs.common.prefix_hash import block_hashes
@@ -451,6 +453,8 @@ class Destination:
         # boundary (waiting for it here would add a step to the downtime).
         self.host.streams.open(state.request_id, next_index=len(state.output_token_ids))
         res.committed_at = self.host.clock()
+        if self.engine.traces_requests:  # the engine's span of this incarnation, under the commit's (in the request's trace)
+            state = dataclasses.replace(state, trace_headers=tracing.headers())
         self.runner.submit(self._install, res, state)
         self._committed[migration_id] = res
         res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes)

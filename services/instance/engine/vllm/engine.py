@@ -207,8 +207,8 @@ class VllmEngine(Engine, MigrationHooks):
         from vllm.inputs import TokensPrompt
 
         key = f"{r.request_id}#{next(self._seq)}" if load is not None else None
-        # Traced: vLLM's span of this incarnation under its caller's (a request that migrated in
-        # brings none here: no span of vLLM's for it).
+        # Traced: vLLM's span of this incarnation under its caller's (the Generate's; for a request that
+        # migrated in, the destination's commit: RequestState.trace_headers).
         headers = (r.trace_headers or vargs.unsampled_trace_headers()) if self.traces_requests else None
         try:
             iid = self.llm.add_request(r.request_id, TokensPrompt(prompt_token_ids=r.prompt + r.output),
@@ -502,7 +502,8 @@ class VllmEngine(Engine, MigrationHooks):
         r = _Req(state.request_id, list(state.prompt_token_ids), state.sampling, state.priority,
                  state.arrival_time, output=list(state.output_token_ids), first_token_time=state.first_token_time,
                  preemptions=state.num_preemptions, preemption_loss_ms=state.preemption_loss_ms,
-                 num_migrations=state.num_migrations, extra=dict(state.extra))
+                 num_migrations=state.num_migrations, extra=dict(state.extra),
+                 trace_headers=dict(state.trace_headers))
         staging = [self.sconn.reserved[b] for b in block_ids]
         self._submit(r, PendingLoad(list(block_ids), state.num_computed_tokens, reserved=staging))
 
