@@ -49,6 +49,8 @@ _processor = None  # the provider's span processors (all of them, in one)
 _resource = None
 _scope = None
 _otel = None  # opentelemetry.context, .trace and the SDK's pieces, imported when tracing turns on
+_flusher = None  # exports what the batch processor holds once this process is idle (_IdleFlush)
+_in_flight = 0  # requests being served here (``serving``)
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 # W3C trace context: version-trace_id-parent_id-flags (a later version may append fields).
@@ -65,7 +67,7 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
     ...) to the OTLP/gRPC ``endpoint`` (``http://host:4317``; plain text
     unless ``https://``), or to ``exporter`` (an SDK SpanExporter, synchronously:
     tests). Neither: off. Returns whether it is on."""
-    global _enabled, _provider, _processor, _resource, _scope, _otel, _endpoint
+    global _enabled, _provider, _processor, _resource, _scope, _otel, _endpoint, _flusher
     if not endpoint and exporter is None:
         return False
     from opentelemetry.sdk.resources import Resource
@@ -79,6 +81,7 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
         attrs["service.instance.id"] = instance
     provider = TracerProvider(resource=Resource.create(attrs), sampler=ParentBased(TraceIdRatioBased(ratio)),
                               id_generator=_own_ids())
+    flusher = None
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
@@ -87,12 +90,15 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
         # The batch processor's delay and sizes: OTEL_BSP_* as the SDK reads them.
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
             endpoint=endpoint, insecure=not endpoint.startswith("https://"))))
+        flusher = _IdleFlush(provider)
+    _stop_flusher()
     if _provider is not None:
         _provider.shutdown()
     # NOTE: not the global provider: vLLM, in an instance's process, sets its own.
     _provider, _resource, _scope = provider, provider.resource, InstrumentationScope("ferry")
     _processor = provider._active_span_processor  # (what the SDK's own spans end into)
     _otel = _Otel()
+    _flusher = flusher
     _enabled, _endpoint = True, endpoint if exporter is None else ""
     return True
 
@@ -130,6 +136,66 @@ def _own_ids():
     return OwnIds()
 
 
+class _IdleFlush:
+    """Exports the spans the batch processor holds when this process has
+    no request in flight (``idle``), on a thread of its own, through the
+    SDK's ``force_flush`` (the batch processor's own export, under its lock):
+    encoding a span for OTLP costs 30-40 µs of Python here, holding the GIL,
+    and the batch processor's thread, left to itself (every 5 s, or at 512
+    spans), encodes hundreds at once in the middle of whatever requests are
+    then on their way to a first token, each wait for the GIL up to the
+    interpreter's switch interval (5 ms). Flushed at an idle moment, at most
+    every ``MIN_INTERVAL_S``: a busy process, never idle, exports as the
+    batch processor does."""
+
+    MIN_INTERVAL_S = 0.05
+
+    def __init__(self, provider):
+        import threading
+
+        self._provider = provider
+        self._wake = threading.Event()
+        self._stopped = False
+        self._last = 0.0
+        self._thread = threading.Thread(target=self._run, name="ferry-trace-flush", daemon=True)
+        self._thread.start()
+
+    def idle(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.MIN_INTERVAL_S:
+            self._last = now
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopped:
+                return
+            self._provider.force_flush()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(5)
+
+
+def _stop_flusher() -> None:
+    global _flusher
+    if _flusher is not None:
+        _flusher.stop()
+        _flusher = None
+
+
+def settled() -> None:
+    """Nothing is in flight in this process now (no request of its on the
+    way to a first token): what the batch processor holds is exported now
+    (``_IdleFlush``). ``serving`` calls it as its last request ends; an
+    instance as its last traced request leaves."""
+    if _flusher is not None:
+        _flusher.idle()
+
+
 def endpoint() -> str:
     """The OTLP endpoint this process's spans go to ("" when off, or when
     they go to an in-process exporter): vLLM's own tracer, in an instance's
@@ -159,10 +225,11 @@ class _Otel:
 
 def reset() -> None:
     """Off again (tests), after exporting what is pending."""
-    global _enabled, _provider, _processor, _endpoint
+    global _enabled, _provider, _processor, _endpoint, _in_flight
+    _stop_flusher()
     if _provider is not None:
         _provider.shutdown()
-    _enabled, _provider, _processor, _endpoint = False, None, None, ""
+    _enabled, _provider, _processor, _endpoint, _in_flight = False, None, None, "", 0
 
 
 def flush(timeout_ms: int = 5000) -> None:
@@ -410,6 +477,7 @@ def serving(name: str, attributes: Mapping[str, Any] | None = None, context=None
     attributes (``record``, ``annotate``, from any task started inside) are
     made only once it ends (after the response is out: its duration is not
     theirs). Yields the span (None when off)."""
+    global _in_flight
     if not _enabled:
         yield None
         return
@@ -417,6 +485,7 @@ def serving(name: str, attributes: Mapping[str, Any] | None = None, context=None
     later: list = []
     token = _later.set(later)
     error = ""
+    _in_flight += 1
     try:
         with use(s):
             yield s
@@ -427,16 +496,21 @@ def serving(name: str, attributes: Mapping[str, Any] | None = None, context=None
         _later.reset(token)
         end_ns = time.time_ns()
         later.append(_CLOSED)
-        for item in later[:-1]:
-            if len(item) == 2:
-                item[0].set_attributes({k: v for k, v in item[1].items() if v is not None})
-        if error:
-            fail(s, error)
-        s.end(end_time=end_ns)
-        for item in later[:-1]:
-            if len(item) == 6:
-                name_, start_ns, stop_ns, attrs, ctx, kind_ = item
-                _new(name_, attrs, ctx, kind_, start_ns).end(end_time=stop_ns)
+        try:
+            for item in later[:-1]:
+                if len(item) == 2:
+                    item[0].set_attributes({k: v for k, v in item[1].items() if v is not None})
+            if error:
+                fail(s, error)
+            s.end(end_time=end_ns)
+            for item in later[:-1]:
+                if len(item) == 6:
+                    name_, start_ns, stop_ns, attrs, ctx, kind_ = item
+                    _new(name_, attrs, ctx, kind_, start_ns).end(end_time=stop_ns)
+        finally:
+            _in_flight -= 1
+            if not _in_flight:
+                settled()
 
 
 # --- context -----------------------------------------------------------------------------
