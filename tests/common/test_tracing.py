@@ -132,3 +132,25 @@ def test_the_batch_processors_spans_go_out_once_no_request_is_in_flight(monkeypa
     finally:
         tracing.reset()
         sink.stop()
+
+
+def test_an_instance_settles_once_its_last_traced_request_is_recorded(exported, monkeypatch):
+    """services/instance/request_traces.py: the phases of each request as spans under its caller's
+    context when it finishes there; the batch processor is flushed (``settled``) only when none is
+    left on its way."""
+    from libs.common.types import FinishReason, TokenOutput
+    from services.instance.request_traces import RequestTraces
+
+    settled = []
+    monkeypatch.setattr(tracing, "settled", lambda: settled.append(1))
+    traces = RequestTraces("instance-0")
+    with tracing.use(tracing.start("ferry.generate", kind="client")):
+        traces.arrived("a", 8, 0)
+        traces.arrived("b", 8, 0)
+    traces.on_step([TokenOutput("a", 0, 7), TokenOutput("b", 0, 7)], None)
+    traces.on_step([TokenOutput("a", 1, 8, FinishReason.STOP)], None)
+    assert settled == []  # b is still on its way
+    traces.left("b")
+    assert settled == [1]
+    names = sorted(s.name for s in exported.get_finished_spans())
+    assert names == ["ferry.decode"] * 2 + ["ferry.prefill"] * 2 + ["ferry.queue"] * 2
