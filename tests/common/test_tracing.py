@@ -70,6 +70,10 @@ def test_metadata_pairs_and_headers_round_trip(exported):
         assert h["traceparent"] == f"00-{TRACE}-{s.get_span_context().span_id:016x}-01"
         assert h["tracestate"] == "a=b"
         assert tracing.traceparent() == h["traceparent"]
+        theirs = get_current_span(TraceContextTextMapPropagator().extract(h)).get_span_context()
+        assert (theirs.trace_id, theirs.span_id, theirs.trace_flags) == \
+            (int(TRACE, 16), s.get_span_context().span_id, 1)  # what vLLM's propagator reads of ours
+        assert theirs.trace_state.to_header() == "a=b"
     assert tracing.extract([("x-ferry-token", "t")]) is None
     (child,) = exported.get_finished_spans()
     assert child.parent.span_id == int(SPAN, 16) and child.context.trace_id == int(TRACE, 16)
