@@ -102,6 +102,13 @@ class RequestTraces:
     def _record(self, request_id: str, end: int, outcome: str) -> None:
         p = self._requests.pop(request_id)
         self._waiting.discard(request_id)
+        try:
+            self._spans(request_id, p, end, outcome)
+        finally:
+            if not self._requests:  # none on its way here: the spans go out now, not during the next one's
+                tracing.settled()
+
+    def _spans(self, request_id: str, p: _Phases, end: int, outcome: str) -> None:
         attrs = {"ferry.request_id": request_id, "ferry.instance_id": self.instance_id}
         ctx = p.context
         if not p.migrated_in:

@@ -92,4 +92,11 @@ def test_tracing_mode_compares_tracing_off_twice_and_on_and_counts_the_spans(tmp
     # Every traced request exported its spans (the warm-up's too); the untraced clusters none.
     assert res["spans_exported"] >= 16 * 5
     assert all(v > 0 for v in res["off_path_ns_per_call"].values())
+    # The tracing work timed in process, tracing on; off again afterwards (this process serves other tests).
+    assert set(res["on_path_us_per_request"]) == {"frontend_before_first_token", "instance_before_first_token",
+                                                  "frontend_after_response", "otlp_encode_per_span"}
+    assert all(v > 0 for v in res["on_path_us_per_request"].values())
+    from libs.common import tracing
+
+    assert not tracing.enabled()
     assert "tracing on - off, TTFT p50" in result.output
