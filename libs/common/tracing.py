@@ -86,20 +86,21 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
                               id_generator=_own_ids())
     flusher = None
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        processor = SimpleSpanProcessor(exporter)
     else:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         # The batch processor's delay and sizes: OTEL_BSP_* as the SDK reads them.
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
-            endpoint=endpoint, insecure=not endpoint.startswith("https://"))))
+        processor = BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
+                                                        insecure=not endpoint.startswith("https://")))
         flusher = _IdleFlush(provider)
+    provider.add_span_processor(processor)  # (its flush and shutdown are the provider's)
     _stop_flusher()
     if _provider is not None:
         _provider.shutdown()
     # NOTE: not the global provider: vLLM, in an instance's process, sets its own.
     _provider, _resource, _scope = provider, provider.resource, InstrumentationScope("ferry")
-    _processor = provider._active_span_processor  # (what the SDK's own spans end into)
+    _processor = processor  # what our spans end into, as the SDK's own spans do
     _otel = _Otel()
     _flusher = flusher
     _enabled, _endpoint = True, endpoint if exporter is None else ""
