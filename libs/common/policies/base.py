@@ -171,6 +171,10 @@ class Policy:
     # InstanceConfig.program_ttl_s); the simulator sets it on its engines,
     # a live cluster's instances take --program-ttl-s.
     program_ttl_s: float = 0.0
+    # Above 0: the instances keep programs' cached blocks between turns by
+    # expected return, at most this fraction of their pool (services/
+    # instance/engine/core/pins.py ProgramKeep, InstanceConfig.program_keep).
+    program_keep: float = 0.0
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:
