@@ -191,12 +191,14 @@ class ProgramKeep(ProgramHold):
 
     def worth(self, program_id: str, now: float | None = None) -> float:
         """A kept block's recompute cost per second until the program's
-        expected return (mean over its blocks; lowest goes first)."""
+        expected return (mean over its blocks; lowest goes first). Past its
+        expected return, the seconds it is late count instead: a program
+        later than expected has likely ended, or gone on elsewhere."""
         h = self._holds[program_id]
         now = self.clock() if now is None else now
         n = len(h.blocks)
         cost = sum(block_cost(i, self.block_size) for i in range(n)) / max(1, n)
-        return cost / max(h.returns - now, MIN_LEFT_S)
+        return cost / max(abs(h.returns - now), MIN_LEFT_S)
 
     def _start(self, program_id: str, blocks: list[int]) -> Hold:
         cap = int(self.budget * self.pool.capacity)
@@ -216,9 +218,10 @@ class ProgramKeep(ProgramHold):
         self.pool.unkeep(program_id, hold.blocks)
 
     def _returned(self, programs: Iterable[str], now: float) -> None:
-        """A program's next turn arrived here: its gap is learned, once (its
-        retention goes on until that turn's end replaces it; its blocks are
-        in use meanwhile), whether or not the retention had ended."""
+        """A program's next turn arrived here: its gap is learned, once,
+        whether or not the retention had ended; the retention goes on (its
+        blocks are in use once the turn is admitted) until that turn's end
+        replaces it, or for one more expected gap."""
         for p in programs:
             end = self._ended.pop(p, None)
             if end is None:
@@ -226,6 +229,10 @@ class ProgramKeep(ProgramHold):
             old = self._gaps.pop(p, None)
             gap = now - end
             self._remember(self._gaps, p, gap if old is None else GAP_WEIGHT * gap + (1.0 - GAP_WEIGHT) * old)
+            h = self._holds.get(p)
+            if h is not None:  # due now; if the turn leaves (moved, aborted), the hold ends within a gap
+                h.returns = now
+                h.expires = min(h.expires, now + self.expected_gap(p))
 
     @staticmethod
     def _remember(d: OrderedDict, program_id: str, value: float) -> None:
