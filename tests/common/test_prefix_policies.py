@@ -155,8 +155,9 @@ ROOMY_VIEW = view("R", used=100, running=5)
 PROGRAM_HITS = {"H": 80, "R": 18}
 
 
-def turn(hits, program="p1"):
-    return DispatchRequest("t", PROMPT, prefix_blocks=PROMPT // BS, hits=hits, program_id=program)
+def turn(hits, program="p1", seen=5):
+    return DispatchRequest("t", PROMPT, prefix_blocks=PROMPT // BS, hits=hits, program_id=program,
+                           program_turn=seen if program else -1)
 
 
 def test_a_returning_turn_goes_home_where_llumnix_prefix_leaves_it():
@@ -183,12 +184,35 @@ def test_an_overloaded_home_or_a_longer_wait_there_sends_the_turn_elsewhere():
     assert Dispatcher(get("llumnix-keep")).choose([near, ROOMY_VIEW], turn(PROGRAM_HITS)) == "H"
 
 
-def test_a_first_turn_holding_only_the_shared_prompt_is_dispatched_as_llumnix_prefix():
+def test_a_returning_turn_whose_home_holds_only_the_shared_prompt_is_dispatched_as_llumnix_prefix():
     # the system prompt cached on both: the home (lowest id of equal hits) holds no more than R
     req = turn({"H": 18, "R": 18})
     assert llumnix_keep.home([HOME, ROOMY_VIEW], req)[0].instance_id == "H"
     assert Dispatcher(get("llumnix-keep")).choose([HOME, ROOMY_VIEW], req) == "R"
     assert llumnix_keep.home([HOME, ROOMY_VIEW], turn({}))[0] is None
+
+
+def test_a_first_turn_goes_to_the_freest_not_to_the_shared_prompt():
+    # S holds the 18-block system prompt, roomy (300 used, 5 running); E is empty
+    s, e = view("S", used=300, running=5), view("E")
+    first = turn({"S": 18}, seen=0)
+    assert Dispatcher(get("llumnix-prefix")).choose([s, e], first) == "S"  # 288 tokens less to prefill
+    assert Dispatcher(get("llumnix-keep")).choose([s, e], first) == "E"
+    # counted by the ledger as a later turn (or not counted): the rule for returning turns, home S
+    assert Dispatcher(get("llumnix-keep")).choose([s, e], turn({"S": 18}, seen=1)) == "S"
+    assert Dispatcher(get("llumnix-keep")).choose([s, e], turn({"S": 18}, seen=-1)) == "S"
+    # where it fits nowhere: the smallest shortfall, as llumnix-prefix
+    full = [view("S", used=995, running=5), view("E", used=990, running=5)]
+    assert Dispatcher(get("llumnix-keep")).choose(full, first) == Dispatcher(get("llumnix-prefix")).choose(full, first)
+
+
+def test_the_ledger_counts_turns_before_each_dispatch():
+    from libs.common.programs import ProgramLedger
+    ledger = ProgramLedger()
+    assert ledger.turns_before("") == -1 and ledger.turns_before("p") == 0
+    ledger.record("p", 100, 0, 1.0)
+    ledger.record("p", 200, 100, 2.0)
+    assert ledger.turns_before("p") == 2 and ledger.turns_before("q") == 0
 
 
 def test_program_dispatch_equals_llumnix_prefix_on_the_prefix_cluster():

@@ -48,6 +48,11 @@ class DispatchRequest:
     # client named it (prompt_cache_key or the x-session-id header; "" = none):
     # what program-aware policies group turns by (issue 53).
     program_id: str = ""
+    # Turns of that program dispatched before this one, as the scheduler's
+    # program ledger counts them (libs/common/programs.py; 0: its first turn
+    # seen; -1: not counted, as by the frontend's bypass): llumnix-keep places
+    # a program's first turn apart from its returning ones.
+    program_turn: int = -1
 
 
 def affine(views: list[InstanceView], req: DispatchRequest) -> str | None:

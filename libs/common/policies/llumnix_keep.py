@@ -16,13 +16,24 @@ return is lowest (its tail first). A program's expected return is learned
 from its own gaps between turns on that instance (an EWMA; 15 s before its
 first gap), and the retention lasts three expected gaps, after which its
 blocks are plain LRU cache. At most ``BUDGET`` of an instance's KV pool is
-kept; kept free blocks are reported as held (not free) to dispatch, so new
-programs go to instances with room while the instance's own admission can
-still take them. Clients cannot hint the return (no request field carries
+kept; kept free blocks are reported as held (InstanceStatus.free_blocks
+withholds them), which a program's first turn is placed by (below), while
+the instance's own admission can still take them. Clients cannot hint the return (no request field carries
 one). In the simulator the policy sets the engines' budget
 (Policy.program_keep); a live cluster's instances take ``--program-keep``.
 
-Program dispatch (``select``): llumnix-prefix's choice (``prefix_key``:
+Program dispatch (``select``). A program's first turn
+(DispatchRequest.program_turn 0: the scheduler's program ledger has seen
+none of it) goes where it fits with the most free blocks per request
+after placing it (``fit_key`` over ``base_dispatch_terms``: the reported
+free blocks, which withhold kept ones, less every queued and pending
+demand; its own demand net of its hit; of equals the least prefill cost),
+not to where the shared system prompt saves the most prefill: the program
+will keep its history where it starts, so it starts where the least memory
+is held, and programs spread over the cluster instead of piling onto the
+instances that first cached the system prompt. (Llumnix's freeness, which
+llumnix-prefix's key reads, counts cached blocks, kept or not, as free: it
+cannot see where programs' KV is held.) A returning turn: llumnix-prefix's choice (``prefix_key``:
 among instances left at least ``ROOMY`` freeness, the least prefill cost)
 sends a returning turn away from its KV whenever the instance holding it is
 short of ``ROOMY``, and the instance holding a program's kept KV usually is
@@ -50,9 +61,10 @@ Where the home holds more of the prompt than llumnix-prefix's choice does:
   prefill steps of the same model (the engines' prefill cost is linear in
   tokens to first order), as migration pairing counts blocks sent.
 
-Where the home holds no more than llumnix-prefix's choice (a first turn: the
-shared system prompt is cached everywhere), and for requests of no program,
-the choice is llumnix-prefix's unchanged. Migration is llumnix-prefix's
+Where the home holds no more than llumnix-prefix's choice, where the
+ledger did not count the program's turns (program_turn -1: the frontend's
+bypass, whose returning turns take the rule above), and for requests of no
+program, the choice is llumnix-prefix's unchanged. Migration is llumnix-prefix's
 (pairs_by_move_cost): a turn placed at a tight home may be moved later, to
 where its blocks are cheapest to send. Not here yet: moving the KV with the
 turn to a roomier instance instead of recomputing (issue 53's "move instead
@@ -60,8 +72,9 @@ of evict"), program-level admission, fairness.
 """
 
 from libs.common.policies import llumnix_prefix
-from libs.common.policies.base import DispatchRequest, InstanceView, Policy, blocks_for, fit_key, hit_blocks
-from libs.common.policies.freeness import llumnix_dispatch_terms, llumnix_freeness, queued_prefill_tokens
+from libs.common.policies.base import (DispatchRequest, InstanceView, Policy, best_of, blocks_for, fit_terms_key,
+                                       hit_blocks)
+from libs.common.policies.freeness import base_dispatch_terms, llumnix_freeness
 
 BUDGET = 0.75
 HOME_MIN_FREENESS = 0.0  # freeness after placing below this at the home: overloaded
@@ -83,22 +96,30 @@ def home(cands: list[InstanceView], req: DispatchRequest) -> tuple[InstanceView 
 
 def overloaded(v: InstanceView, req: DispatchRequest) -> bool:
     """The turn does not fit at ``v`` with every queued request counted:
-    freeness after placing its demand net of its hit below HOME_MIN_FREENESS."""
-    t = llumnix_dispatch_terms(v)
-    if t.terminating:
-        return True
-    demand = blocks_for(req.num_prompt_tokens, max(1, v.status.block_size)) - hit_blocks(v, req)
-    tier, value = fit_key(t.total, t.usage + demand, t.batch)
+    freeness after placing its demand net of its hit below HOME_MIN_FREENESS
+    (or ``v`` is terminating)."""
+    tier, value, _ = llumnix_prefix.fit_and_cost(v, req)
     return tier < 1 or value < HOME_MIN_FREENESS
 
 
 def prefill_cost(v: InstanceView, req: DispatchRequest) -> int:
     """Prompt tokens ``v`` computes before the turn's first token: what it has
     queued and the turn's own missed tokens (llumnix_prefix.prefix_key's cost)."""
-    return req.num_prompt_tokens - hit_blocks(v, req) * max(1, v.status.block_size) + queued_prefill_tokens(v)
+    return llumnix_prefix.fit_and_cost(v, req)[2]
+
+
+def first_turn_key(v: InstanceView, req: DispatchRequest) -> tuple:
+    """A program's first turn: where it fits, the most free blocks per request
+    after placing it (base_dispatch_terms: the reported free blocks, which
+    withhold kept ones, less queued and pending demand), its demand net of
+    its hit; of equals the least prefill cost. Larger is better."""
+    demand = blocks_for(req.num_prompt_tokens, max(1, v.status.block_size)) - hit_blocks(v, req)
+    return (*fit_terms_key(base_dispatch_terms(v), demand), -llumnix_prefix.fit_and_cost(v, req)[2])
 
 
 def select(cands: list[InstanceView], req: DispatchRequest) -> InstanceView:
+    if req.program_id and req.program_turn == 0:
+        return best_of(cands, lambda v: first_turn_key(v, req))
     alt = llumnix_prefix.select(cands, req)
     h, hit = home(cands, req)
     if h is None or h.instance_id == alt.instance_id or hit <= hit_blocks(alt, req) or overloaded(h, req):
@@ -108,7 +129,8 @@ def select(cands: list[InstanceView], req: DispatchRequest) -> InstanceView:
 
 POLICY = Policy("llumnix-keep", f"llumnix-prefix whose instances keep programs' cached blocks between turns by "
                 f"expected return (evictable, evicted by recompute cost over time to return; at most "
-                f"{BUDGET:g} of the pool; instances' --program-keep); a returning turn goes where its KV is "
-                f"unless it does not fit there or prefills sooner elsewhere; migration; priorities",
+                f"{BUDGET:g} of the pool; instances' --program-keep); a program's first turn goes to the "
+                f"freest instance, a returning one where its KV is unless it does not fit there or prefills sooner "
+                f"elsewhere; migration; priorities",
                 score=None, select=select, uses_prefix=True, migrates=True, uses_priorities=True,
                 migration_freeness=llumnix_freeness, pairs_by_move_cost=True, program_keep=BUDGET)
