@@ -2,7 +2,10 @@
 between turns by expected return (issue 53's "Keep"), and whose dispatch
 sends a program's returning turn to the instance holding its KV unless that
 instance is overloaded (issue 53's "Schedule programs", its first rule).
-This project's design, not a peer's.
+This project's design, not a peer's: it reproduces the session affinity of
+the peers' program routers (vLLM's router, llm-d: a program's turns go where
+its KV is) but leaves a home by a counted cost, not a timeout or a load
+score, and it keeps KV without pinning it (Continuum pins, below).
 
 Keep: when a turn of a program ends (the program named by the client:
 prompt_cache_key / x-session-id), the instance keeps the program's cached
@@ -17,10 +20,11 @@ from its own gaps between turns on that instance (an EWMA; 15 s before its
 first gap), and the retention lasts three expected gaps, after which its
 blocks are plain LRU cache. At most ``BUDGET`` of an instance's KV pool is
 kept; kept free blocks are reported as held (InstanceStatus.free_blocks
-withholds them), which a program's first turn is placed by (below), while
-the instance's own admission can still take them. Clients cannot hint the return (no request field carries
-one). In the simulator the policy sets the engines' budget
-(Policy.program_keep); a live cluster's instances take ``--program-keep``.
+withholds them, which a program's first turn is placed by, below), while
+the instance's own admission can still take them. Clients cannot hint the
+return (no request field carries one). In the simulator the policy sets
+the engines' budget (Policy.program_keep); a live cluster's instances take
+``--program-keep``.
 
 Program dispatch (``select``). A program's first turn
 (DispatchRequest.program_turn 0: the scheduler's program ledger has seen
@@ -33,11 +37,12 @@ will keep its history where it starts, so it starts where the least memory
 is held, and programs spread over the cluster instead of piling onto the
 instances that first cached the system prompt. (Llumnix's freeness, which
 llumnix-prefix's key reads, counts cached blocks, kept or not, as free: it
-cannot see where programs' KV is held.) A returning turn: llumnix-prefix's choice (``prefix_key``:
-among instances left at least ``ROOMY`` freeness, the least prefill cost)
-sends a returning turn away from its KV whenever the instance holding it is
-short of ``ROOMY``, and the instance holding a program's kept KV usually is
-(its kept blocks count as held). Here a turn of a named program
+cannot see where programs' KV is held.)
+
+A returning turn: llumnix-prefix's choice (``prefix_key``: among instances
+left at least ``ROOMY`` freeness, the least prefill cost) sends it away from
+its KV whenever the instance holding it is short of ``ROOMY``, as the few
+instances llumnix-prefix packs programs onto often are. Here a turn of a named program
 (DispatchRequest.program_id) has a home: the candidate holding the longest
 prefix of its prompt (DispatchRequest.hits, the exact prefix index: where
 its blocks are now, kept or plain cached; not the program ledger's last
@@ -64,9 +69,9 @@ Where the home holds more of the prompt than llumnix-prefix's choice does:
 Where the home holds no more than llumnix-prefix's choice, where the
 ledger did not count the program's turns (program_turn -1: the frontend's
 bypass, whose returning turns take the rule above), and for requests of no
-program, the choice is llumnix-prefix's unchanged. Migration is llumnix-prefix's
-(pairs_by_move_cost): a turn placed at a tight home may be moved later, to
-where its blocks are cheapest to send. Not here yet: moving the KV with the
+program, the choice is llumnix-prefix's unchanged. Migration is
+llumnix-prefix's (pairs_by_move_cost): a turn placed at a tight home may be
+moved later, to where its blocks are cheapest to send. Not here yet: moving the KV with the
 turn to a roomier instance instead of recomputing (issue 53's "move instead
 of evict"), program-level admission, fairness.
 """
