@@ -111,8 +111,11 @@ def parse_config(cls: type, args: list[str]):
 def configs(opts: SimOptions, policy: str) -> tuple[InstanceConfig, SchedulerConfig]:
     """The configs a live benchmark would start its services with (wall time)."""
     inst_slow, sched_slow = slowed_intervals(opts.sim_slowdown)
-    ttl = get_policy(policy).program_ttl_s  # Continuum's pinning is the engines' (before --instance-arg, which wins)
-    pin = ["--program-ttl-s", f"{ttl / opts.sim_slowdown!r}"] if ttl > 0 else []
+    pol = get_policy(policy)  # Continuum's pinning and keep are the engines' (before --instance-arg, which wins)
+    pin = ["--program-ttl-s", f"{pol.program_ttl_s / opts.sim_slowdown!r}"] if pol.program_ttl_s > 0 else []
+    if pol.program_keep > 0:
+        gap = InstanceConfig.program_gap_s  # the default, in model seconds
+        pin += ["--program-keep", f"{pol.program_keep!r}", "--program-gap-s", f"{gap / opts.sim_slowdown!r}"]
     icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow, *pin,
                                          *opts.instance_args])
     scfg = parse_config(SchedulerConfig, ["--dispatch", policy, *sched_slow, *opts.scheduler_args])

@@ -26,6 +26,7 @@ from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
 from libs.common.policies.phases import Placement, count_placed, place
 from libs.common.prefix_hash import block_hashes
+from libs.common.programs import ProgramLedger
 from libs.common.types import InstanceStatus, OrderResult, Priority
 from services.scheduler.policies import (
     Dispatcher,
@@ -64,6 +65,7 @@ class SimScheduler:
         # Of the committed ones: blocks sent, and blocks the destinations linked instead (running sums).
         self.blocks_sent = 0
         self.blocks_linked = 0
+        self.programs = ProgramLedger()  # the live scheduler's: turns per program (DispatchRequest.program_turn)
 
     # --- the cluster view (libs/common/cluster_view.py) ------------------------------------
     def deliver(self, status: InstanceStatus) -> None:
@@ -95,7 +97,8 @@ class SimScheduler:
         instance at once), each counted as pending there until a report
         lists the request (net of its hit there where the policy scores
         prefixes; the decode instance for the prompt and its first token)."""
-        req = DispatchRequest(request_id, num_tokens, priority, program_id=program_id)
+        req = DispatchRequest(request_id, num_tokens, priority, program_id=program_id,
+                              program_turn=self.programs.turns_before(program_id))
         if token_ids is not None and self.policy.uses_prefix:
             req = replace(req, **self.prefix_hits(token_ids, request_id))
         placed = place(self.dispatcher, self.views(), req)
@@ -103,8 +106,12 @@ class SimScheduler:
             return None
         now = self.k.now
         # prefix_hits lists only instances of the size it hashed at: a hit is at the instance's own size
-        count_placed(placed, req, lambda iid: self.statuses[iid].block_size, self.statuses[placed.prefill].block_size,
-                     lambda iid, rid, blocks: self.pending.add(iid, rid, blocks, now))
+        hit = count_placed(placed, req, lambda iid: self.statuses[iid].block_size,
+                           self.statuses[placed.prefill].block_size,
+                           lambda iid, rid, blocks: self.pending.add(iid, rid, blocks, now))
+        if program_id:
+            bs = self.statuses[placed.prefill].block_size
+            self.programs.record(program_id, num_tokens, min(hit * bs, max(0, num_tokens - 1)), now)
         return placed
 
     def prefix_hits(self, token_ids: Sequence[int], request_id: str = "") -> dict:

@@ -42,6 +42,14 @@ class ProgramLedger:
     def get(self, program_id: str) -> ProgramStats | None:
         return self._programs.get(program_id)
 
+    def turns_before(self, program_id: str) -> int:
+        """DispatchRequest.program_turn of a turn of ``program_id`` about to be
+        dispatched: its turns recorded so far (0: its first; -1: no program)."""
+        if not program_id:
+            return -1
+        s = self._programs.get(program_id)
+        return s.turns if s is not None else 0
+
     def record(self, program_id: str, prompt_tokens: int, cached_tokens: int, now: float) -> ProgramStats:
         """One turn of ``program_id`` dispatched (a resume of the same request
         counts again: its prompt is given again). Returns its stats after it;

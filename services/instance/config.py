@@ -106,6 +106,14 @@ class InstanceConfig(CommonConfig):
                                "ends, its cached blocks stay pinned (not evictable, not free) this many seconds, "
                                "or until its next turn here takes them (0 = off; the continuum policy's "
                                "default in the simulator)", min=0.0)
+    program_keep: float = opt(0.0, "keep by expected return (issue 53): after a turn of a named program ends, its "
+                              "cached blocks stay evictable but are evicted after plain cached blocks, the program "
+                              "whose return is furthest and whose blocks are cheapest to recompute first, for 3 "
+                              "of its expected gaps (learned from its gaps here); at most this fraction of the KV "
+                              "pool is kept (0 = off; the llumnix-keep policy's default in the simulator)",
+                              min=0.0, max=1.0)
+    program_gap_s: float = opt(15.0, "keep: a program's expected gap between turns until one is seen here",
+                               min=0.001)
     failpoints: str = opt("", "fault injection for tests, e.g. dest.drop_commit_reply (testing only)")
     vllm_args: str = opt("", "vllm engine: vLLM engine arguments as on vLLM's command line, e.g. "
                          "'--enforce-eager --gpu-memory-utilization 0.85' (also: after `--` on the command line)")
@@ -144,7 +152,8 @@ class InstanceConfig(CommonConfig):
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
             seed=self.seed, share_kv=self.migration_shared_kv, prefix_caching=self.prefix_caching,
-            program_ttl_s=self.program_ttl_s, deterministic=self.deterministic, extra=self._engine_extra(),
+            program_ttl_s=self.program_ttl_s, program_keep=self.program_keep,
+            program_gap_s=self.program_gap_s, deterministic=self.deterministic, extra=self._engine_extra(),
         )
 
     def _engine_extra(self) -> dict:

@@ -190,7 +190,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise Unavailable("scheduler has no cluster view yet")
         req = DispatchRequest(request.request_id, request.num_prompt_tokens, convert.priority_from_pb(request.priority),
                               frozenset(request.exclude_instance_ids), affinity=request.affinity_instance_id,
-                              program_id=request.program_id)
+                              program_id=request.program_id,
+                              program_turn=self.svc.programs.turns_before(request.program_id))
         if self.svc.dispatcher.policy.uses_prefix and request.block_hashes:
             req = dataclasses.replace(req, prefix_blocks=len(request.block_hashes),
                                       hits=self.svc.prefix_hits(list(request.block_hashes), request.block_size))

@@ -2,14 +2,16 @@
 llmd-prefix, dynamo-kv, sglang-cache-aware) on hand-made views: one cluster
 where each of them, and prefix-blind llumnix, picks a different instance,
 each for its own reason; SGLang's balance guard and match threshold;
-llumnix-prefix is llumnix where no instance holds a prefix and none queues."""
+llumnix-prefix is llumnix where no instance holds a prefix and none queues;
+llumnix-keep's program dispatch (a returning turn goes to the instance
+holding its KV unless it does not fit there or prefills sooner elsewhere)."""
 
 import random
 
 import pytest
 
 from libs.common.policies import Dispatcher, DispatchRequest, InstanceView, get, hit_blocks
-from libs.common.policies import dynamo_kv, llmd_prefix, llumnix_prefix, sglang_cache_aware
+from libs.common.policies import dynamo_kv, llmd_prefix, llumnix_keep, llumnix_prefix, sglang_cache_aware
 from libs.common.types import InstanceStatus
 
 BS, TOTAL = 16, 1000
@@ -142,3 +144,79 @@ def test_splitwise_decode_choice_counts_the_prefix_the_decode_instance_holds():
     # held nowhere: the tie goes to the lowest id
     placed = place(Dispatcher(get("llumnix-prefix")), [p, d1, d2], request({}))
     assert placed.prefill == "P" and placed.decode == "D1"
+
+
+# A program's returning turn (100 blocks): H holds 80 blocks of it (its kept
+# history) but is tight: 900 used, 10 running, so 80 free blocks for 11
+# requests after placing its 20 missed blocks (7.3 < ROOMY); R is roomy and
+# holds only the shared 18-block system prompt.
+HOME = view("H", used=900, running=10)
+ROOMY_VIEW = view("R", used=100, running=5)
+PROGRAM_HITS = {"H": 80, "R": 18}
+
+
+def turn(hits, program="p1", seen=5):
+    return DispatchRequest("t", PROMPT, prefix_blocks=PROMPT // BS, hits=hits, program_id=program,
+                           program_turn=seen if program else -1)
+
+
+def test_a_returning_turn_goes_home_where_llumnix_prefix_leaves_it():
+    cluster, req = [HOME, ROOMY_VIEW], turn(PROGRAM_HITS)
+    assert llumnix_prefix.prefix_key(HOME, req)[0] == 1  # fits, not roomy: llumnix-prefix goes to R
+    assert Dispatcher(get("llumnix-prefix")).choose(cluster, req) == "R"
+    # home: 320 missed tokens, nothing queued; R: 1600 - 18 x 16 = 1312 recomputed
+    assert llumnix_keep.prefill_cost(HOME, req) == 320 and llumnix_keep.prefill_cost(ROOMY_VIEW, req) == 1312
+    assert Dispatcher(get("llumnix-keep")).choose(cluster, req) == "H"
+    # a request of no program is dispatched as llumnix-prefix does
+    assert Dispatcher(get("llumnix-keep")).choose(cluster, turn(PROGRAM_HITS, program="")) == "R"
+
+
+def test_an_overloaded_home_or_a_longer_wait_there_sends_the_turn_elsewhere():
+    full = view("H", used=990, running=10)  # 20 missed blocks do not fit beside 990 used
+    assert llumnix_keep.overloaded(full, turn(PROGRAM_HITS))
+    assert Dispatcher(get("llumnix-keep")).choose([full, ROOMY_VIEW], turn(PROGRAM_HITS)) == "R"
+    # fits, but 1,000 prompt tokens queued there: 1,320 to compute before its first token > R's 1,312
+    busy = view("H", used=900, running=10, running_prefill=1000)
+    assert not llumnix_keep.overloaded(busy, turn(PROGRAM_HITS))
+    assert Dispatcher(get("llumnix-keep")).choose([busy, ROOMY_VIEW], turn(PROGRAM_HITS)) == "R"
+    # 990 queued: 1,310 <= 1,312, home
+    near = view("H", used=900, running=10, running_prefill=990)
+    assert Dispatcher(get("llumnix-keep")).choose([near, ROOMY_VIEW], turn(PROGRAM_HITS)) == "H"
+
+
+def test_a_returning_turn_whose_home_holds_only_the_shared_prompt_is_dispatched_as_llumnix_prefix():
+    # the system prompt cached on both: the home (lowest id of equal hits) holds no more than R
+    req = turn({"H": 18, "R": 18})
+    assert llumnix_keep.home([HOME, ROOMY_VIEW], req)[0].instance_id == "H"
+    assert Dispatcher(get("llumnix-keep")).choose([HOME, ROOMY_VIEW], req) == "R"
+    assert llumnix_keep.home([HOME, ROOMY_VIEW], turn({}))[0] is None
+
+
+def test_a_first_turn_goes_to_the_freest_not_to_the_shared_prompt():
+    # S holds the 18-block system prompt, roomy (300 used, 5 running); E is empty
+    s, e = view("S", used=300, running=5), view("E")
+    first = turn({"S": 18}, seen=0)
+    assert Dispatcher(get("llumnix-prefix")).choose([s, e], first) == "S"  # 288 tokens less to prefill
+    assert Dispatcher(get("llumnix-keep")).choose([s, e], first) == "E"
+    # counted by the ledger as a later turn (or not counted): the rule for returning turns, home S
+    assert Dispatcher(get("llumnix-keep")).choose([s, e], turn({"S": 18}, seen=1)) == "S"
+    assert Dispatcher(get("llumnix-keep")).choose([s, e], turn({"S": 18}, seen=-1)) == "S"
+    # where it fits nowhere: the smallest shortfall, as llumnix-prefix
+    full = [view("S", used=995, running=5), view("E", used=990, running=5)]
+    assert Dispatcher(get("llumnix-keep")).choose(full, first) == Dispatcher(get("llumnix-prefix")).choose(full, first)
+
+
+def test_the_ledger_counts_turns_before_each_dispatch():
+    from libs.common.programs import ProgramLedger
+    ledger = ProgramLedger()
+    assert ledger.turns_before("") == -1 and ledger.turns_before("p") == 0
+    ledger.record("p", 100, 0, 1.0)
+    ledger.record("p", 200, 100, 2.0)
+    assert ledger.turns_before("p") == 2 and ledger.turns_before("q") == 0
+
+
+def test_program_dispatch_equals_llumnix_prefix_on_the_prefix_cluster():
+    # no program named: the five-instance cluster above picks F under both
+    assert Dispatcher(get("llumnix-keep")).choose(CLUSTER, request(HITS)) == "F"
+    # named: the home A does not fit, so F still
+    assert Dispatcher(get("llumnix-keep")).choose(CLUSTER, turn(HITS)) == "F"

@@ -156,3 +156,31 @@ def test_continuum_pins_programs_between_turns_and_every_pin_ends():
     plain = Cluster(opts, "llumnix-prefix", work)
     assert all(i.engine.pins.ttl_s == 0 for i in plain.instances.values())
     plain.close()
+
+
+def test_the_sim_scheduler_counts_each_programs_turns_and_llumnix_keep_spreads_first_turns(monkeypatch):
+    """DispatchRequest.program_turn is the ledger's count of the program's
+    earlier turns (0 at its first), as the live scheduler's; llumnix-keep
+    starts programs where the most blocks are free, llumnix-prefix where the
+    shared system prompt is cached."""
+    seen, firsts = [], {}
+    real = sim_scheduler.place
+
+    def spy(dispatcher, views, req):
+        placed = real(dispatcher, views, req)
+        seen.append((req.program_id, req.program_turn))
+        if req.program_turn == 0:
+            firsts.setdefault(dispatcher.name, []).append(placed.prefill)
+        return placed
+
+    monkeypatch.setattr(sim_scheduler, "place", spy)
+    opts = SimOptions(instances=4, prefix="agentic:3:2:10", arrivals="poisson:0.5", num_requests=4, progress=False)
+    for p in ("llumnix-prefix", "llumnix-keep"):
+        seen.clear()
+        simulate(opts, p)
+        by = {}
+        for prog, n in seen:
+            by.setdefault(prog, []).append(n)
+        assert len(by) == 4 and all(ns == list(range(len(ns))) for ns in by.values())
+    assert len(set(firsts["llumnix-prefix"])) == 1  # every program where the system prompt was cached first
+    assert len(set(firsts["llumnix-keep"])) == 4

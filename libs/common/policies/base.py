@@ -48,6 +48,11 @@ class DispatchRequest:
     # client named it (prompt_cache_key or the x-session-id header; "" = none):
     # what program-aware policies group turns by (issue 53).
     program_id: str = ""
+    # Turns of that program dispatched before this one, as the scheduler's
+    # program ledger counts them (libs/common/programs.py; 0: its first turn
+    # seen; -1: not counted, as by the frontend's bypass): llumnix-keep places
+    # a program's first turn apart from its returning ones.
+    program_turn: int = -1
 
 
 def affine(views: list[InstanceView], req: DispatchRequest) -> str | None:
@@ -171,6 +176,10 @@ class Policy:
     # InstanceConfig.program_ttl_s); the simulator sets it on its engines,
     # a live cluster's instances take --program-ttl-s.
     program_ttl_s: float = 0.0
+    # Above 0: the instances keep programs' cached blocks between turns by
+    # expected return, at most this fraction of their pool (services/
+    # instance/engine/core/pins.py ProgramKeep, InstanceConfig.program_keep).
+    program_keep: float = 0.0
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:

@@ -36,14 +36,23 @@ from libs.common.policies.freeness import llumnix_dispatch_terms, llumnix_freene
 ROOMY = 10.0  # Policy.migrate_out_threshold's default
 
 
-def prefix_key(v: InstanceView, req: DispatchRequest) -> tuple:
+def fit_and_cost(v: InstanceView, req: DispatchRequest) -> tuple[int, float, int]:
+    """(tier, freeness or shortfall, prefill cost) of placing ``req`` at ``v``:
+    fit_key over llumnix_dispatch_terms with the demand net of the hit, and
+    the missed plus queued prefill tokens; tier -1 where it is terminating."""
     t = llumnix_dispatch_terms(v)
     if t.terminating:
-        return (-1, 0.0, 0.0)
+        return (-1, 0.0, 0)
     bs = max(1, v.status.block_size)
     hit = hit_blocks(v, req)
     tier, value = fit_key(t.total, t.usage + blocks_for(req.num_prompt_tokens, bs) - hit, t.batch)
-    cost = req.num_prompt_tokens - hit * bs + queued_prefill_tokens(v)
+    return tier, value, req.num_prompt_tokens - hit * bs + queued_prefill_tokens(v)
+
+
+def prefix_key(v: InstanceView, req: DispatchRequest) -> tuple:
+    tier, value, cost = fit_and_cost(v, req)
+    if tier == -1:
+        return (-1, 0.0, 0.0)
     if tier == 1 and value >= ROOMY:
         return (2, -cost, value)
     return (tier, value, -cost)

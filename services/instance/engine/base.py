@@ -395,6 +395,10 @@ class EngineConfig:
     prefix_caching: bool = True
     # Continuum's TTL pinning (core/pins.py): a program's blocks stay pinned this long after its turn (0: off).
     program_ttl_s: float = 0.0
+    # Keep by expected return (core/pins.py ProgramKeep): at most this fraction of the pool kept (0: off),
+    # and a program's expected gap between turns before one is seen.
+    program_keep: float = 0.0
+    program_gap_s: float = 15.0
     profile: str = "llama-7b-a10"  # sim engine: profile name or path
     seed: int = 0
     # A request's tokens (and logprobs) bit for bit independent of its batch, cache hits,

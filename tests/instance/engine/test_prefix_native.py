@@ -9,6 +9,8 @@ keeps its tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -101,3 +103,48 @@ def test_migration_of_a_request_sharing_its_prefix(make_engine, base):
     run(src, outs)
     run(dst, outs)
     assert outs == want
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_a_returning_turn_with_kept_blocks_gives_the_tokens_of_the_cache_off(make_engine, base, deterministic):
+    """Keep (core/pins.py ProgramKeep): a program's turn ends, pressure that
+    plain LRU would serve from that turn's blocks (freed first) takes
+    another request's cached blocks instead, and the program's next turn
+    starts at its kept history, with the tokens (and, in the deterministic
+    mode, the logprobs) it has with the prefix cache off."""
+    bs = 32 if deterministic else BS
+    if deterministic:
+        from services.instance.engine import vllm_kernels
+
+        if vllm_kernels.ops() is None:
+            pytest.skip("the deterministic mode needs vLLM's CPU kernels (the vllm extra)")
+    first = base[: 4 * bs + 1]
+    other = [3000 + i for i in range(4 * bs)]
+    pressure = [5000 + i for i in range(20 * bs - 2)]  # every plain free block and other's 4, on 24
+    tail = [1000 + i * 37 for i in range(9)]
+    outs, hits = {}, {}
+    for keep in (0.5, None):  # None: the prefix cache off
+        e = deterministic_or_skip(lambda keep=keep: make_engine(
+            "native", num_blocks=24, block_size=bs, prefix_caching=keep is not None, program_keep=keep or 0.0,
+            deterministic=deterministic))
+        t1 = req("t1", first, max_tokens=4, min_tokens=4)
+        e.add_request(dataclasses.replace(t1, program_id="p"))
+        out1 = run(e)["t1"]
+        if keep:
+            assert len(e.pins.blocks_of("p")) == 4
+            second = first + out1 + tail
+        e.add_request(req("other", other, max_tokens=4, min_tokens=4))
+        run(e)
+        e.add_request(req("pressure", pressure, max_tokens=1))
+        run(e)
+        e.add_request(dataclasses.replace(req("t2", second, max_tokens=N, min_tokens=N, logprobs=5), program_id="p"))
+        o: dict = {}
+        for out in e.step():
+            o.setdefault(out.request_id, []).append(out)
+        hits[keep] = e.request_stats("t2")["prefix_hit_tokens"]
+        outs[keep] = collect(e, o)["t2"]
+    assert hits == {0.5: 4 * bs, None: 0}  # the kept history survived the pressure
+    if deterministic:
+        assert exact(outs[0.5]) == exact(outs[None])
+    else:
+        assert_bounded_divergence(outs[None], outs[0.5], LOGPROB_NOISE["float32"])

@@ -148,6 +148,17 @@ class BlockPool:
                     self.cache.unpark(b)
                 self._ref[b] += 1
 
+    def keep(self, program: str, block_ids: list[int]) -> None:
+        """A program keeps these cached blocks between its turns (pins.ProgramKeep):
+        still evictable, but after every plain cached block, in the keeper's order."""
+        with self._lock:
+            self.cache.keep(program, block_ids)
+
+    def unkeep(self, program: str, block_ids: list[int]) -> None:
+        """Its retention ended: the blocks nobody keeps are plain LRU cache again."""
+        with self._lock:
+            self.cache.unkeep(program, block_ids)
+
     def num_evictable_of(self, block_ids: list[int]) -> int:
         """How many of these (cached) blocks are evictable: a hit takes them off the free count."""
         return sum(1 for b in block_ids if self._ref[b] == 0)

@@ -24,7 +24,7 @@ from services.instance.engine.base import (
 )
 from services.instance.engine.core.block_pool import BlockPool
 from services.instance.engine.core.executor import Executor, Sampled
-from services.instance.engine.core.pins import ProgramPins
+from services.instance.engine.core.pins import program_hold
 from services.instance.engine.core.probe import executor_works
 from services.instance.engine.core.prefix_engine import PrefixCaching
 from services.instance.engine.core.request import Request, RequestStatus
@@ -85,8 +85,10 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         self.guests: dict[str, Request] = {}
         self._seq = 0
         self._failed_steps = 0  # steps in a row where every request failed
-        # Continuum's TTL pinning of programs' blocks between turns (pins.py; off at ttl 0).
-        self.pins = ProgramPins(self.pool, config.program_ttl_s, clock)
+        # What is held of programs' blocks between turns (pins.py): Continuum's TTL pins, or keep by
+        # expected return; off at ttl 0 and keep 0.
+        self.pins = program_hold(self.pool, config.program_ttl_s, config.program_keep, config.program_gap_s,
+                                 self._block_size, clock)
 
     # --- static facts -------------------------------------------------------
     block_size = property(lambda self: self._block_size)
@@ -130,7 +132,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def _expire_pins(self) -> None:
-        if len(self.pins):
+        if self.pins.watching:
             # a program whose next turn is here: its blocks go back to the cache, where that turn's admission
             # finds them (this step's), then holds them itself
             self.pins.expire({r.program_id for r in self.requests.values() if r.program_id})
@@ -330,7 +332,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         prefill = sum(n for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1)
         return EngineLoad(
             total_blocks=self.pool.capacity,
-            free_blocks=self.pool.num_free,
+            free_blocks=self.pool.num_free - self.pins.withheld(),  # kept blocks: held for dispatch
             block_size=self._block_size,
             requests=tuple(reqs),
             head_of_line_demand_blocks=demands[0] if demands else 0,
