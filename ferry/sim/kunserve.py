@@ -38,10 +38,15 @@ The static pipeline baseline (the paper's "Llumnix (pipeline)",
 before the first request; its tick loop is never started, so nothing
 restores them (and nothing else forms).
 
-What the live loop does not do, the simulator does not either: a group
-throttled again is not merged with another (Algorithm 1 goes on merging);
-members are restored one after the other, each taking its layers, then its
-KV back, while the loop's next tick waits.
+A group throttled again merges with another as the live loop decides
+(``KunServeLoop.merge_throttled``, Algorithm 1 going on merging): each member
+drops more layers (its pool grows again) and sets the merged group's stages;
+that ``set_pipeline`` is charged as an entry, (k-1)/k of each member's KV
+over the link with remote attention meanwhile (the KV that really moves in a
+merge is less: what leaves a member's old range). What the live loop does
+not do, the simulator does not either: members are restored one after the
+other, each taking its layers, then its KV back, while the loop's next tick
+waits.
 
 Simplifications, each on the side of the pipeline's cost:
 - A member's requests are charged to its own pool: the group's memory is not
