@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from libs.pb import instance_pb2 as ipb
-from libs.common.errors import FailedPrecondition
+from libs.common.errors import FailedPrecondition, FerryError
 from libs.common.policies.kunserve import buddy_group
 from libs.common.types import InstanceStatus, LayerChange
 from services.scheduler.kunserve import KunServeConfig, KunServeLoop, dropped_ranges, holders
@@ -243,6 +243,30 @@ async def test_a_merge_failing_midway_takes_the_dropped_layers_back_and_the_old_
     assert {a: (r["own"], r["peers"]) for a, n, r in after if n == "set_pipeline"} == {
         "addr-a": (range(0, 2), [(range(2, 4), "addr-b")]), "addr-b": (range(2, 4), [(range(0, 2), "addr-a")]),
         "addr-c": (range(0, 2), [(range(2, 4), "addr-d")]), "addr-d": (range(2, 4), [(range(0, 2), "addr-c")])}
+
+
+async def test_a_native_member_refuses_a_merges_first_round_over_grpc_and_its_pair_serves_on():
+    # What the loop's merge sends a member first (prepare to drop a layer it runs for its
+    # pair) comes back FAILED_PRECONDITION from a native agent: the loop's refusal path.
+    from tests.instance.test_pipeline_grpc import Agents
+
+    agents = Agents()
+    try:
+        for i in "ab":
+            await agents.start(engine="native", model="tiny-llama", num_blocks=64, dtype="float32", instance_id=i)
+        addr = dict(zip("ab", agents.addresses))
+        loop = KunServeLoop(SimpleNamespace(address=addr.get), KunServeConfig(2, 1))
+        g = await loop.form(buddy_group(["a", "b"], 2, 1), {"a": 64, "b": 64})
+        assert g is not None
+        for iid, runs in (("a", range(0, 1)), ("b", range(1, 2))):
+            with pytest.raises(FerryError, match="re-forming a live group"):  # what the merge catches
+                await loop.clients(iid, addr[iid]).drop_layers(runs, prepare=True)
+        assert [s.engine.executor.model.dropped() for s in agents.services] == [[1], [0]]
+        assert await loop.restore(g)
+        assert [s.engine.executor.model.dropped() for s in agents.services] == [[], []]
+        await loop.stop()
+    finally:
+        await agents.stop()
 
 
 @pytest.mark.model
