@@ -110,9 +110,11 @@ def test_a_group_throttled_again_is_merged_into_a_group_of_four(small_profile):
     # A longer, heavier burst: the pairs fill up again, and the live loop merges
     # them (Algorithm 1 goes on merging): each member keeps 12 of the 48 layers
     # and lends 36 layers' blocks; the group of four is restored as merged.
-    run, seen = _run(_opts(small_profile, arrivals="phases:4@20,60@10", num_requests=600))
+    opts = _opts(small_profile, arrivals="phases:4@20,60@10", num_requests=600, fake_tokens=True)
+    run, seen = _run(opts)
     ext = run["sim"]["extension"]
     assert run["summary"]["completed"] == 600
+    assert run["tokens"] == simulate(opts, "llumnix")["tokens"]  # every request's, through drops and merges
     drops = [e for e in ext["log"] if e["event"] == "drop"]
     merges = [e for e in ext["log"] if e["event"] == "merge"]
     assert drops and all(len(e["members"]) == 2 and e["freed_blocks"] == 2 * 24 * 9 for e in drops)
