@@ -38,10 +38,15 @@ The static pipeline baseline (the paper's "Llumnix (pipeline)",
 before the first request; its tick loop is never started, so nothing
 restores them (and nothing else forms).
 
-What the live loop does not do, the simulator does not either: a group
-throttled again is not merged with another (Algorithm 1 goes on merging);
-members are restored one after the other, each taking its layers, then its
-KV back, while the loop's next tick waits.
+A group throttled again merges with another as the live loop decides
+(``KunServeLoop.merge_throttled``, Algorithm 1 going on merging): each member
+drops more layers (its pool grows again) and sets the merged group's stages;
+that ``set_pipeline`` is charged as an entry, (k-1)/k of each member's KV
+over the link with remote attention meanwhile (the KV that really moves in a
+merge is less: what leaves a member's old range). What the live loop does
+not do, the simulator does not either: members are restored one after the
+other, each taking its layers, then its KV back, while the loop's next tick
+waits.
 
 Simplifications, each on the side of the pipeline's cost:
 - A member's requests are charged to its own pool: the group's memory is not
@@ -266,23 +271,26 @@ class KunServe:
         options give the same summary) and the members'."""
         t0 = self.c.t0
         log = [{"t": e["t"] - t0, "event": e["event"], "members": e["members"],
-                **({"freed_blocks": e["freed_blocks"]} if "freed_blocks" in e else {})} for e in self.loop.log]
+                **{k: e[k] for k in ("groups", "freed_blocks") if k in e}} for e in self.loop.log]
         drops = [e for e in log if e["event"] == "drop"]
+        merges = [e for e in log if e["event"] == "merge"]
         restores = [e for e in log if e["event"] == "restore"]
         formed: dict[str, float] = {}
         pipelined = 0.0
         for e in log:
             key = "+".join(e["members"])
-            if e["event"] == "drop":
-                formed[key] = e["t"]
-            else:
+            if e["event"] == "restore":
                 pipelined += len(e["members"]) * (e["t"] - formed.pop(key))
+                continue
+            for old in e.get("groups", ()):  # a merge ends the two groups it joins
+                pipelined += len(old) * (e["t"] - formed.pop("+".join(old)))
+            formed[key] = e["t"]
         now = self.k.now - t0
         pipelined += sum(len(key.split("+")) * (now - t) for key, t in formed.items())
         return {"layer_blocks": self.layer_blocks, "param_blocks": self.layer_blocks * self.num_layers,
                 # ticks that formed groups (the static baseline's are formed before any tick)
                 "drops": 0 if self.static else len({e["t"] for e in drops}),
-                "groups_formed": len(drops), "restores": len(restores),
-                "freed_blocks": sum(e["freed_blocks"] for e in drops), "lent_blocks_at_end": self.lent,
+                "groups_formed": len(drops), "merges": len(merges), "restores": len(restores),
+                "freed_blocks": sum(e["freed_blocks"] for e in drops + merges), "lent_blocks_at_end": self.lent,
                 "groups_at_end": len(self.loop._live_groups()), "pipelined_instance_s": pipelined,
                 "errors": self.errors, "params": asdict(self.p), "log": log, "member_log": self.member_log}

@@ -38,7 +38,7 @@ ROWS = (("TTFT p50 (s)", "ttft_ms", "p50", 1e-3), ("TTFT p99 (s)", "ttft_ms", "p
         ("TTFT mean (s)", "ttft_ms", "mean", 1e-3), ("TBT p50 (ms)", "decode_ms", "p50", 1.0),
         ("TBT p99 (ms)", "decode_ms", "p99", 1.0), ("SLO violations (%)", "slo_violation_pct", None, 1.0),
         ("preemptions", "preemptions", None, 1.0), ("migrations", "migrations", None, 1.0),
-        ("drops", "drops", None, 1.0), ("restores", "restores", None, 1.0))
+        ("drops", "drops", None, 1.0), ("merges", "merges", None, 1.0), ("restores", "restores", None, 1.0))
 
 
 def _opts(kw: dict, seed: int, mode: str, time_factor: float = 1.0):
@@ -73,6 +73,7 @@ def run_mode(kw: dict, seed: int, mode: str, params: KunServeParams, stages: int
     ext = run["sim"].get("extension") or {}
     summary["slo_violation_pct"] = violation_pct(run["requests"], slo)
     summary["drops"] = ext.get("drops", 0)
+    summary["merges"] = ext.get("merges", 0)
     summary["restores"] = ext.get("restores", 0)
     timeline = [(r["sent_at"], r["ttft_s"], r["decode_s"]) for r in run["requests"] if r["error"] is None]
     return {"summary": summary, "extension": ext, "model_s": run["sim"]["model_s"], "_wall_s": run["_wall_s"],

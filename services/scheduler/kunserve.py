@@ -11,15 +11,47 @@ window per instance (``add_sample``), then:
   the layers it dropped from the members that hold them (``RestoreLayers``)
   and leaves the pipeline, taking back the KV its peers held
   (``SetPipeline`` to every layer);
+- **merge** groups throttled again (``merge_throttled``): a formed group
+  whose members' forecast (``predict_throttle`` over their own samples,
+  which carry the grown pools) is still throttled merges with another
+  (``merge_groups``: each member keeps part of its range and drops the rest,
+  ``DropLayers``; then every member sets the new stages, ``SetPipeline``),
+  until the merges cover the deficit (one replica's parameters, P, per
+  merge) or no merge is possible;
 - **drop** when the instances outside groups are about to throttle
   (``predict_throttle``): ``plan_buddy_groups`` picks groups; each member
-  enters the pipeline (``SetPipeline``: its peers receive the KV of their
-  layers for its running requests), then drops the layers it does not keep
-  (``DropLayers``: its KV pool grows).
+  drops the layers it does not keep (``DropLayers``: its KV pool grows),
+  then enters the pipeline (``SetPipeline``: its peers receive the KV of
+  their layers for its running requests).
 
-Not here yet (so not in the simulator either): merging a group throttled
-again with another, and restore by live migration (members take the KV back
-in place).
+Merging, against the paper's Algorithm 1 (§4.1: "iteratively merge groups
+with the smallest size until the memory constraint is met"):
+- As there: merges continue while the freed memory is short of the deficit
+  R, each merge freeing exactly P (a group of k keeps one copy), and the
+  smallest groups merge first; a merged group may merge again in the same
+  round while R is not covered.
+- Different: Algorithm 1 pops the two smallest groups of the cluster,
+  whichever they are, because KunServe pools a group's memory and its
+  dispatcher rebalances the overflow. Here a member's requests use only its
+  own pool, so memory freed in two groups that are not throttled would not
+  admit the throttled group's queue: one of the two is always a throttled
+  group (the smallest, the most short on equal sizes), the other the
+  smallest other group (the one with the most free blocks on equal sizes).
+- Different: the algorithm is a plan from scratch; here groups already run,
+  so a merge keeps every member within the layers it holds (it only drops,
+  never fetches parameters back). A group is considered only once every
+  member has reported since it last changed (its pool grown), so that one
+  throttled window does not merge twice; ``max_group_size`` and one layer a
+  stage bound the merged size.
+- A merge whose first round (the grown storage prepared, nothing changed
+  yet) is refused leaves both groups as they were and marks them not to be
+  merged again: the native engine cannot re-form a live pipeline
+  (docs/kunserve.md, "Not built yet"), the simulator's instances can. A
+  failure after that takes the dropped layers back from the members that
+  keep them and sets the old stages again.
+
+Not here yet: restore by live migration (members take the KV back in
+place).
 
 The planner needs the model's layer count and one layer's parameter memory
 in KV blocks (``--kunserve-layers``, ``--kunserve-layer-blocks``): instances
@@ -46,6 +78,7 @@ from libs.common.policies.kunserve import (
     MemorySample,
     add_sample,
     fits_own_memory,
+    merge_groups,
     plan_buddy_groups,
     predict_throttle,
 )
@@ -54,6 +87,7 @@ from services.scheduler.state import LeaderState, MemoryState
 log = get_logger(__name__)
 
 DROPS = Counter("ferry_kunserve_drops_total", "buddy groups formed (layers dropped into KV memory)")
+MERGES = Counter("ferry_kunserve_merges_total", "buddy groups throttled again, merged with another")
 RESTORES = Counter("ferry_kunserve_restores_total", "buddy groups restored (layers and KV back)")
 FAILURES = Counter("ferry_kunserve_failures_total", "group formations or restores that failed", ["action"])
 GROUPS = Gauge("ferry_kunserve_groups", "buddy groups serving as pipelines now")
@@ -80,6 +114,8 @@ class LiveGroup:
     formed_at: float
     own_blocks: dict[str, int]  # each member's pool before the drop
     events: list[str] = field(default_factory=list)
+    changed_at: float = 0.0  # when its members' layers last changed (formed or merged)
+    mergeable: bool = True  # False once a member refused to re-form (it cannot regroup live)
 
     @property
     def ids(self) -> list[str]:
@@ -196,6 +232,7 @@ class KunServeLoop:
                     fits_own_memory(i, self.samples.get(i) or (), g.own_blocks[i], self.cfg.restore_margin,
                                     self.cfg.horizon_s) for i in g.ids):
                 await self.restore(g)
+        await self.merge_throttled(statuses)
         outside = {iid: q for iid, q in self.samples.items() if q and iid not in self.groups}
         if not outside:
             return
@@ -210,6 +247,57 @@ class KunServeLoop:
                                  self.cfg.max_group_size)
         for bg in plan.groups:
             await self.form(bg, {i: statuses[i].total_blocks for i in (m.instance_id for m in bg.members)})
+
+    def _settled(self, g: LiveGroup) -> bool:
+        """Every member has reported since the group last changed (its pool grown)."""
+        return all((q := self.samples.get(i)) and q[-1].time > g.changed_at for i in g.ids)
+
+    async def merge_throttled(self, statuses: dict) -> int:
+        """Algorithm 1 goes on merging (module doc): while formed groups are
+        throttled again, merge the smallest throttled group with the smallest
+        other one, each merge covering one replica's parameters of the
+        deficit, until it is covered or no merge is possible. Returns the
+        merges made."""
+        groups = [g for g in self._live_groups() if g.mergeable and self._settled(g)]
+        deficit: dict[int, int] = {}
+        for g in groups:
+            fc = predict_throttle({i: self.samples[i] for i in g.ids}, self.cfg.horizon_s)
+            if fc.throttled:
+                deficit[id(g)] = fc.deficit_blocks
+        need = sum(deficit.values())
+        param_blocks = self.cfg.num_layers * self.cfg.layer_blocks
+        cap = min(self.cfg.num_layers, self.cfg.max_group_size or self.cfg.num_layers)
+
+        def free(g: LiveGroup) -> int:
+            return sum(statuses[i].free_blocks for i in g.ids if i in statuses)
+
+        merges = 0
+        while need > 0:
+            pick = None
+            for g in sorted((g for g in groups if id(g) in deficit),
+                            key=lambda g: (len(g.ids), -deficit[id(g)], g.key)):
+                for h in sorted((h for h in groups if h is not g and len(g.ids) + len(h.ids) <= cap),
+                                key=lambda h: (len(h.ids), -free(h), h.key)):
+                    plan = merge_groups(g.plan, h.plan, self.cfg.num_layers, self.cfg.layer_blocks)
+                    if plan is not None:
+                        pick = g, h, plan
+                        break
+                if pick:
+                    break
+            if pick is None:
+                break
+            g, h, plan = pick
+            groups = [x for x in groups if x is not g and x is not h]
+            merged = await self.merge(g, h, plan)
+            if merged is None:
+                continue  # refused: both stay as they were; try the others
+            merges += 1
+            need -= param_blocks
+            rest = deficit.pop(id(g), 0) + deficit.pop(id(h), 0) - param_blocks
+            groups.append(merged)
+            if rest > 0:
+                deficit[id(merged)] = rest
+        return merges
 
     # --- actions ----------------------------------------------------------------------------
     async def form(self, plan: BuddyGroup, own_blocks: dict[str, int]) -> LiveGroup | None:
@@ -245,6 +333,7 @@ class KunServeLoop:
                 except FerryError as e2:
                     log.error("kunserve: undoing a member failed", member=m.instance_id, error=str(e2))
             return None
+        g.changed_at = self.clock()
         for i in g.ids:
             self.groups[i] = g
         await self.state.put("kunserve", g.key, g.to_json())
@@ -260,6 +349,78 @@ class KunServeLoop:
                  prepare_ms=round((prepared_at - t0) * 1000, 1), drop_ms=round((dropped_at - prepared_at) * 1000, 1),
                  enter_ms=round((end - dropped_at) * 1000, 1))
         return g
+
+    async def merge(self, g: LiveGroup, h: LiveGroup, plan: BuddyGroup) -> LiveGroup | None:
+        """Two groups become one with ``plan``'s stages (``merge_groups``:
+        each member keeps part of its range). In three rounds, as ``form``:
+        every member that drops layers prepares the grown storage (nothing
+        changes yet), then drops them and holds its steps, then every member
+        sets the new stages (the KV of the layers that moved goes to their
+        new holders). A refusal in the first round leaves both groups as they
+        were, marked not to merge again; a failure later takes the dropped
+        layers back from the members that keep them and sets the old stages."""
+        addresses = {**g.addresses, **h.addresses}
+        old = {m.instance_id: (m, grp) for grp in (g, h) for m in grp.plan.members}
+        merged = LiveGroup(plan, addresses, self.clock(), {**g.own_blocks, **h.own_blocks})
+        extra = {m.instance_id: [r for r in (range(old[m.instance_id][0].start, m.start),
+                                             range(m.end, old[m.instance_id][0].end)) if len(r)]
+                 for m in plan.members}
+        dropped: dict[str, list[range]] = {i: [] for i in extra}  # what to take back if it fails
+        t0 = time.perf_counter()
+
+        async def drop(m, prepare):
+            for r in extra[m.instance_id]:
+                await self._client(merged, m.instance_id).drop_layers(r, hold=not prepare, prepare=prepare)
+                if not prepare:
+                    dropped[m.instance_id].append(r)
+
+        async def enter(m, grp: LiveGroup):
+            peers = [(range(o.start, o.end), addresses[o.instance_id]) for o in grp.plan.members
+                     if o.instance_id != m.instance_id]
+            await self._client(merged, m.instance_id).set_pipeline(range(m.start, m.end), peers,
+                                                                   self.cfg.pause_exchange)
+
+        try:
+            await _all(drop(m, True) for m in plan.members)
+        except FerryError as e:
+            FAILURES.labels("merge").inc()
+            g.mergeable = h.mergeable = False
+            log.warning("kunserve: a member refused to re-form its group; these groups will not merge",
+                        groups=[g.ids, h.ids], error=str(e))
+            return None
+        try:
+            await _all(drop(m, False) for m in plan.members)
+            await _all(enter(m, merged) for m in plan.members)
+        except FerryError as e:
+            FAILURES.labels("merge").inc()
+            g.mergeable = h.mergeable = False
+            log.error("kunserve: merging groups failed; undoing", groups=[g.ids, h.ids], error=str(e))
+            for m in plan.members:
+                try:
+                    for r in dropped[m.instance_id]:
+                        for part, holder in holders(plan, r):
+                            await self._client(merged, m.instance_id).restore_layers(part, addresses[holder])
+                    m_old, grp = old[m.instance_id]
+                    await enter(m_old, grp)
+                except FerryError as e2:
+                    log.error("kunserve: undoing a member's merge failed", member=m.instance_id, error=str(e2))
+            return None
+        merged.changed_at = self.clock()
+        for i in merged.ids:
+            self.groups[i] = merged
+        await self.state.delete("kunserve", g.key)
+        await self.state.delete("kunserve", h.key)
+        await self.state.put("kunserve", merged.key, merged.to_json())
+        freed = plan.freed_blocks - g.plan.freed_blocks - h.plan.freed_blocks
+        MERGES.inc()
+        GROUPS.set(len(self._live_groups()))
+        FREED.inc(freed)
+        took = time.perf_counter() - t0
+        self.log.append({"t": merged.formed_at, "event": "merge", "members": merged.ids, "groups": [g.ids, h.ids],
+                         "freed_blocks": freed, "took_s": took})
+        log.info("kunserve: groups merged", members=merged.ids, groups=[g.ids, h.ids], freed_blocks=freed,
+                 layers=[(m.start, m.end) for m in plan.members], took_ms=round(took * 1000, 1))
+        return merged
 
     async def _restore_member(self, g: LiveGroup, m) -> None:
         client = self._client(g, m.instance_id)

@@ -9,12 +9,17 @@ import random
 import pytest
 
 from libs.common.policies.kunserve import (
+    BuddyGroup,
     BuddyPlan,
     Candidate,
+    Member,
     MemorySample,
     add_sample,
+    buddy_group,
     fits_own_memory,
     forecast_instance,
+    holders_cover,
+    merge_groups,
     plan_buddy_groups,
     predict_throttle,
     sample_of,
@@ -311,3 +316,55 @@ def test_a_member_restores_only_when_its_own_memory_holds_it_and_no_growth_threa
     rising = [MemorySample(0.0, 40, 200), MemorySample(0.5, 60, 200), MemorySample(1.0, 78, 200)]
     assert not fits_own_memory("a", rising, own, margin=0.2)  # 78 fits 80, but within a second it will not fit 100
     assert not fits_own_memory("a", [], own, margin=0.2)
+
+
+def test_two_pairs_merge_into_four_each_keeping_half_of_its_range():
+    g = merge_groups(buddy_group(["a", "b"], 48, 185), buddy_group(["c", "d"], 48, 185), 48, 185)
+    assert [(m.instance_id, m.start, m.end, m.freed_blocks) for m in g.members] == [
+        ("a", 0, 12, 36 * 185), ("c", 12, 24, 36 * 185), ("b", 24, 36, 36 * 185), ("d", 36, 48, 36 * 185)]
+    assert g.freed_blocks == 3 * 48 * 185  # a group of four frees three replicas' parameters
+
+
+def _any_merge(first, second, layers) -> bool:
+    """Brute force: can each layer go to one of its two holders so that every
+    member gets a non-empty contiguous range?"""
+    def holder(g, i):
+        return next(m.instance_id for m in g.members if m.start <= i < m.end)
+    choices = [(holder(first, i), holder(second, i)) for i in range(layers)]
+    ids = [m.instance_id for m in first.members + second.members]
+    for pick in itertools.product(*choices):
+        runs = [k for k, _ in itertools.groupby(pick)]
+        if sorted(runs) == sorted(ids):  # each member once, as one run
+            return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_merge_only_drops_and_covers_every_layer_once(seed):
+    rng = random.Random(seed)
+    layers = rng.choice([rng.randint(2, 12), rng.randint(2, 64)])
+    k1, k2 = rng.randint(1, min(8, layers)), rng.randint(1, min(8, layers))
+    ids = [f"i{j}" for j in range(k1 + k2)]
+    first, second = buddy_group(ids[:k1], layers, 3), buddy_group(ids[k1:], layers, 3)
+    g = merge_groups(first, second, layers, 3)
+    if g is None:  # only when no partition keeps every member within its range
+        assert not _any_merge(first, second, layers) if layers <= 12 else k1 + k2 > layers // 2
+        return
+    assert holders_cover(g, layers) and len(g.members) == k1 + k2
+    before = {m.instance_id: m for m in first.members + second.members}
+    for m in g.members:  # within what it kept: a merge never fetches parameters back
+        assert before[m.instance_id].start <= m.start < m.end <= before[m.instance_id].end
+        assert m.freed_blocks == (layers - (m.end - m.start)) * 3
+    # As even as the ranges allow: with equal groups, exactly the halves.
+    if k1 == k2 and all((m.end - m.start) % 2 == 0 for m in first.members):
+        assert {m.end - m.start for m in g.members} == {(m.end - m.start) // 2 for m in first.members}
+
+
+def test_a_merge_refuses_groups_that_do_not_cover_or_share_members():
+    a = buddy_group(["a", "b"], 4, 1)
+    with pytest.raises(ValueError, match="share members"):
+        merge_groups(a, buddy_group(["b", "c"], 4, 1), 4, 1)
+    broken = BuddyGroup((Member("x", 0, 1, 3), Member("y", 2, 4, 2)))
+    with pytest.raises(ValueError, match="exactly once"):
+        merge_groups(a, broken, 4, 1)
+    assert merge_groups(buddy_group(["a", "b"], 3, 1), buddy_group(["c", "d"], 3, 1), 3, 1) is None

@@ -1,6 +1,7 @@
 """The scheduler's KunServe loop (services/scheduler/kunserve.py): its
-decisions on hand-made status reports (fake instances record the orders),
-and its orders carried out by two real instance agents over gRPC while a
+decisions on hand-made status reports (fake instances record the orders):
+forming, restoring, merging groups throttled again (and a member refusing
+to); and its orders carried out by two real instance agents over gRPC while a
 request decodes: the request's tokens are those of an undisturbed run."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from libs.pb import instance_pb2 as ipb
+from libs.common.errors import FailedPrecondition, FerryError
 from libs.common.policies.kunserve import buddy_group
 from libs.common.types import InstanceStatus, LayerChange
 from services.scheduler.kunserve import KunServeConfig, KunServeLoop, dropped_ranges, holders
@@ -35,6 +37,7 @@ class Recorder:
 
     def __init__(self):
         self.calls: list[tuple[str, str, dict]] = []
+        self.refuse: dict[tuple[str, bool], str] = {}  # (instance, prepare) -> the error its drop raises
 
     def __call__(self, instance_id, address):
         assert address == f"addr-{instance_id}"
@@ -43,6 +46,8 @@ class Recorder:
         class Client:
             async def drop_layers(self, layers, hold=False, prepare=False):
                 rec.calls.append((address, "drop_layers", {"layers": layers, "hold": hold, "prepare": prepare}))
+                if (instance_id, prepare) in rec.refuse:
+                    raise FailedPrecondition(rec.refuse[instance_id, prepare])
                 return LayerChange(0, 0)
 
             async def set_pipeline(self, own, peers=(), pause_exchange=False):
@@ -126,6 +131,142 @@ async def test_no_throttle_no_order():
     loop = KunServeLoop(view, KunServeConfig(LAYERS, LAYER_BLOCKS), clients=rec, clock=lambda: 1.0)
     await loop.tick()
     assert rec.calls == [] and not loop.groups
+
+
+async def _two_pairs(rec, **cfg):
+    """A loop with groups a+b and c+d formed at t=1 (every member at 250
+    blocks: its own 200 and 50 lent); the clock in ``now``."""
+    now = [1.0]
+    view = FakeView({i: _st(i, 1.0, 100) for i in "abcd"})
+    loop = KunServeLoop(view, KunServeConfig(LAYERS, LAYER_BLOCKS, **cfg), clients=rec, clock=lambda: now[0])
+    for pair in ("ab", "cd"):
+        assert await loop.form(buddy_group(list(pair), LAYERS, LAYER_BLOCKS), {i: 200 for i in pair})
+    rec.calls.clear()
+    return loop, view, now
+
+
+async def _ticks(loop, view, now, times, **used):
+    for t in times:
+        now[0] = t
+        view.statuses = {i: _st(i, t, u, total=250, waiting_demand=60 if u >= 250 else 0)
+                         for i, u in used.items()}
+        await loop.tick()
+
+
+async def test_a_pair_throttled_again_merges_with_the_other_into_four_stages():
+    rec = Recorder()
+    loop, view, now = await _two_pairs(rec)
+    # a is full again with a queue 60 blocks short (P = 100 covers it); c and d have room.
+    await _ticks(loop, view, now, (1.5, 2.0), a=250, b=240, c=120, d=100)
+    g = loop.groups["a"]
+    assert all(loop.groups[i] is g for i in "abcd") and len(loop._live_groups()) == 1
+    # Each member keeps half of what it kept (the first pair's the lower halves): it only drops.
+    assert [(m.instance_id, m.start, m.end, m.freed_blocks) for m in g.plan.members] == [
+        ("a", 0, 1, 75), ("c", 1, 2, 75), ("b", 2, 3, 75), ("d", 3, 4, 75)]
+    drops = [(a, r["layers"], r["prepare"], r["hold"]) for a, n, r in rec.calls if n == "drop_layers"]
+    want = [("addr-a", range(1, 2)), ("addr-c", range(0, 1)), ("addr-b", range(3, 4)), ("addr-d", range(2, 3))]
+    assert drops == [(a, r, True, False) for a, r in want] + [(a, r, False, True) for a, r in want]
+    assert [n for _, n, _ in rec.calls][8:] == ["set_pipeline"] * 4  # all dropped before any re-forms
+    stages = {a: (r["own"], r["peers"]) for a, n, r in rec.calls if n == "set_pipeline"}
+    assert stages == {
+        "addr-a": (range(0, 1), [(range(1, 2), "addr-c"), (range(2, 3), "addr-b"), (range(3, 4), "addr-d")]),
+        "addr-c": (range(1, 2), [(range(0, 1), "addr-a"), (range(2, 3), "addr-b"), (range(3, 4), "addr-d")]),
+        "addr-b": (range(2, 3), [(range(0, 1), "addr-a"), (range(1, 2), "addr-c"), (range(3, 4), "addr-d")]),
+        "addr-d": (range(3, 4), [(range(0, 1), "addr-a"), (range(1, 2), "addr-c"), (range(2, 3), "addr-b")])}
+    merge = loop.log[-1]
+    assert merge["event"] == "merge" and merge["groups"] == [["a", "b"], ["c", "d"]]
+    assert merge["freed_blocks"] == LAYERS * LAYER_BLOCKS  # one replica more
+    assert set(await loop.state.load("kunserve")) == {"a+c+b+d"}
+    # Its members have not reported since: the same throttled window does not merge again.
+    rec.calls.clear()
+    await loop.tick()
+    assert rec.calls == []
+
+
+async def test_no_merge_when_the_groups_have_room_or_no_partner_fits():
+    rec = Recorder()
+    loop, view, now = await _two_pairs(rec)
+    await _ticks(loop, view, now, (1.5, 2.0, 2.5), a=200, b=150, c=120, d=100)
+    assert rec.calls == [] and len(loop._live_groups()) == 2
+    rec = Recorder()
+    loop, view, now = await _two_pairs(rec, max_group_size=3)  # two pairs would make four
+    await _ticks(loop, view, now, (1.5, 2.0), a=250, b=240, c=120, d=100)
+    assert rec.calls == [] and len(loop._live_groups()) == 2
+
+
+async def test_a_merged_group_restores_each_member_from_the_new_holders():
+    rec = Recorder()
+    loop, view, now = await _two_pairs(rec)
+    await _ticks(loop, view, now, (1.5, 2.0), a=250, b=240, c=120, d=100)
+    rec.calls.clear()
+    # Pressure gone: young (merged at t=2), nothing; 5 s after the merge, every member restores.
+    await _ticks(loop, view, now, (4.0, 7.5, 8.0), a=50, b=50, c=50, d=50)
+    assert not loop.groups and await loop.state.load("kunserve") == {}
+    calls = [(a, n, r.get("from_address"), r.get("layers", r.get("own"))) for a, n, r in rec.calls]
+    assert calls[:4] == [("addr-a", "restore_layers", "addr-c", range(1, 2)),
+                         ("addr-a", "restore_layers", "addr-b", range(2, 3)),
+                         ("addr-a", "restore_layers", "addr-d", range(3, 4)), ("addr-a", "set_pipeline", None, range(4))]
+    restored = {}
+    for a, n, _, r in calls:
+        if n == "restore_layers":
+            restored.setdefault(a, []).extend(r)
+    assert restored == {"addr-a": [1, 2, 3], "addr-c": [0, 2, 3], "addr-b": [0, 1, 3], "addr-d": [0, 1, 2]}
+    assert [e["event"] for e in loop.log] == ["drop", "drop", "merge", "restore"]
+
+
+async def test_a_member_that_cannot_regroup_refuses_before_anything_changes():
+    rec = Recorder()
+    loop, view, now = await _two_pairs(rec)
+    rec.refuse["c", True] = "this engine cannot re-form a live pipeline"  # it formed its pair, no more
+    await _ticks(loop, view, now, (1.5, 2.0), a=250, b=240, c=120, d=100)
+    # Only the first round was asked (the storage, prepare): nothing dropped, no stage changed.
+    assert rec.calls and all(n == "drop_layers" and r["prepare"] for _, n, r in rec.calls)
+    groups = loop._live_groups()
+    assert sorted(g.key for g in groups) == ["a+b", "c+d"] and not any(g.mergeable for g in groups)
+    assert [e["event"] for e in loop.log] == ["drop", "drop"]
+    rec.calls.clear()  # not asked again while those groups last
+    await _ticks(loop, view, now, (2.5, 3.0), a=250, b=240, c=120, d=100)
+    assert rec.calls == []
+
+
+async def test_a_merge_failing_midway_takes_the_dropped_layers_back_and_the_old_stages():
+    rec = Recorder()
+    loop, view, now = await _two_pairs(rec)
+    rec.refuse["d", False] = "peer gone"
+    await _ticks(loop, view, now, (1.5, 2.0), a=250, b=240, c=120, d=100)
+    assert sorted(g.key for g in loop._live_groups()) == ["a+b", "c+d"]
+    after = [(a, n, r) for a, n, r in rec.calls if not (n == "drop_layers")]
+    # a, c and b dropped a layer each: each takes it back from the member keeping it in the
+    # merged plan; d dropped nothing. Then every member sets its pair's stages again.
+    assert [(a, r["layers"], r["from_address"]) for a, n, r in after if n == "restore_layers"] == [
+        ("addr-a", range(1, 2), "addr-c"), ("addr-c", range(0, 1), "addr-a"), ("addr-b", range(3, 4), "addr-d")]
+    assert {a: (r["own"], r["peers"]) for a, n, r in after if n == "set_pipeline"} == {
+        "addr-a": (range(0, 2), [(range(2, 4), "addr-b")]), "addr-b": (range(2, 4), [(range(0, 2), "addr-a")]),
+        "addr-c": (range(0, 2), [(range(2, 4), "addr-d")]), "addr-d": (range(2, 4), [(range(0, 2), "addr-c")])}
+
+
+async def test_a_native_member_refuses_a_merges_first_round_over_grpc_and_its_pair_serves_on():
+    # What the loop's merge sends a member first (prepare to drop a layer it runs for its
+    # pair) comes back FAILED_PRECONDITION from a native agent: the loop's refusal path.
+    from tests.instance.test_pipeline_grpc import Agents
+
+    agents = Agents()
+    try:
+        for i in "ab":
+            await agents.start(engine="native", model="tiny-llama", num_blocks=64, dtype="float32", instance_id=i)
+        addr = dict(zip("ab", agents.addresses))
+        loop = KunServeLoop(SimpleNamespace(address=addr.get), KunServeConfig(2, 1))
+        g = await loop.form(buddy_group(["a", "b"], 2, 1), {"a": 64, "b": 64})
+        assert g is not None
+        for iid, runs in (("a", range(0, 1)), ("b", range(1, 2))):
+            with pytest.raises(FerryError, match="re-forming a live group"):  # what the merge catches
+                await loop.clients(iid, addr[iid]).drop_layers(runs, prepare=True)
+        assert [s.engine.executor.model.dropped() for s in agents.services] == [[1], [0]]
+        assert await loop.restore(g)
+        assert [s.engine.executor.model.dropped() for s in agents.services] == [[], []]
+        await loop.stop()
+    finally:
+        await agents.stop()
 
 
 @pytest.mark.model

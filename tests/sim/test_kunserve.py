@@ -1,7 +1,8 @@
 """KunServe in the simulator (ferry/sim/kunserve.py: the live KunServeLoop on
 the SimLoop, simulated instance stubs): drops grow the members' KV pools and
-restores give the memory back, nothing leaks, no merges, tokens are those of
-an undisturbed run, the static pipeline baseline, and the command."""
+restores give the memory back, nothing leaks, a group throttled again is
+merged (the live loop's merges), tokens are those of an undisturbed run, the
+static pipeline baseline, and the command."""
 
 from __future__ import annotations
 
@@ -68,13 +69,15 @@ def test_layer_blocks_rounds_down_and_needs_the_parameter_memory():
 
 def _balanced(ext) -> None:
     """Every member that dropped layers took them back, entered the pipeline
-    once and left it once; no stub call failed."""
+    once a formation and once a merge, and left it once; no stub call failed."""
     assert ext["errors"] == [] and ext["lent_blocks_at_end"] == 0
     per: dict[str, dict] = {}
     for e in ext["member_log"]:
         m = per.setdefault(e["member"], {"drop": 0, "restore": 0, "enter": 0, "leave": 0})
         m[e["event"]] += e.get("blocks", 1)
-    assert per and all(m["drop"] == m["restore"] > 0 and m["enter"] == m["leave"] == 1 for m in per.values())
+    merged = {i: sum(i in e["members"] for e in ext["log"] if e["event"] == "merge") for i in per}
+    assert per and all(m["drop"] == m["restore"] > 0 and m["enter"] == 1 + merged[i] and m["leave"] == 1
+                       for i, m in per.items())
 
 
 def test_a_burst_drops_layers_then_restores_them_and_nothing_leaks(small_profile):
@@ -82,8 +85,9 @@ def test_a_burst_drops_layers_then_restores_them_and_nothing_leaks(small_profile
     s, ext = run["summary"], run["sim"]["extension"]
     assert s["completed"] == s["requests"] == 400 and s["failed"] == 0
     assert ext["drops"] >= 1 and ext["groups_formed"] >= 2 and ext["freed_blocks"] > 0
-    # The live loop formed the groups and restored every one once the burst passed.
-    assert ext["restores"] == ext["groups_formed"] and ext["groups_at_end"] == 0
+    # The live loop formed the groups (merging those throttled again) and restored every one
+    # once the burst passed.
+    assert ext["restores"] == ext["groups_formed"] - ext["merges"] and ext["groups_at_end"] == 0
     assert [e["event"] for e in ext["log"]].count("drop") == ext["groups_formed"]
     _balanced(ext)
     cluster = seen["cluster"]
@@ -92,30 +96,48 @@ def test_a_burst_drops_layers_then_restores_them_and_nothing_leaks(small_profile
     assert all(i.engine.pool.capacity == OWN_BLOCKS and i.executor.stretch is None
                for i in cluster.instances.values())
     # While grouped, a member's pool held its own blocks and the lent ones: a
-    # pair, each member drops 24 of the 48 layers, 9 blocks each (its own
-    # alone once it is restored and its buddy still restoring).
+    # pair, each member drops 24 of the 48 layers, 9 blocks each; a group of
+    # four, 36 (its own alone once it is restored and its buddies still restoring).
     lent = {cap for probe in seen["probes"] for cap, grouped in probe.values() if grouped}
-    assert OWN_BLOCKS + 24 * 9 in lent and lent <= {OWN_BLOCKS, OWN_BLOCKS + 24 * 9}
+    pair, four = OWN_BLOCKS + 24 * 9, OWN_BLOCKS + 36 * 9
+    assert pair in lent and lent <= {OWN_BLOCKS, pair, four} and (four in lent) == (ext["merges"] > 0)
     # Outside a group, its own (or the lent ones already, while the group forms).
     alone = [cap for probe in seen["probes"] for cap, grouped in probe.values() if not grouped]
-    assert set(alone) <= {OWN_BLOCKS, OWN_BLOCKS + 24 * 9} and alone.count(OWN_BLOCKS) > 0.9 * len(alone)
+    assert set(alone) <= {OWN_BLOCKS, pair} and alone.count(OWN_BLOCKS) > 0.9 * len(alone)
 
 
-def test_a_group_throttled_again_is_not_merged(small_profile):
-    # A longer, heavier burst (the old controller merged the pairs into a
-    # group of four): the live loop has no merges, so the pairs stay pairs,
-    # lend no more, and are restored as they were formed.
-    run, seen = _run(_opts(small_profile, arrivals="phases:4@20,60@10", num_requests=600))
+def test_a_group_throttled_again_is_merged_into_a_group_of_four(small_profile):
+    # A longer, heavier burst: the pairs fill up again, and the live loop merges
+    # them (Algorithm 1 goes on merging): each member keeps 12 of the 48 layers
+    # and lends 36 layers' blocks; the group of four is restored as merged.
+    opts = _opts(small_profile, arrivals="phases:4@20,60@10", num_requests=600, fake_tokens=True)
+    run, seen = _run(opts)
     ext = run["sim"]["extension"]
     assert run["summary"]["completed"] == 600
+    assert run["tokens"] == simulate(opts, "llumnix")["tokens"]  # every request's, through drops and merges
     drops = [e for e in ext["log"] if e["event"] == "drop"]
+    merges = [e for e in ext["log"] if e["event"] == "merge"]
     assert drops and all(len(e["members"]) == 2 and e["freed_blocks"] == 2 * 24 * 9 for e in drops)
-    restored = sorted(sorted(e["members"]) for e in ext["log"] if e["event"] == "restore")
-    assert restored == sorted(sorted(e["members"]) for e in drops)
-    assert max(cap for probe in seen["probes"] for cap, _ in probe.values()) == OWN_BLOCKS + 24 * 9
+    assert merges and ext["merges"] == len(merges)
+    for e in merges:  # two formed groups become one, one replica's parameters more
+        assert sorted(e["members"]) == sorted(e["groups"][0] + e["groups"][1]) and len(e["members"]) == 4
+        assert e["freed_blocks"] == 48 * 9
+    assert max(cap for probe in seen["probes"] for cap, _ in probe.values()) == OWN_BLOCKS + 36 * 9
+    restored = [e["members"] for e in ext["log"] if e["event"] == "restore"]
+    assert sorted(map(sorted, restored)) == sorted(sorted(e["members"]) for e in merges)
     _balanced(ext)
+    assert ext["groups_at_end"] == 0 and ext["lent_blocks_at_end"] == 0
     assert seen["cluster"].settle()["used_blocks"] == 0
     assert all(i.engine.pool.capacity == OWN_BLOCKS for i in seen["cluster"].instances.values())
+
+
+def test_merging_admits_what_the_pairs_preempted_for(small_profile):
+    # The same burst with merges off (a cap of two members): the pairs preempt more.
+    opts = _opts(small_profile, arrivals="phases:4@20,60@10", num_requests=600)
+    merged, _ = _run(opts)
+    pairs, _ = _run(opts, KunServeParams(max_group_size=2))
+    assert pairs["sim"]["extension"]["merges"] == 0 and merged["sim"]["extension"]["merges"] >= 1
+    assert merged["summary"]["preemptions"] < pairs["summary"]["preemptions"]
 
 
 def test_the_drop_admits_the_queue_a_replica_would_preempt_for(small_profile):

@@ -292,3 +292,46 @@ def plan_buddy_groups(candidates: Sequence[Candidate], needed_blocks: int, num_l
         del spare[:k - 1]
         groups.append(buddy_group([c.instance_id for c in chosen], num_layers, layer_blocks))
     return BuddyPlan(needed_blocks, tuple(groups))
+
+
+def merge_groups(first: BuddyGroup, second: BuddyGroup, num_layers: int, layer_blocks: int) -> BuddyGroup | None:
+    """Two formed groups as one (Algorithm 1's merge, §4.1), each member
+    keeping a part of the layers it keeps now, so that a merge only drops
+    layers, never fetches any back: the members in the order of their ranges
+    (``first``'s before ``second``'s on equal ranges), each cut as close to an
+    even split of ``num_layers`` as its range and its neighbours' allow.
+    Two pairs of [0, 24) and [24, 48) become [0, 12), [12, 24), [24, 36),
+    [36, 48), the first pair's members keeping the lower halves. None when no
+    such cut gives every member a layer (a range of one layer shared by two
+    members)."""
+    for g in (first, second):
+        if not holders_cover(g, num_layers):
+            raise ValueError(f"group {[m.instance_id for m in g.members]} does not keep each layer exactly once")
+    members = sorted(first.members + second.members, key=lambda m: (m.start, m.end))  # stable: first's first
+    if len({m.instance_id for m in members}) != len(members):
+        raise ValueError(f"the groups share members: {[m.instance_id for m in members]}")
+    n = len(members)
+    if n > num_layers:
+        return None
+    cuts = [0]
+    for i in range(n - 1):
+        m, nxt = members[i], members[i + 1]
+        lo, hi = max(cuts[-1] + 1, m.start, nxt.start), min(m.end, nxt.end - 1)
+        if lo > hi:
+            return None
+        cuts.append(min(hi, max(lo, round((i + 1) * num_layers / n))))
+    if members[-1].end != num_layers or cuts[-1] >= num_layers or cuts[-1] < members[-1].start:
+        return None
+    cuts.append(num_layers)
+    return BuddyGroup(tuple(Member(m.instance_id, s, e, (num_layers - (e - s)) * layer_blocks)
+                            for m, (s, e) in zip(members, itertools.pairwise(cuts))))
+
+
+def holders_cover(group: BuddyGroup, num_layers: int) -> bool:
+    """Whether the group's members keep each of ``num_layers`` layers exactly once."""
+    at = 0
+    for m in sorted(group.members, key=lambda m: m.start):
+        if m.start != at or m.end <= m.start:
+            return False
+        at = m.end
+    return at == num_layers

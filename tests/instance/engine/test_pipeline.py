@@ -202,6 +202,27 @@ def test_leaving_a_pipeline_needs_the_layers_back():
         a.layer_states(range(2))
 
 
+def test_a_member_refuses_to_re_form_its_group_before_anything_changes(model, reference):
+    # A merge (services/scheduler/kunserve.py) asks each member to drop layers it runs for its
+    # pair: not built live, so the first round (prepare) and the drop refuse, nothing changes,
+    # and the pair serves on with the full model's tokens.
+    a, b, before, grown = _split(model)
+    _add(a, ["a0", "a1"])
+    out = {}
+    _steps(a, out, 3)
+    own = range(a.kv_layout.num_layers // 2)
+    total, dropped = a.num_total_blocks, a.executor.model.dropped()
+    for call in (a.prepare_drop, a.drop_layers):
+        with pytest.raises(EngineError, match="re-forming a live group"):
+            call(range(own.stop - 1, own.stop))
+    assert a.executor.model.dropped() == dropped and a.num_total_blocks == total
+    assert _run_pair(a, b, out) == {k: reference[k] for k in ("a0", "a1")}
+    c = _engine("tiny-llama")  # entered first, then dropped what its peer runs: not a re-form
+    c.enter_pipeline(range(1), [(range(1, 2), LocalPeer(_engine("tiny-llama")))])
+    c.drop_layers(range(1, 2))
+    assert c.executor.model.dropped() == [1]
+
+
 def test_a_dropped_layer_cannot_run_here():
     a = _engine("tiny-llama")
     a.drop_layers(range(1, 2))

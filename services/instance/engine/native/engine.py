@@ -175,11 +175,26 @@ class NativeEngine(CoreEngine):
     def _blocks_lent_after(self, dropped: dict[int, int]) -> int:
         return sum(dropped.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
 
+    def _refuse_regroup(self, layers: range) -> None:
+        """In a pipeline, only the layers its peers run may be dropped (a
+        member that entered before it dropped). Dropping layers it runs for
+        the group would re-form the group (a merge, services/scheduler/kunserve.py),
+        which is not built: the KV of those layers, in this engine's own
+        blocks and in the guests it holds for its peers' requests, would have
+        to move to their new holders while the requests run."""
+        on_peers = {i for r, _ in self.executor.peer_segments() for i in r}
+        mine = [i for i in layers if i not in on_peers]
+        if on_peers and mine:
+            raise EngineError(f"this engine is in a pipeline and runs layers {mine[0]}..{mine[-1]} for it: "
+                              "re-forming a live group (dropping layers it runs, a merge) is not built")
+
     def prepare_drop(self, layers: range):
         """Any thread, before ``drop_layers``: the grown KV storage that
         dropping these layers makes room for (``ModelRunner.new_kv``), made
         here so that the drop itself (between two steps) only copies the
-        blocks over. None when it adds no block."""
+        blocks over. None when it adds no block. Refused where ``drop_layers``
+        would re-form a live group (``_refuse_regroup``), before anything changes."""
+        self._refuse_regroup(layers)
         model = self.executor.model
         after = dict(self._dropped_bytes)
         after.update({i: model.layer_bytes(range(i, i + 1)) for i in layers if i not in after})
@@ -201,6 +216,7 @@ class NativeEngine(CoreEngine):
             raise EngineError("this engine is still taking its requests' KV back from its pipeline peers")
         if self.guests:
             raise EngineError(f"this engine runs layers for {len(self.guests)} requests of its pipeline peers")
+        self._refuse_regroup(layers)
         self._dropped_bytes.update(self.executor.model.drop_layers(layers))
         if hold:
             self._held_until = time.monotonic() + HOLD_S
