@@ -131,14 +131,21 @@ async def test_logprobs_are_bit_identical_across_a_migration(cluster):
 
 
 def test_n_choices_share_the_prompt_and_each_has_its_seed(client, cluster):
+    # The siblings go where the prompt was computed, an affinity the scheduler honours while that
+    # instance can take them: one that a loaded machine made look hung for a step (services/instance/
+    # hang.py: unschedulable) cannot, and they are then dispatched as usual. Up to three tries; without
+    # the affinity, freeness dispatch sends them to the freer instance, not the one that ran the leader.
     prompt = "Once upon a time, in a city by the sea, there lived " * 6  # several full blocks of 32
-    before = {i.name: instance_status(i.address).prefix_cache.hits for i in cluster.instances()}
-    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=1.0, seed=5, n=4)
+    for _ in range(3):
+        before = {i.name: instance_status(i.address).prefix_cache.hits for i in cluster.instances()}
+        r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=1.0, seed=5, n=4)
+        f = r.model_extra["ferry"]["choices"]
+        if len({c["instances"][0] for c in f}) == 1:
+            break
+    assert len({c["instances"][0] for c in f}) == 1  # the siblings went where the prompt was computed
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # seeds 5, 6, 7, 8
-    f = r.model_extra["ferry"]["choices"]
-    assert len({c["instances"][0] for c in f}) == 1  # the siblings went where the prompt was computed
     hits = {i.name: instance_status(i.address).prefix_cache.hits - before[i.name] for i in cluster.instances()}
     n_prompt = r.usage.prompt_tokens
     assert max(hits.values()) >= 3 * (n_prompt // 32) * 32  # 3 siblings from the cache: computed once
