@@ -172,17 +172,20 @@ def _committed(prom: "Prom") -> tuple[float, float]:
     return (total("ferry_migration_downtime_seconds_count"), total("ferry_scheduler_migration_downtime_seconds_count"))
 
 
-async def _load_until(what: str, done, complete, waves: int = 4) -> None:
+MIXED = [300 if i % 3 == 0 else 40 for i in range(12)]  # the short ones leave the instances unequal
+LONG = [300] * 12  # four a 64-block instance: they outgrow it together, and some wait while it is full
+
+
+async def _load_until(what: str, done, complete, lengths: list[int] = MIXED, waves: int = 4) -> None:
     """When the scheduler migrates, or an instance's KV cache is full while requests wait there, depends
-    on how the requests' ends fall, so on the machine's speed: waves of long and short requests mixed
-    (the short ones leave the instances unequal) until ``done()`` holds, a few waves at most."""
+    on how the requests' ends fall, so on the machine's speed: waves of requests of ``lengths`` until
+    ``done()`` holds, a few waves at most."""
     for wave in range(waves):
         await asyncio.sleep(2)  # the last scrape
         if done():
             return
-        lengths = [300 if i % 3 == 0 else 40 for i in range(12)]
         got = await asyncio.gather(*[complete("z" * 380 + f"{what[:3]}{wave}-{i}", n) for i, n in enumerate(lengths)])
-        assert got == [200] * 12, got
+        assert got == [200] * len(lengths), got
     await asyncio.sleep(2)
     assert done(), f"not seen after {waves} waves of load: {what}"
 
@@ -213,7 +216,7 @@ async def _load(cluster: dict, port: int, prom: "Prom", start: float) -> None:
                           lambda: all(_committed(prom)), complete)
         exhausted = _rule_expressions()["FerryKvCacheExhausted"]
         await _load_until("an instance's KV cache full while requests wait there",
-                          lambda: prom.finite(exhausted, start, time.time()), complete)
+                          lambda: prom.finite(exhausted, start, time.time()), complete, LONG)
         # An instance killed: it stays in the view (long TTL), so migrations ordered to it abort, its
         # scrape fails and its status ages; dispatches to it resume elsewhere.
         await _kill_and_migrate_to_it(http, creds, cluster)
