@@ -333,13 +333,8 @@ class KunServeLoop:
                 except FerryError as e2:
                     log.error("kunserve: undoing a member failed", member=m.instance_id, error=str(e2))
             return None
-        g.changed_at = self.clock()
-        for i in g.ids:
-            self.groups[i] = g
-        await self.state.put("kunserve", g.key, g.to_json())
+        await self._serving(g, plan.freed_blocks)
         DROPS.inc()
-        GROUPS.set(len(self._live_groups()))
-        FREED.inc(plan.freed_blocks)
         end = time.perf_counter()
         self.log.append({"t": g.formed_at, "event": "drop", "members": g.ids, "freed_blocks": plan.freed_blocks,
                          "took_s": end - t0, "prepare_s": prepared_at - t0, "drop_s": dropped_at - prepared_at,
@@ -405,22 +400,27 @@ class KunServeLoop:
                 except FerryError as e2:
                     log.error("kunserve: undoing a member's merge failed", member=m.instance_id, error=str(e2))
             return None
-        merged.changed_at = self.clock()
-        for i in merged.ids:
-            self.groups[i] = merged
-        await self.state.delete("kunserve", g.key)
-        await self.state.delete("kunserve", h.key)
-        await self.state.put("kunserve", merged.key, merged.to_json())
         freed = plan.freed_blocks - g.plan.freed_blocks - h.plan.freed_blocks
+        await self._serving(merged, freed, replaces=(g, h))
         MERGES.inc()
-        GROUPS.set(len(self._live_groups()))
-        FREED.inc(freed)
         took = time.perf_counter() - t0
         self.log.append({"t": merged.formed_at, "event": "merge", "members": merged.ids, "groups": [g.ids, h.ids],
                          "freed_blocks": freed, "took_s": took})
         log.info("kunserve: groups merged", members=merged.ids, groups=[g.ids, h.ids], freed_blocks=freed,
                  layers=[(m.start, m.end) for m in plan.members], took_ms=round(took * 1000, 1))
         return merged
+
+    async def _serving(self, g: LiveGroup, freed_blocks: int, replaces: tuple[LiveGroup, ...] = ()) -> None:
+        """``g`` serves as a pipeline now (formed, or merged from ``replaces``):
+        its members point at it, the leader state holds it instead of them."""
+        g.changed_at = self.clock()
+        for i in g.ids:
+            self.groups[i] = g
+        for old in replaces:
+            await self.state.delete("kunserve", old.key)
+        await self.state.put("kunserve", g.key, g.to_json())
+        GROUPS.set(len(self._live_groups()))
+        FREED.inc(freed_blocks)
 
     async def _restore_member(self, g: LiveGroup, m) -> None:
         client = self._client(g, m.instance_id)
