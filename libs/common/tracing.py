@@ -108,22 +108,19 @@ def configure(service: str, endpoint: str = "", ratio: float = 1.0, instance: st
 
 
 def _own_ids():
-    """The SDK's random ids, drawn from a generator of this process's own,
-    seeded from the OS (and again in a forked child). The SDK's default draws
-    from the ``random`` module, which engines seed: vLLM seeds it with 0 in
-    every instance, and two instances then made the same span ids in the same
+    """The SDK's random ids, drawn from the OS (``random.SystemRandom``: no
+    state to seed, the same in a forked child). The SDK's default draws from
+    the ``random`` module, which engines seed: vLLM seeds it with 0 in every
+    instance, and two instances then made the same span ids in the same
     order, so a span of one had the id of a span of the other (a trace's tree
     could not be told apart)."""
-    import os
     import random
 
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
     from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
     class OwnIds(RandomIdGenerator):
-        def __init__(self):
-            self._random = random.Random(os.urandom(16))
-            os.register_at_fork(after_in_child=lambda: self._random.seed(os.urandom(16)))
+        _random = random.SystemRandom()
 
         def generate_span_id(self) -> int:
             span_id = self._random.getrandbits(64)
