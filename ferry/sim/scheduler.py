@@ -110,8 +110,8 @@ class SimScheduler:
                            self.statuses[placed.prefill].block_size,
                            lambda iid, rid, blocks: self.pending.add(iid, rid, blocks, now))
         if program_id:
-            bs = self.statuses[placed.prefill].block_size
-            self.programs.record(program_id, num_tokens, min(hit * bs, max(0, num_tokens - 1)), now)
+            cached = ProgramLedger.cached_tokens(num_tokens, hit, self.statuses[placed.prefill].block_size)
+            self.programs.record(program_id, num_tokens, cached, now)
         return placed
 
     def prefix_hits(self, token_ids: Sequence[int], request_id: str = "") -> dict:

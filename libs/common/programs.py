@@ -50,6 +50,13 @@ class ProgramLedger:
         s = self._programs.get(program_id)
         return s.turns if s is not None else 0
 
+    @staticmethod
+    def cached_tokens(prompt_tokens: int, hit_blocks: int, block_size: int) -> int:
+        """A dispatched turn's cached tokens where ``hit_blocks`` of its prompt
+        are cached: at most all but the last prompt token (an engine always
+        computes one, to sample from)."""
+        return min(hit_blocks * block_size, max(0, prompt_tokens - 1))
+
     def record(self, program_id: str, prompt_tokens: int, cached_tokens: int, now: float) -> ProgramStats:
         """One turn of ``program_id`` dispatched (a resume of the same request
         counts again: its prompt is given again). Returns its stats after it;

@@ -204,7 +204,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                            view.add_pending)
         rec = view.records[placed.prefill]
         if request.program_id:
-            cached = min(hit * rec.info.block_size, max(0, request.num_prompt_tokens - 1))
+            cached = ProgramLedger.cached_tokens(request.num_prompt_tokens, hit, rec.info.block_size)
             s = self.svc.programs.record(request.program_id, request.num_prompt_tokens, cached, time.time())
             metrics.program_turn(s.turns, request.num_prompt_tokens, cached)
         run = req.priority if self.svc.dispatcher.uses_priorities else Priority.NORMAL
