@@ -75,6 +75,8 @@ def create_app(config: FrontendConfig, router: Router, tokenizer: Tokenizer,
 
     def error_response(err: FerryError, endpoint: str = "") -> JSONResponse:
         status, body = openai_error(err)
+        if status >= 500 and status != 503:  # a failure of ours, not the client's nor a known absence: in the log
+            log.error("request failed", status=status, endpoint=endpoint, code=err.code.value, error=err.message)
         if endpoint:
             metrics.REQUESTS.labels(endpoint, str(status)).inc()
         return JSONResponse(body, status_code=status, headers=openai_headers(err) or None)

@@ -219,7 +219,14 @@ class Router:
     async def _ask_scheduler(self, req: spb.DispatchRequest) -> tuple[spb.DispatchReply | None, str]:
         """The scheduler's reply, or (None, why) when it is unavailable (the
         bypass rule); any other failure raises its FerryError. Over the
-        shared dispatch stream where the scheduler has it, else unary."""
+        shared dispatch stream where the scheduler has it, else unary.
+
+        NOTE: a stream that broke with another status than unavailable is
+        not this request's error either: a scheduler killed mid-stream ends
+        it with INTERNAL ("Internal error from Core") as often as with
+        UNAVAILABLE, and every request waiting on it got a 500 (the
+        Prometheus live test's bypass requests, 2026-12). The request is
+        asked again with a unary call, whose failure is classified alone."""
         if self._stream.supported and not self._stream.busy(req.request_id):
             try:
                 reply = await self._stream.ask(req, self.dispatch_timeout_s)
@@ -227,7 +234,8 @@ class Router:
                 if self._stream.supported:
                     if e.unavailable:
                         return None, str(e)
-                    raise (from_grpc(e.error) if isinstance(e.error, grpc.RpcError) else e.error) from e
+                    log.info("dispatch stream broke; asking with a unary call", request_id=req.request_id,
+                             error=str(e.error))
             else:
                 if not reply.error_code:
                     return reply, ""

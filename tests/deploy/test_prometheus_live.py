@@ -266,7 +266,7 @@ async def _kill_and_migrate_to_it(http, creds, cluster: dict) -> None:
     _kill_listener(cluster["scheduler"])
     got = await asyncio.gather(*[http.post("/v1/completions", json={"prompt": f"bypass {i}", "max_tokens": 8})
                                  for i in range(10)])
-    assert [r.status_code for r in got] == [200] * 10
+    assert [r.status_code for r in got] == [200] * 10, [(r.status_code, r.text[:300]) for r in got]
     await asyncio.sleep(3)
 
 

@@ -185,3 +185,22 @@ async def test_a_scheduler_that_goes_away_gives_waiting_callers_the_bypass_rule(
             await asyncio.wait_for(waiting, 5.0)
         assert e.value.unavailable
         await ds.close()
+
+
+async def test_a_stream_broken_with_another_status_is_asked_again_with_a_unary_call(serve):
+    """A scheduler killed mid-stream may end it with INTERNAL ("Internal
+    error from Core"), not UNAVAILABLE: the requests waiting on it are no
+    worse for it (they were 500s); the unary call's own answer decides."""
+    class Crashing(ScriptedScheduler):
+        async def DispatchStream(self, request_iterator, context):
+            self.streams += 1
+            async for _ in request_iterator:
+                await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+    sched = Crashing()
+    router = Router(await serve(sched), "127.0.0.1:1", dispatch_timeout_s=5.0)
+    try:
+        got = await asyncio.gather(*(router.dispatch(f"r{i}", 8, Priority.NORMAL) for i in range(3)))
+        assert [g.instance_id for g in got] == ["at-r0", "at-r1", "at-r2"]
+        assert sched.unary == 3 and not router.bypass
+    finally:
+        await router.close()
