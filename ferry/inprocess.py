@@ -144,12 +144,13 @@ class Client:
         return self.path[-1]
 
     async def run(self, node: str, prompt: list[int], max_tokens: int, handoff: str | None = None,
-                  **sampling) -> list[int]:
+                  program_id: str = "", **sampling) -> list[int]:
         """Generate at ``node`` and read to the end. ``handoff``: a node to
         hand the request to once its prompt is done (Splitwise), planned and
-        added as the instance agent does at Generate."""
+        added as the instance agent does at Generate; ``program_id``: the
+        program it is a turn of."""
         gen = Generation(self.request_id, list(prompt),
-                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling))
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), program_id=program_id)
         return await self._read(gen, _ClientRouter(self, node, handoff or ""))
 
     async def follow(self, node: str) -> list[int]:

@@ -226,6 +226,9 @@ class DelayedPeer:
     async def commit(self, migration_id, state, last=None):
         return await self._call("commit", migration_id, state, last)
 
+    async def commit_cache(self, migration_id, kv):
+        return await self._call("commit_cache", migration_id, kv)
+
     async def expect_commit(self, migration_id, in_ms):
         return await self._call("expect_commit", migration_id, in_ms)
 

@@ -505,6 +505,8 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     # Blocks sent by committed migrations, and those the destinations linked
     # instead (a prefix-blind migration of the same requests sends both).
     summary["migration_blocks"] = {"sent": cluster.scheduler.blocks_sent, "linked": cluster.scheduler.blocks_linked}
+    if cluster.scheduler.policy.moves_kept:
+        summary["cache_moves"] = cluster.scheduler.cache_move_summary(cluster.migration.transfer.bytes_per_block)
     sim_s = cluster.end - cluster.t0
     outcomes = cluster.scheduler.outcomes
     committed = [o for o in outcomes if o.committed]

@@ -34,6 +34,7 @@ from services.scheduler.policies import (
     InstanceView,
     PromptHashes,
 )
+from services.instance.migration.cache_move import PREFIX as CACHE_MOVE
 from services.scheduler.rescheduler import Rescheduler
 from services.scheduler.service import SchedulerConfig
 
@@ -62,6 +63,7 @@ class SimScheduler:
         self.prompt_hashes = PromptHashes()  # for pairs_by_move_cost, as the live scheduler's
         self.loop = loop
         self.outcomes: list = []  # every migration's (services/instance/migration/messages.Outcome)
+        self.cache_moves: list = []  # every cache move's (llumnix-move), apart
         # Of the committed ones: blocks sent, and blocks the destinations linked instead (running sums).
         self.blocks_sent = 0
         self.blocks_linked = 0
@@ -167,8 +169,19 @@ class SimScheduler:
         self.migrations_ordered += 1
 
     def _result(self, result: OrderResult) -> None:
-        self.outcomes.extend(result.results)
         for o in result.results:
+            if o.request_id.startswith(CACHE_MOVE):  # a program's kept blocks, no request (llumnix-move)
+                self.cache_moves.append(o)
+                continue
+            self.outcomes.append(o)
             if o.committed:
                 self.blocks_sent += o.blocks
                 self.blocks_linked += o.linked_blocks
+
+    def cache_move_summary(self, bytes_per_block: int) -> dict:
+        """Cache moves (llumnix-move): committed and aborted, blocks sent and
+        linked by the committed ones, and the bytes sent (the profile's block bytes)."""
+        done = [o for o in self.cache_moves if o.committed]
+        sent = sum(o.blocks for o in done)
+        return {"committed": len(done), "aborted": len(self.cache_moves) - len(done), "blocks_sent": sent,
+                "blocks_linked": sum(o.linked_blocks for o in done), "bytes_sent": sent * bytes_per_block}

@@ -159,7 +159,7 @@ _STATUS_SCALARS = (
     "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness",
     "terminating", "num_preemptions", "migrating_in", "migrating_out", "used_blocks",
     "waiting_demand_blocks", "engine_steps", "unschedulable", "shared_blocks", "running_prefill_tokens",
-    "preempted_waiting",
+    "preempted_waiting", "kept_blocks",
 )
 _PREFIX_FIELDS = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks",
                   "preempted_queries", "preempted_hits")
@@ -197,7 +197,7 @@ def status_from_pb(m: pb.InstanceStatus) -> InstanceStatus:
         "running_prefill_tokens": m.running_prefill_tokens, "engine_steps": m.engine_steps,
         "role": _ROLE_OF.get(m.role, Role.MIXED),  # a role from a newer peer: treated as mixed
         "unschedulable": m.unschedulable, "prefix_cache": prefix, "shared_blocks": m.shared_blocks,
-        "preempted_waiting": m.preempted_waiting})
+        "preempted_waiting": m.preempted_waiting, "kept_blocks": m.kept_blocks})
     return s
 
 
@@ -332,12 +332,13 @@ def migrate_out_to_pb(o: MigrateOutOrder) -> ipb.MigrateOutRequest:
     return ipb.MigrateOutRequest(dest_instance_id=o.dest_instance_id, dest_address=o.dest_address,
                                  stop_when_freeness_above=o.stop_when_freeness_above, max_requests=o.max_requests,
                                  request_id=o.request_id, use_priorities=o.use_priorities, blocking=o.blocking,
-                                 linkable_blocks=o.linkable, pick=o.pick)
+                                 linkable_blocks=o.linkable, pick=o.pick, cache_blocks=o.cache_blocks)
 
 
 def migrate_out_from_pb(m: ipb.MigrateOutRequest) -> MigrateOutOrder:
     return MigrateOutOrder(m.dest_instance_id, m.dest_address, m.stop_when_freeness_above, m.max_requests,
-                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks), m.pick)
+                           m.request_id, m.use_priorities, m.blocking, dict(m.linkable_blocks), m.pick,
+                           m.cache_blocks)
 
 
 def outcome_to_pb(o: Outcome) -> ipb.MigrationResult:

@@ -248,6 +248,9 @@ class InstanceStatus:
     prefix_cache: PrefixCacheStats = PrefixCacheStats()
     shared_blocks: int = 0  # in use by more than one request, counted once
     preempted_waiting: int = 0  # waiting requests that were preempted (llumnix-v0's sources)
+    # Free blocks programs keep between turns (keep by expected return), withheld from free_blocks:
+    # what a cache move (llumnix-move) can take elsewhere before admission here evicts it.
+    kept_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -370,6 +373,9 @@ class MigrateOutOrder:
     # Which request moves first (libs/common/policies/migration.PICKS): "" =
     # the cheapest; "last_running" = the last admitted (Policy.order_pick).
     pick: str = ""
+    # Above 0: a cache move order (llumnix-move): programs' kept blocks, no
+    # request, move until this many left (the programs worth least first).
+    cache_blocks: int = 0
 
 
 @dataclass

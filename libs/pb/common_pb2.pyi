@@ -133,7 +133,7 @@ class RequestLoad(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., state: _Optional[_Union[RequestLoad.State, str]] = ..., physical_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., virtual_usage: _Optional[float] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks", "engine_steps", "role", "unschedulable", "prefix_cache", "shared_blocks", "running_prefill_tokens", "preempted_waiting")
+    __slots__ = ("instance_id", "seq", "timestamp", "total_blocks", "free_blocks", "block_size", "num_running", "num_waiting", "head_of_line_demand_blocks", "virtual_usage", "freeness", "normal_freeness", "terminating", "num_preemptions", "migrating_in", "migrating_out", "requests", "used_blocks", "waiting_demand_blocks", "engine_steps", "role", "unschedulable", "prefix_cache", "shared_blocks", "running_prefill_tokens", "preempted_waiting", "kept_blocks")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,7 @@ class InstanceStatus(_message.Message):
     SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     seq: int
     timestamp: float
@@ -186,7 +187,8 @@ class InstanceStatus(_message.Message):
     shared_blocks: int
     running_prefill_tokens: int
     preempted_waiting: int
-    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., unschedulable: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., shared_blocks: _Optional[int] = ..., running_prefill_tokens: _Optional[int] = ..., preempted_waiting: _Optional[int] = ...) -> None: ...
+    kept_blocks: int
+    def __init__(self, instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., timestamp: _Optional[float] = ..., total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., head_of_line_demand_blocks: _Optional[int] = ..., virtual_usage: _Optional[float] = ..., freeness: _Optional[float] = ..., normal_freeness: _Optional[float] = ..., terminating: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., migrating_in: _Optional[int] = ..., migrating_out: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., used_blocks: _Optional[int] = ..., waiting_demand_blocks: _Optional[int] = ..., engine_steps: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., unschedulable: _Optional[bool] = ..., prefix_cache: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., shared_blocks: _Optional[int] = ..., running_prefill_tokens: _Optional[int] = ..., preempted_waiting: _Optional[int] = ..., kept_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStats(_message.Message):
     __slots__ = ("enabled", "requests", "queries", "hits", "evictions", "cached_blocks", "evictable_blocks", "preempted_queries", "preempted_hits")

@@ -318,7 +318,7 @@ class KvEventsMessage(_message.Message):
     def __init__(self, snapshot: _Optional[_Union[_common_pb2.KvSnapshot, _Mapping]] = ..., batch: _Optional[_Union[_common_pb2.KvEventBatch, _Mapping]] = ...) -> None: ...
 
 class MigrateOutRequest(_message.Message):
-    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking", "linkable_blocks", "pick")
+    __slots__ = ("dest_instance_id", "dest_address", "stop_when_freeness_above", "max_requests", "request_id", "use_priorities", "blocking", "linkable_blocks", "pick", "cache_blocks")
     class LinkableBlocksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class MigrateOutRequest(_message.Message):
     BLOCKING_FIELD_NUMBER: _ClassVar[int]
     LINKABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PICK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     dest_instance_id: str
     dest_address: str
     stop_when_freeness_above: float
@@ -344,7 +345,8 @@ class MigrateOutRequest(_message.Message):
     blocking: bool
     linkable_blocks: _containers.ScalarMap[str, int]
     pick: str
-    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ..., linkable_blocks: _Optional[_Mapping[str, int]] = ..., pick: _Optional[str] = ...) -> None: ...
+    cache_blocks: int
+    def __init__(self, dest_instance_id: _Optional[str] = ..., dest_address: _Optional[str] = ..., stop_when_freeness_above: _Optional[float] = ..., max_requests: _Optional[int] = ..., request_id: _Optional[str] = ..., use_priorities: _Optional[bool] = ..., blocking: _Optional[bool] = ..., linkable_blocks: _Optional[_Mapping[str, int]] = ..., pick: _Optional[str] = ..., cache_blocks: _Optional[int] = ...) -> None: ...
 
 class MigrateOutReply(_message.Message):
     __slots__ = ("started", "committed", "aborted", "results")
@@ -405,7 +407,7 @@ class KvHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., k_transposed: _Optional[bool] = ...) -> None: ...
 
 class PreAllocateRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share", "block_hashes", "link_cached")
+    __slots__ = ("migration_id", "request_id", "num_blocks", "stage", "header", "deadline_ms", "source_instance_id", "spare_blocks", "handoff", "last", "kv_share", "block_hashes", "link_cached", "program_id")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +421,7 @@ class PreAllocateRequest(_message.Message):
     KV_SHARE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LINK_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     num_blocks: int
@@ -432,7 +435,8 @@ class PreAllocateRequest(_message.Message):
     kv_share: KvShare
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     link_cached: bool
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., link_cached: _Optional[bool] = ...) -> None: ...
+    program_id: str
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., stage: _Optional[int] = ..., header: _Optional[_Union[KvHeader, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., source_instance_id: _Optional[str] = ..., spare_blocks: _Optional[int] = ..., handoff: _Optional[bool] = ..., last: _Optional[bool] = ..., kv_share: _Optional[_Union[KvShare, _Mapping]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., link_cached: _Optional[bool] = ..., program_id: _Optional[str] = ...) -> None: ...
 
 class KvShare(_message.Message):
     __slots__ = ("pid", "fd", "name", "size")
@@ -525,18 +529,32 @@ class RequestState(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ..., program_id: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("migration_id", "state", "has_last_stage", "last_stage", "last_src_blocks")
+    __slots__ = ("migration_id", "state", "has_last_stage", "last_stage", "last_src_blocks", "program_cache")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     HAS_LAST_STAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_STAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_CACHE_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     state: RequestState
     has_last_stage: bool
     last_stage: int
     last_src_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, migration_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, _Mapping]] = ..., has_last_stage: _Optional[bool] = ..., last_stage: _Optional[int] = ..., last_src_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    program_cache: ProgramCache
+    def __init__(self, migration_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, _Mapping]] = ..., has_last_stage: _Optional[bool] = ..., last_stage: _Optional[int] = ..., last_src_blocks: _Optional[_Iterable[int]] = ..., program_cache: _Optional[_Union[ProgramCache, _Mapping]] = ...) -> None: ...
+
+class ProgramCache(_message.Message):
+    __slots__ = ("program_id", "block_hashes", "age_s", "gap_s")
+    PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    GAP_S_FIELD_NUMBER: _ClassVar[int]
+    program_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    age_s: float
+    gap_s: float
+    def __init__(self, program_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., age_s: _Optional[float] = ..., gap_s: _Optional[float] = ...) -> None: ...
 
 class CommitReply(_message.Message):
     __slots__ = ("ok", "reason")

@@ -32,7 +32,7 @@ def instance_status(instance_id: str, seq: int, timestamp: float, load: EngineLo
         engine_steps=engine_steps, role=role,
         unschedulable=unschedulable,
         prefix_cache=load.prefix_cache, shared_blocks=load.shared_blocks,
-        preempted_waiting=load.preempted_waiting,
+        preempted_waiting=load.preempted_waiting, kept_blocks=load.kept_blocks,
     )
 
 
@@ -56,4 +56,4 @@ def material(load: EngineLoad) -> tuple:
     return (load.free_blocks, load.head_of_line_demand_blocks, load.waiting_demand_blocks,
             load.num_preemptions, load.reserved_blocks,
             tuple((r.request_id, r.state, r.priority, r.physical_blocks) for r in load.requests), load.shared_blocks,
-            load.preempted_waiting)
+            load.preempted_waiting)  # kept_blocks: free_blocks moves with it

@@ -41,6 +41,9 @@ PROGRAM_PROMPT_TOKENS = Counter("ferry_scheduler_program_prompt_tokens_total", "
                                 "prefix, as the prefix index had it at dispatch; prefix-blind policies look none "
                                 "up) or computed", ["turn", "source"], registry=None)
 
+CACHE_MOVE_ORDERS = Counter("ferry_scheduler_cache_move_orders_total", "Cache move orders sent (programs' kept "
+                            "blocks, llumnix-move), by how the call ended (done, failed)", ["outcome"], registry=None)
+
 
 def program_turn(turns: int, prompt_tokens: int, cached_tokens: int) -> None:
     """A program's turn dispatched (``turns``: its count so far, this one included)."""
@@ -144,7 +147,7 @@ def export(svc) -> None:
     process: a later call replaces the view read)."""
     if _VIEW.svc is None:
         for m in (DISPATCH_SECONDS, DISPATCHES, ORDERS, MIGRATIONS, DOWNTIME, REPORT_LAG, PROGRAM_TURNS,
-                  PROGRAM_PROMPT_TOKENS, _VIEW):
+                  PROGRAM_PROMPT_TOKENS, CACHE_MOVE_ORDERS, _VIEW):
             REGISTRY.register(m)
     _VIEW.svc = svc
     svc.view.listeners.append(ReportLag(svc.view))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from libs.common.errors import FerryError
 from libs.common.instance_client import GrpcInstanceClients, InstanceClients
 from libs.common.logging import get_logger
+from libs.common.policies.cache_moves import CacheMovePair, pair_cache_moves
 from libs.common.types import MigrateOutOrder, OrderResult
 from services.scheduler import metrics
 from services.scheduler.policies import HeldPrefix, MigrationPair, MoveCosts, PromptHashes, pair_migrations
@@ -89,7 +90,27 @@ class Rescheduler:
             # the order says which of the source's requests' prefixes the destination holds
             link = costs.linkable(by_id[p.source], p.destination) if costs is not None else {}
             self._busy[p.source] = asyncio.create_task(self._order(p, link))
+        if self.policy.moves_kept:  # programs' kept blocks, from instances short of room (cache_moves.py)
+            for m in pair_cache_moves(views, frozenset(self._busy)):
+                self._busy[m.source] = asyncio.create_task(self._move_cache(m))
         return pairs
+
+    async def _move_cache(self, move: CacheMovePair) -> None:
+        src, dst = self.view.address(move.source), self.view.address(move.destination)
+        try:
+            if src is None or dst is None:
+                return
+            result = await self.clients(move.source, src).migrate_out(MigrateOutOrder(
+                move.destination, dst, cache_blocks=move.blocks))
+            metrics.CACHE_MOVE_ORDERS.labels("done").inc()
+            self.on_result(result)
+            log.info("cache move done", source=move.source, destination=move.destination, asked=move.blocks,
+                     committed=result.committed, aborted=result.aborted)
+        except FerryError as e:
+            metrics.CACHE_MOVE_ORDERS.labels("failed").inc()
+            log.debug("cache move order failed", source=move.source, error=e.code.name, details=str(e))
+        finally:
+            self._busy.pop(move.source, None)
 
     async def _order(self, pair: MigrationPair, link: dict[str, int] | None = None) -> None:
         view = self.view

@@ -15,7 +15,7 @@ from services.instance.status import high_priority_headroom
 def test_registry_keeps_the_cli_names_in_order():
     assert policies.POLICY_NAMES == ("round_robin", "infaas++", "llumnix_base", "llumnix", "llumnix-v0",
                                      "llumnix-prefix", "llmd-prefix", "dynamo-kv", "sglang-cache-aware", "continuum",
-                                     "llumnix-keep")
+                                     "llumnix-keep", "llumnix-move")
     assert all(policies.get(n).name == n for n in policies.POLICY_NAMES)
     with pytest.raises(ValueError, match="supported: round_robin"):
         policies.get("best")
@@ -35,10 +35,10 @@ def test_each_policy_says_how_it_dispatches_migrates_and_uses_priorities():
     for n in policies.POLICY_NAMES[5:]:
         p = policies.get(n)
         assert p.uses_prefix and p.select is not None
-        ours = n in ("llumnix-prefix", "continuum", "llumnix-keep")  # llumnix-prefix's dispatch and migration
+        ours = n in ("llumnix-prefix", "continuum", "llumnix-keep", "llumnix-move")  # llumnix-prefix's dispatch and migration
         assert p.migrates == ours and p.uses_priorities == ours
         assert (p.program_ttl_s > 0) == (n == "continuum")  # its TTL pinning is the engines'
-        assert (0 < p.program_keep <= 1) == (n == "llumnix-keep")  # so is keep, within a fraction of the pool
+        assert (0 < p.program_keep <= 1) == (n in ("llumnix-keep", "llumnix-move"))  # so is keep, within a fraction of the pool
 
 
 def test_every_reader_lists_the_registry():

@@ -184,3 +184,25 @@ def test_the_sim_scheduler_counts_each_programs_turns_and_llumnix_keep_spreads_f
         assert len(by) == 4 and all(ns == list(range(len(ns))) for ns in by.values())
     assert len(set(firsts["llumnix-prefix"])) == 1  # every program where the system prompt was cached first
     assert len(set(firsts["llumnix-keep"])) == 4
+
+
+def test_llumnix_move_moves_kept_blocks_between_simulated_instances_and_leaks_none():
+    """llumnix-move on the simulator runs the live cache move (the
+    rescheduler's order, the source's CacheMove, the destination's
+    commit_cache) on the virtual clock: kept blocks of programs move from
+    instances short of room, every program completes, and after the run
+    no request, used or reserved block is left and every pool is exact."""
+    opts = SimOptions(instances=2, prefix="agentic:38:15:10", arrivals="poisson:0.2", num_requests=6,
+                      progress=False, max_model_len=12000)
+    c = Cluster(opts, "llumnix-move", opts.workload(1.0, 12000))
+    c.run()
+    moved = c.scheduler.cache_move_summary(1)
+    assert moved["committed"] > 0 and moved["blocks_sent"] > 0
+    assert all(o.request_id.startswith("program:") for o in c.scheduler.cache_moves)
+    assert not any(o.request_id.startswith("program:") for o in c.scheduler.outcomes)
+    assert c.recorder.done == len(c.work.requests) and not any(r.error for r in c.recorder.records)
+    left = c.settle(horizon_s=200.0)
+    assert left == {"requests": 0, "used_blocks": 0, "reserved_blocks": 0, "handoffs_under_way": 0}
+    for i in c.instances.values():
+        i.engine.check_integrity()
+    c.close()

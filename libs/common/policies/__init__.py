@@ -6,7 +6,7 @@ names and the Policy objects from here and nowhere else."""
 from __future__ import annotations
 
 from libs.common.policies import (continuum, dynamo_kv, infaas, llmd_prefix, llumnix, llumnix_base, llumnix_keep,
-                                  llumnix_prefix, llumnix_v0, round_robin, sglang_cache_aware)
+                                  llumnix_move, llumnix_prefix, llumnix_v0, round_robin, sglang_cache_aware)
 from libs.common.policies.base import (
     Dispatcher,
     DispatchRequest,
@@ -20,7 +20,7 @@ from libs.common.policies.base import (
 
 # The order tables and CLIs list them in; the prefix-aware ones (Policy.uses_prefix) last.
 _MODULES = (round_robin, infaas, llumnix_base, llumnix, llumnix_v0, llumnix_prefix, llmd_prefix, dynamo_kv,
-            sglang_cache_aware, continuum, llumnix_keep)
+            sglang_cache_aware, continuum, llumnix_keep, llumnix_move)
 POLICIES: dict[str, Policy] = {m.POLICY.name: m.POLICY for m in _MODULES}
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 

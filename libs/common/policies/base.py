@@ -180,6 +180,10 @@ class Policy:
     # expected return, at most this fraction of their pool (services/
     # instance/engine/core/pins.py ProgramKeep, InstanceConfig.program_keep).
     program_keep: float = 0.0
+    # The rescheduler moves kept blocks of programs (with program_keep) from
+    # instances short of room to instances with room, before admission evicts
+    # them (libs/common/policies/cache_moves.py; cache moves, no request).
+    moves_kept: bool = False
 
 
 def best_of(cands: list[InstanceView], key: Callable[[InstanceView], tuple]) -> InstanceView:

@@ -131,6 +131,8 @@ class EngineLoad:
     # Waiting requests that were preempted (to run again): vLLM 0.4's
     # num_killed_request, which llumnix-v0 pairs by.
     preempted_waiting: int = 0
+    # Free blocks programs keep between turns (core/pins.py ProgramKeep), withheld from free_blocks.
+    kept_blocks: int = 0
 
 
 class EngineError(Exception):
@@ -370,6 +372,47 @@ class MigrationHooks(abc.ABC):
     def drop_request(self, request_id: str) -> None:
         """Forget a suspended request after its migration committed: free its
         blocks, emit nothing."""
+
+    # A cache move (issue 53, move instead of evict): a program's kept blocks,
+    # with no request attached, go to another instance's prefix cache.
+    movable_programs_here = False  # whether it takes programs' kept blocks from other instances
+
+    def movable_programs(self) -> list[tuple[str, int]]:
+        """Programs whose kept blocks could move now (none in use here), the
+        first to move first, with their blocks. Default: none."""
+        return []
+
+    def export_program(self, program_id: str) -> ProgramKv | None:
+        """Pin ``program_id``'s kept blocks for a move (a reference each, so
+        nothing evicts them while they are copied); None if none can move.
+        ``end_export`` ends it."""
+        return None
+
+    def end_export(self, program_id: str, moved: bool) -> None:
+        """The move ended: ``moved``, the blocks leave this cache (those no
+        other program keeps, named no more, plain free) and the program's
+        hold here ends; else they are kept here as before."""
+        raise EngineError(f"the {self.name} engine moves no cached blocks")
+
+    def import_program(self, kv: ProgramKv, block_ids: list[int]) -> None:
+        """A moved program's blocks, written into reserved (or linked)
+        ``block_ids`` in ``kv.block_hashes``' order: named in the prefix cache
+        and kept for the program as if its turn had ended here."""
+        raise EngineError(f"the {self.name} engine takes no cached blocks")
+
+
+@dataclass(frozen=True)
+class ProgramKv:
+    """A program's kept blocks on their way to another instance (a cache
+    move): their prefix-cache hashes head first, the source's block ids
+    (``export_program``; empty at the destination), and what its keep knew:
+    seconds since its turn ended and its expected gap between turns."""
+
+    program_id: str
+    block_hashes: tuple[BlockHash, ...]
+    block_ids: tuple[int, ...] = ()
+    age_s: float = 0.0
+    gap_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from libs.common.prefix_hash import block_hashes
 from libs.common.types import InstanceStatus, RequestState
 from services.instance.engine.shared_kv import KvShareError, PeerKv, runs
 from services.instance.migration.host import MigrationHost
+from services.instance.engine.base import ProgramKv
 from services.instance.migration.messages import Admission, KvChunk, LastStage, PreAllocate
 from services.instance.migration.metrics import MigrationCounters
 from libs.common.policies.migration import accepts_migration
@@ -238,7 +239,9 @@ class Destination:
                 return False, f"handoff-in limit {self.max_handoff_in} reached"
             if not p.handoff and self._active(False) >= self.max_migrate_in:
                 return False, f"migrate-in limit {self.max_migrate_in} reached"
-            if p.request_id in self.host.streams:
+            if p.program_id and not self.engine.movable_programs_here:
+                return False, "this instance keeps no programs' blocks (--program-keep 0)"
+            if not p.program_id and p.request_id in self.host.streams:
                 return False, f"request {p.request_id!r} already lives here"
             deadline_s = max(0.05, p.deadline_ms / 1000)
             res = Reservation(Machine("destination", p.migration_id, p.request_id, DestState.NONE),
@@ -461,6 +464,44 @@ class Destination:
         self.counters.destination_committed()
         self.host.committed_in(state)
         self.host.changed()
+
+    async def commit_cache(self, migration_id: str, kv: ProgramKv) -> None:
+        """A cache move's commit (cache_move.py): every block received, the
+        linked head the program's own; the blocks join this cache, kept for
+        the program, before the acknowledgement (no request waits on it)."""
+        res = self._get(migration_id)
+        try:
+            missing = {s: len(b) - res.received.get(s, 0) for s, b in res.stages.items()
+                       if res.received.get(s, 0) != len(b)}
+            if missing:
+                raise FailedPrecondition(f"blocks not received per stage: {missing}")
+            if len(res.blocks) != len(kv.block_hashes):
+                raise InvalidArgument(f"{len(res.blocks)} blocks for {len(kv.block_hashes)} block hashes")
+            if res.linked_hashes != tuple(kv.block_hashes[:len(res.linked)]):
+                raise InvalidArgument("the linked blocks' hashes are not the program's first ones")
+            await self.runner.call(self._install_cache, res, kv)
+        finally:
+            self.runner.release(migration_id)
+        res.committed_at = self.host.clock()
+        res.machine.to(DestState.COMMITTED, blocks=len(res.blocks), bytes=res.bytes, program_id=kv.program_id)
+        self.reservations.pop(migration_id, None)  # nobody attaches to a cache move: done
+        self.counters.cache_move_in()
+        self.host.changed()
+
+    def _install_cache(self, res: Reservation, kv: ProgramKv) -> None:
+        with res.lock:
+            if res.closed:
+                raise Aborted("migration aborted during the commit")
+            blocks, spare = res.blocks, res.spare
+            res.closed = True
+            res.peer_kv = None
+        if spare:
+            self.engine.release_blocks(spare)
+        try:
+            self.engine.import_program(kv, blocks)
+        except Exception:
+            self.engine.release_blocks(blocks)
+            raise
 
     def _installed(self, res: Reservation, at: float) -> None:
         """On the loop: the request joined the batch (at a step boundary);

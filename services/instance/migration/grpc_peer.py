@@ -11,7 +11,7 @@ from libs.pb import instance_pb2 as pb
 from libs.pb import instance_pb2_grpc as pb_grpc
 from libs.common import convert
 from libs.common.types import RequestState
-from services.instance.engine.base import KvLayout
+from services.instance.engine.base import KvLayout, ProgramKv
 from services.instance.engine.shared_kv import KvShare
 from services.instance.migration.messages import (
     Admission,
@@ -39,7 +39,7 @@ def pre_allocate_to_pb(p: PreAllocate) -> pb.PreAllocateRequest:
         migration_id=p.migration_id, request_id=p.request_id, num_blocks=p.num_blocks, stage=p.stage,
         header=header_to_pb(p.layout), deadline_ms=p.deadline_ms, source_instance_id=p.source_instance_id,
         spare_blocks=p.spare_blocks, handoff=p.handoff, last=p.last, block_hashes=p.block_hashes,
-        link_cached=p.link,
+        link_cached=p.link, program_id=p.program_id,
         kv_share=None if share is None else pb.KvShare(pid=share.pid, fd=share.fd, name=share.name,
                                                       size=share.size))
 
@@ -49,7 +49,15 @@ def pre_allocate_from_pb(m: pb.PreAllocateRequest) -> PreAllocate:
              if m.HasField("kv_share") else None)
     return PreAllocate(m.migration_id, m.request_id, m.stage, m.num_blocks, layout_from_pb(m.header),
                        m.deadline_ms, m.source_instance_id, m.spare_blocks, m.handoff, m.last, share,
-                       tuple(m.block_hashes), m.link_cached)
+                       tuple(m.block_hashes), m.link_cached, m.program_id)
+
+
+def program_cache_to_pb(kv: ProgramKv) -> pb.ProgramCache:
+    return pb.ProgramCache(program_id=kv.program_id, block_hashes=kv.block_hashes, age_s=kv.age_s, gap_s=kv.gap_s)
+
+
+def program_cache_from_pb(m: pb.ProgramCache) -> ProgramKv:
+    return ProgramKv(m.program_id, tuple(m.block_hashes), (), m.age_s, m.gap_s)
 
 
 def chunk_to_pb(c: KvChunk) -> pb.KvChunk:
@@ -110,6 +118,15 @@ class GrpcPeer:
         if last is not None:
             req.has_last_stage, req.last_stage = True, last.stage
             req.last_src_blocks.extend(last.src_blocks)
+        try:
+            reply = await self.stub.Commit(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise PeerError(_reason(e)) from None
+        if not reply.ok:
+            raise PeerError(f"commit refused: {reply.reason}")
+
+    async def commit_cache(self, migration_id: str, kv: ProgramKv) -> None:
+        req = pb.CommitRequest(migration_id=migration_id, program_cache=program_cache_to_pb(kv))
         try:
             reply = await self.stub.Commit(req, timeout=self.timeout_s)
         except grpc.RpcError as e:

@@ -19,6 +19,7 @@ from libs.common.errors import ResourceExhausted
 from libs.common.logging import get_logger
 from libs.common.policies.phases import HandoffMode
 from services.instance.engine.base import EngineRequest
+from services.instance.migration.cache_move import CacheMove
 from services.instance.migration.destination import Destination
 from services.instance.migration.grpc_peer import GrpcPeer
 from services.instance.migration.handoff import Handoffs
@@ -221,17 +222,57 @@ class MigrationManager:
     async def migrate_out(self, order: MigrateOutOrder) -> OrderResult:
         """Run an order to its end; if the caller is cancelled meanwhile the
         order goes on without starting new migrations."""
+        if order.cache_blocks > 0:
+            return await self._shielded(self._cache_order(order))
         if not self.can_start(order.dest_instance_id):
             raise ResourceExhausted("already migrating out")
         if order.request_id and order.request_id in self.outgoing:
             raise ResourceExhausted(f"request {order.request_id!r} is already migrating")
         stop = asyncio.Event()
-        task = self._spawn(self._order(order, stop))
+        return await self._shielded(self._order(order, stop), stop)
+
+    async def _shielded(self, coro, stop: asyncio.Event | None = None):
+        """An order as a task of this manager; a cancelled caller sets ``stop``."""
+        task = self._spawn(coro)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            stop.set()
+            if stop is not None:
+                stop.set()
             raise
+
+    async def _cache_order(self, order: MigrateOutOrder) -> OrderResult:
+        """Cache moves to the order's destination (cache_move.py), one
+        program at a time, the programs worth least first, until
+        ``order.cache_blocks`` blocks left, none can move, or the
+        destination refuses. Runs to its end (no request waits on it)."""
+        result = OrderResult()
+        moved = 0
+        tried: set[str] = set()
+        while moved < order.cache_blocks:
+            programs = [p for p, _ in await self.host.runner.call(self.host.engine.movable_programs)
+                        if p not in tried]
+            if not programs:
+                break
+            tried.add(programs[0])
+            mig = CacheMove(self.host, programs[0], order.dest_instance_id, order.dest_address,
+                            self._peers(order.dest_address), self.config, self.fault)
+            self.outgoing[mig.request_id] = mig
+            try:
+                out = await mig.run()
+            finally:
+                self._forget(mig)
+            self.counters.cache_move_done(out)
+            result.started += 1
+            result.results.append(out)
+            if out.committed:
+                result.committed += 1
+                moved += out.blocks + out.linked_blocks
+            else:
+                result.aborted += 1
+                if mig.dest_failed:
+                    break
+        return result
 
     async def _order(self, order: MigrateOutOrder, stop: asyncio.Event) -> OrderResult:
         result = OrderResult()

@@ -88,6 +88,9 @@ class PreAllocate:
     # cache holds (Admission.linked) and this stage's num_blocks counts from
     # the request's first block, the linked ones included: it reserves the rest.
     link: bool = False
+    # A cache move (cache_move.py): this program's kept blocks, no request
+    # attached; ``block_hashes`` are theirs and ``link`` applies as above.
+    program_id: str = ""
 
 
 @dataclass(frozen=True)

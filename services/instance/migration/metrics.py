@@ -26,6 +26,11 @@ HANDOFF_DOWNTIME = Histogram("ferry_handoff_downtime_seconds",
                              "Handoff: export at the prefill instance to the first step on the decode instance",
                              buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
 
+CACHE_MOVES = Counter("ferry_cache_moves_total",
+                      "Cache moves of programs' kept blocks (no request attached) by side and outcome",
+                      ["side", "outcome"])
+CACHE_MOVE_BLOCKS = Counter("ferry_cache_move_blocks_total", "KV blocks of programs' kept blocks moved out")
+
 
 class MigrationCounters:
     """Counts of this instance's migrations, and the Prometheus export."""
@@ -41,6 +46,25 @@ class MigrationCounters:
         self.blocks_sent = 0
         self.blocks_linked = 0
         self.bytes_sent = 0
+        # Cache moves (a program's kept blocks, no request): out committed / aborted, blocks moved out, in.
+        self.cache_moved_out = 0
+        self.cache_moves_aborted = 0
+        self.cache_blocks_out = 0
+        self.cache_moved_in = 0
+
+    def cache_move_done(self, out: Outcome) -> None:
+        """Counted apart from migrations: no request moved, no downtime."""
+        if out.committed:
+            self.cache_moved_out += 1
+            self.cache_blocks_out += out.blocks + out.linked_blocks
+            CACHE_MOVE_BLOCKS.inc(out.blocks + out.linked_blocks)
+        else:
+            self.cache_moves_aborted += 1
+        CACHE_MOVES.labels("source", "committed" if out.committed else "aborted").inc()
+
+    def cache_move_in(self) -> None:
+        self.cache_moved_in += 1
+        CACHE_MOVES.labels("destination", "committed").inc()
 
     def _sent(self, out: Outcome) -> None:
         BLOCKS.inc(out.blocks)

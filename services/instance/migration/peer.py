@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from libs.common.types import RequestState
+from services.instance.engine.base import ProgramKv
 from services.instance.migration.destination import Destination
 from services.instance.migration.messages import Admission, KvChunk, LastStage, PreAllocate
 
@@ -29,6 +30,9 @@ class DestinationPeer(Protocol):
     async def commit(self, migration_id: str, state: RequestState, last: LastStage | None = None) -> None:
         """Hand the request over; returns once the destination owns it.
         ``last``: the last stage's source blocks, copied there first."""
+
+    async def commit_cache(self, migration_id: str, kv: ProgramKv) -> None:
+        """A cache move's commit: returns once the destination keeps the blocks for the program."""
 
     async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
         """Best effort, before the suspend: the commit should come in about
@@ -74,6 +78,9 @@ class InProcessPeer:
 
     async def commit(self, migration_id: str, state: RequestState, last: LastStage | None = None) -> None:
         await self.dest.commit(migration_id, copy_state(state), last)
+
+    async def commit_cache(self, migration_id: str, kv: ProgramKv) -> None:
+        await self.dest.commit_cache(migration_id, kv)
 
     async def expect_commit(self, migration_id: str, in_ms: float) -> bool:
         return self.dest.expect_commit(migration_id, in_ms)

@@ -12,6 +12,7 @@ from services.instance.migration.grpc_peer import (
     chunks_from_pb,
     last_stage_from_pb,
     pre_allocate_from_pb,
+    program_cache_from_pb,
 )
 from services.instance.migration.manager import MigrationManager
 
@@ -43,6 +44,9 @@ class MigrationRpcs:
         return pb.TransferKvReply(blocks_written=written, bytes=nbytes)
 
     async def commit(self, req: pb.CommitRequest) -> pb.CommitReply:
+        if req.HasField("program_cache"):
+            await self.dest.commit_cache(req.migration_id, program_cache_from_pb(req.program_cache))
+            return pb.CommitReply(ok=True)
         await self.dest.commit(req.migration_id, convert.state_from_pb(req.state), last_stage_from_pb(req))
         if failpoints.enabled("dest.drop_commit_reply"):
             raise Unavailable("failpoint: commit reply lost")

@@ -42,7 +42,7 @@ _SOURCE_EDGES = {
     S.SELECT: {S.PRE_ALLOC, S.SUSPEND},
     S.PRE_ALLOC: {S.COPY},
     S.COPY: {S.VERIFY},
-    S.VERIFY: {S.PRE_ALLOC, S.SUSPEND},
+    S.VERIFY: {S.PRE_ALLOC, S.SUSPEND, S.COMMIT},  # COMMIT: a cache move (cache_move.py), no request to suspend
     S.SUSPEND: {S.PRE_ALLOC_LAST, S.COMMIT},  # COMMIT: the last stage rides on it (fuse_last_stage)
     S.PRE_ALLOC_LAST: {S.COPY_LAST},
     S.COPY_LAST: {S.COMMIT},

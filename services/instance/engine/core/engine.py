@@ -16,6 +16,7 @@ from services.instance.engine.base import (
     EngineError,
     EngineLoad,
     EngineRequest,
+    ProgramKv,
     IntegrityError,
     KvLayout,
     MigrationHooks,
@@ -89,6 +90,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         # expected return; off at ttl 0 and keep 0.
         self.pins = program_hold(self.pool, config.program_ttl_s, config.program_keep, config.program_gap_s,
                                  self._block_size, clock)
+        self._exports: dict[str, list[int]] = {}  # program -> its blocks pinned for a cache move out
 
     # --- static facts -------------------------------------------------------
     block_size = property(lambda self: self._block_size)
@@ -343,6 +345,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             shared_blocks=len(shared),
             prefix_cache=self.prefix_cache_stats(),
             preempted_waiting=sum(1 for r in s.waiting if r.num_preemptions),
+            kept_blocks=self.pins.withheld(),
         )
 
     def check_integrity(self) -> None:
@@ -358,7 +361,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             if (r.status is RequestStatus.SUSPENDED) == (r in queued):
                 raise IntegrityError(f"{r.request_id}: status {r.status} disagrees with the queues")
         self.pool.check_integrity([r.block_ids for r in live] + [g.block_ids for g in self.guests.values()]
-                                  + self.pins.owned())
+                                  + self.pins.owned() + list(self._exports.values()))
 
     def request_stats(self, request_id: str) -> dict:
         r = self.requests.get(request_id)
@@ -583,6 +586,52 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         self.requests[r.request_id] = r
         self._cache_computed(r)  # its full blocks are named here as if computed here
         self.scheduler.add_running(r)
+
+    # --- cache moves (base.MigrationHooks; pins.ProgramKeep) ------------------------
+    movable_programs_here = property(lambda self: self.pins.movable_holds)
+
+    def movable_programs(self) -> list[tuple[str, int]]:
+        if not self.pins.movable_holds:
+            return []
+        return [(p, n) for p, n in self.pins.movable() if p not in self._exports]
+
+    def export_program(self, program_id: str) -> ProgramKv | None:
+        if not self.pins.movable_holds or program_id in self._exports:
+            return None
+        blocks = self.pins.chain(program_id)
+        if not blocks:
+            return None
+        self.pool.touch(blocks)
+        self._exports[program_id] = blocks
+        age, gap = self.pins.handover(program_id)
+        hashes = tuple(self.pool.cache.hash_of(b) for b in blocks)
+        return ProgramKv(program_id, hashes, tuple(blocks), age, gap)
+
+    def end_export(self, program_id: str, moved: bool) -> None:
+        blocks = self._exports.pop(program_id, None)
+        if blocks is None:
+            raise EngineError(f"program {program_id!r} has no cache move out under way")
+        if moved:
+            self.pins.release(program_id)  # no longer kept here
+            self.pool.drop(blocks)
+        else:
+            self.pool.free(blocks)
+
+    def import_program(self, kv: ProgramKv, block_ids: list[int]) -> None:
+        if not self.pins.movable_holds:
+            raise EngineError("this engine keeps no programs' blocks (--program-keep 0)")
+        if len(block_ids) != len(kv.block_hashes):
+            raise EngineError(f"{len(block_ids)} blocks for {len(kv.block_hashes)} hashes")
+        ids = list(block_ids)
+        self.pool.adopt(ids)
+        self.pool.cache_blocks(ids, list(kv.block_hashes), None)
+        # a hash this cache named meanwhile keeps its own block (ours then goes plain free)
+        named = [self.pool.cache.block_of(h) for h in kv.block_hashes]
+        held = [b for b in named if b is not None]
+        self.pool.touch(held)
+        self.pool.free(ids)
+        self.pins.adopt(kv.program_id, held, kv.age_s, kv.gap_s)
+        self.pool.free(held)
 
     def drop_request(self, request_id: str) -> None:
         r = self._get(request_id)

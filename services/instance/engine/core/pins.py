@@ -117,6 +117,25 @@ class ProgramHold:
             self.expired_total += 1
         self._returned(returned, now)
 
+    # --- moves of a program's kept blocks to another instance (keep only) --------------
+    movable_holds = False  # whether a hold's blocks may leave for another instance (cache moves)
+
+    def movable(self) -> list[tuple[str, int]]:
+        """Programs whose held blocks could move now, the first to go first, with their blocks."""
+        return []
+
+    def chain(self, program_id: str) -> list[int]:
+        """The blocks of ``program_id``'s hold a move would take, head first ([]: none)."""
+        return []
+
+    def handover(self, program_id: str) -> tuple[float, float]:
+        """(seconds since its turn ended, its expected gap), for the instance it moves to."""
+        raise NotImplementedError
+
+    def adopt(self, program_id: str, blocks: list[int], age_s: float, gap_s: float) -> None:
+        """Hold blocks that came from another instance as if the turn had ended here ``age_s`` ago."""
+        raise NotImplementedError
+
     def _start(self, program_id: str, blocks: list[int]) -> Hold | None:
         raise NotImplementedError
 
@@ -216,6 +235,54 @@ class ProgramKeep(ProgramHold):
 
     def _end(self, program_id: str, hold: Hold) -> None:
         self.pool.unkeep(program_id, hold.blocks)
+
+    movable_holds = True
+
+    def chain(self, program_id: str) -> list[int]:
+        """The head of the hold's blocks still cached and kept by it, when
+        every one of them is free (no turn of the program uses them here)."""
+        h = self._holds.get(program_id)
+        if h is None:
+            return []
+        cache = self.pool.cache
+        out = []
+        for b in h.blocks:
+            if program_id not in cache.keepers_of(b):  # evicted (and maybe reused) from here on
+                break
+            if not cache.is_kept_evictable(b):
+                return []
+            out.append(b)
+        return out
+
+    def movable(self) -> list[tuple[str, int]]:
+        """The programs whose kept blocks are all free, worth least first
+        (those the keeper would evict first: ``_victims``)."""
+        now = self.clock()
+        got = [(self.worth(p, now), p, len(c)) for p in self._holds if (c := self.chain(p))]
+        return [(p, n) for _, p, n in sorted(got)]
+
+    def handover(self, program_id: str) -> tuple[float, float]:
+        h = self._holds[program_id]
+        return self.clock() - h.since, self.expected_gap(program_id)
+
+    def adopt(self, program_id: str, blocks: list[int], age_s: float, gap_s: float) -> None:
+        """Its gap as learned where it came from; its retention counts from
+        its turn's end there (``age_s`` ago). The blocks are in use (the
+        caller frees them after)."""
+        self._remember(self._gaps, program_id, gap_s)
+        self.release(program_id)
+        cap = int(self.budget * self.pool.capacity)
+        blocks = blocks[:cap]
+        if not blocks:
+            return
+        ended = self.clock() - max(0.0, age_s)
+        self._remember(self._ended, program_id, ended)
+        self.pool.keep(program_id, blocks)
+        self._holds[program_id] = Hold(blocks, ended, ended + RETAIN_GAPS * gap_s, returns=ended + gap_s)
+        self.pinned_total += len(blocks)
+        others = sorted((p for p in self._holds if p != program_id), key=lambda p: self.worth(p))
+        while others and self.pool.cache.num_kept > cap:
+            self.release(others.pop(0))
 
     def _returned(self, programs: Iterable[str], now: float) -> None:
         """A program's next turn arrived here: its gap is learned, once,
