@@ -14,7 +14,6 @@ import asyncio
 import collections
 import random
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -22,23 +21,15 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.harness import leaks, scheduler_view
+from ferry.bench.harness import (expected_fake_text, instance_status, json_option, leaks, log_dir_for,
+                                 log_dir_option, migrate_out, report, running, scheduler_view, seed_option)
 from ferry.bench.sse import Completion, StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from libs.pb import instance_pb2 as ipb
-from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import meta_store_pb2 as mpb
 from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import rpc
-from services.instance.engine.fake import fake_generate
-from ferry.machine import write_json
 
 FAULT_KINDS = ("instance", "scheduler", "meta_store", "migration_dest", "migration_source")
-
-
-def expected_fake_text(text: str, n: int) -> str:
-    """The fake engine's output for a text prompt (greedy, no EOS: it never emits 0)."""
-    return bytes(fake_generate(list(text.encode()), n)).decode()
 
 
 @dataclass
@@ -75,11 +66,6 @@ class Stats:
         self.errors_by_kind[kind] += 1
         self.lost_requests.append({"at_s": round(time.monotonic() - self.t0, 2), "kind": kind,
                                    "request_id": request_id, "detail": detail[:300]})
-
-
-async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, dict | None]:
-    c = await stream_completion(http, {"prompt": prompt, "max_tokens": n})
-    return c.text, c.final
 
 
 def _failed(stats: Stats, e: Exception, request_id: str | None) -> None:
@@ -130,11 +116,6 @@ async def _meta_instances(address: str) -> list:
         return list((await mpb_grpc.MetaStoreStub(ch).List(mpb.ListRequest(), timeout=1.0)).instances)
 
 
-async def _instance_status(address: str) -> ipb.InstanceStatus:
-    async with rpc.channel(address) as ch:
-        return await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=1.0)
-
-
 class Chaos:
     def __init__(self, cluster: LocalCluster, n_instances: int, seed: int, down_s: float = 1.0,
                  stats: Stats | None = None, recover_timeout_s: float = 60.0):
@@ -169,8 +150,8 @@ class Chaos:
             if len(live) < self.n or len(await _meta_instances(self.c.meta_store)) < self.n:
                 return False
             p = f"probe {self.rng.random():.6f}"
-            text, _ = await asyncio.wait_for(_stream(http, p, 4), 5)
-            return text == expected_fake_text(p, 4)
+            c = await asyncio.wait_for(stream_completion(http, {"prompt": p, "max_tokens": 4}), 5)
+            return c.text == expected_fake_text(p, 4)
         except (TimeoutError, grpc.RpcError, StreamError, httpx.HTTPError):
             return False
 
@@ -234,19 +215,13 @@ class Chaos:
         live = self._live_static()
         for src in live:
             try:
-                st = await _instance_status(src.address)
+                st = await instance_status(src.address)
             except grpc.RpcError:
                 continue
             if not ids or not any(r.request_id == ids[0] and r.state == 1 for r in st.requests):
                 continue
             dst = self.rng.choice([i for i in live if i is not src])
-            rid = ids[0]
-
-            async def order():
-                async with rpc.channel(src.address) as ch:
-                    return await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-                        request_id=rid, dest_instance_id=dst.name, dest_address=dst.address), timeout=30)
-            task = asyncio.create_task(order())
+            task = asyncio.create_task(migrate_out(src, ids[0], dst, timeout=30))
             await asyncio.sleep(0.15)  # inside the first copy stage (slowed by a failpoint)
             victim = dst if kill_dest else src
             in_flight = not task.done()
@@ -273,7 +248,7 @@ class Chaos:
                 continue
             src = self.rng.choice(live)
             try:
-                st = await _instance_status(src.address)
+                st = await instance_status(src.address)
             except grpc.RpcError:
                 continue
             running = [r.request_id for r in st.requests if r.state == 1]
@@ -282,10 +257,7 @@ class Chaos:
             dst = self.rng.choice([i for i in live if i is not src])
             st_.orders += 1
             try:
-                async with rpc.channel(src.address) as ch:
-                    reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-                        request_id=self.rng.choice(running), dest_instance_id=dst.name,
-                        dest_address=dst.address), timeout=10)
+                reply = await migrate_out(src, self.rng.choice(running), dst, timeout=10)
             except grpc.RpcError as e:
                 st_.orders_failed += 1
                 st_.abort_reasons[f"order: {e.code().name}"] += 1
@@ -302,7 +274,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                     token_delay_ms: float = 10.0, min_faults: int = 0, migration_load: bool = True) -> dict:
     """``min_faults``: go on past ``duration_s`` until this many faults were
     injected (a slow machine recovers slowly; tests want every kind once)."""
-    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-chaos-")
+    log_dir = log_dir_for(log_dir, "chaos")
     spec = ClusterSpec(
         instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True,
         instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "96",
@@ -318,16 +290,14 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                         "--autoscale-interval-s", "0.2"],
         frontend_args=["--max-resumes", "6", "--bypass-retry-s", "0.5"],
     )
-    cluster = LocalCluster(spec)
-    await asyncio.to_thread(cluster.start, 120)
     rng = random.Random(seed)
     stats = Stats()
     stop = asyncio.Event()
-    chaos = Chaos(cluster, instances, seed, stats=stats)
     kinds = list(FAULT_KINDS)
     rng.shuffle(kinds)
     every = fault_every_s or max(3.0, duration_s / (len(kinds) + 1))
-    try:
+    async with running(spec) as cluster:
+        chaos = Chaos(cluster, instances, seed, stats=stats)
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
             clients = [asyncio.create_task(steady_client(http, stats, stop, "chaos", k, seed))
                        for k in range(concurrency)]
@@ -350,8 +320,6 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
             await asyncio.gather(*clients, *chaos.victims)
             load_s = time.monotonic() - chaos.t0
             leaked, integrity_errors, live = await leaks(cluster)
-    finally:
-        await asyncio.to_thread(cluster.stop)
     return {
         "duration_s": round(load_s, 1), "seed": seed, "instances": instances, "concurrency": concurrency,
         "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
@@ -389,18 +357,16 @@ def print_report(res: dict) -> None:
 
 @click.command("chaos")
 @click.option("--duration", "duration", type=float, default=60.0, show_default=True, help="seconds of load")
-@click.option("--seed", type=int, default=0, show_default=True, help="fault schedule and workload seed")
+@seed_option("fault schedule and workload seed")
 @click.option("--instances", type=int, default=4, show_default=True, help="instances (auto-scaling min)")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="concurrent client streams")
 @click.option("--fault-every", "fault_every", type=float, default=None,
               help="seconds between faults (default: spread five over the run)")
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="children's logs")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results here")
+@log_dir_option()
+@json_option()
 def chaos(duration, seed, instances, concurrency, fault_every, log_dir, json_path) -> None:
     """Faults under streaming load: no request lost, no token duplicated, no block leaked."""
     res = asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))
-    print_report(res)
-    if json_path:
-        write_json(json_path, res, indent=2)
+    report(res, json_path, print_report)
     if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]:
         raise SystemExit(1)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 
 import click
@@ -24,17 +23,10 @@ import grpc
 import httpx
 
 from ferry.bench.chaos import Chaos, Stats, steady_client
-from ferry.bench.harness import leaks, scheduler_view
+from ferry.bench.harness import json_option, leaks, log_dir_for, log_dir_option, report, running, scheduler_view
+from ferry.bench.harness import seed_option
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.common import etcd as etcdlib
-
-
-def _write_json(path: str, obj: dict) -> None:
-    try:
-        from ferry.machine import write_json
-    except ImportError:  # a tree without ferry/machine.py
-        from ferry.bench.serving import write_json
-    write_json(path, obj)
 
 
 async def _leader(etcd, keys: etcdlib.Keys) -> str | None:
@@ -55,7 +47,7 @@ async def _orders(cluster: LocalCluster, name: str) -> int | None:
 async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, meta_every_s: float = 20.0,
                        instances: int = 3, concurrency: int = 8, seed: int = 0, down_s: float = 1.0,
                        token_delay_ms: float = 10.0, log_dir: str | None = None) -> dict:
-    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-failover-")
+    log_dir = log_dir_for(log_dir, "failover")
     spec = ClusterSpec(
         instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True, etcd=True,
         instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "96",
@@ -68,85 +60,83 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
                         "--max-instances", str(instances + 1), "--autoscale-interval-s", "0.2"],
         frontend_args=["--max-resumes", "6", "--bypass-retry-s", "0.5"],
     )
-    cluster = LocalCluster(spec)
-    await asyncio.to_thread(cluster.start, 120)
-    etcd = etcdlib.client(cluster.etcd_endpoints)
-    keys = etcdlib.Keys()
-    stats = Stats()
-    stop = asyncio.Event()
-    chaos = Chaos(cluster, instances, seed, stats=stats)
-    takeovers: list[dict] = []
-    meta_kills: list[dict] = []
-    # The first leader launches the extra instance before the faults begin.
-    t_wait = time.monotonic()
-    while not cluster.launched_pids() and time.monotonic() - t_wait < 60:
-        await asyncio.sleep(0.2)
-    launched_before = cluster.launched_pids()
-    try:
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-            async def kill_leaders() -> None:
-                t_next = chaos.t0 + leader_every_s
-                while not stop.is_set():
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-                    t_next += leader_every_s
-                    if stop.is_set():
-                        return
-                    old = await _leader(etcd, keys)
-                    if old is None:
-                        continue
-                    orders_before = await _orders(cluster, old)
-                    killed = time.monotonic()
-                    await asyncio.to_thread(cluster.kill, old)
-                    new = None
-                    while new in (None, old):
-                        await asyncio.sleep(0.01)
-                        new = await _leader(etcd, keys)
-                    took = time.monotonic() - killed
-                    print(f"  leader {old} killed at {killed - chaos.t0:6.1f}s: {new} leads after {took:.2f}s",
-                          flush=True)
-                    takeovers.append({"at_s": round(killed - chaos.t0, 2), "killed": old, "new": new,
-                                      "takeover_s": round(took, 3), "orders_of_killed_term": orders_before})
-                    await asyncio.sleep(down_s)
-                    await asyncio.to_thread(cluster.restart, old)
+    async with running(spec) as cluster:
+        etcd = etcdlib.client(cluster.etcd_endpoints)
+        keys = etcdlib.Keys()
+        stats = Stats()
+        stop = asyncio.Event()
+        chaos = Chaos(cluster, instances, seed, stats=stats)
+        takeovers: list[dict] = []
+        meta_kills: list[dict] = []
+        # The first leader launches the extra instance before the faults begin.
+        t_wait = time.monotonic()
+        while not cluster.launched_pids() and time.monotonic() - t_wait < 60:
+            await asyncio.sleep(0.2)
+        launched_before = cluster.launched_pids()
+        try:
+            async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+                async def kill_leaders() -> None:
+                    t_next = chaos.t0 + leader_every_s
+                    while not stop.is_set():
+                        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+                        t_next += leader_every_s
+                        if stop.is_set():
+                            return
+                        old = await _leader(etcd, keys)
+                        if old is None:
+                            continue
+                        orders_before = await _orders(cluster, old)
+                        killed = time.monotonic()
+                        await asyncio.to_thread(cluster.kill, old)
+                        new = None
+                        while new in (None, old):
+                            await asyncio.sleep(0.01)
+                            new = await _leader(etcd, keys)
+                        took = time.monotonic() - killed
+                        print(f"  leader {old} killed at {killed - chaos.t0:6.1f}s: {new} leads after {took:.2f}s",
+                              flush=True)
+                        takeovers.append({"at_s": round(killed - chaos.t0, 2), "killed": old, "new": new,
+                                          "takeover_s": round(took, 3), "orders_of_killed_term": orders_before})
+                        await asyncio.sleep(down_s)
+                        await asyncio.to_thread(cluster.restart, old)
 
-            async def kill_meta_stores() -> None:
-                t_next = chaos.t0 + meta_every_s / 2
-                k = 0
-                while not stop.is_set():
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-                    t_next += meta_every_s
-                    if stop.is_set():
-                        return
-                    name = "meta-store" if k % 2 == 0 else "meta-store-1"
-                    k += 1
-                    at = time.monotonic()
-                    await asyncio.to_thread(cluster.kill, name)
-                    await asyncio.sleep(down_s)
-                    await asyncio.to_thread(cluster.restart, name)
-                    meta_kills.append({"at_s": round(at - chaos.t0, 2), "killed": name,
-                                       "back_s": round(time.monotonic() - at, 2)})
-                    print(f"  {name} killed at {at - chaos.t0:6.1f}s, back after {time.monotonic() - at:.2f}s",
-                          flush=True)
+                async def kill_meta_stores() -> None:
+                    t_next = chaos.t0 + meta_every_s / 2
+                    k = 0
+                    while not stop.is_set():
+                        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+                        t_next += meta_every_s
+                        if stop.is_set():
+                            return
+                        name = "meta-store" if k % 2 == 0 else "meta-store-1"
+                        k += 1
+                        at = time.monotonic()
+                        await asyncio.to_thread(cluster.kill, name)
+                        await asyncio.sleep(down_s)
+                        await asyncio.to_thread(cluster.restart, name)
+                        meta_kills.append({"at_s": round(at - chaos.t0, 2), "killed": name,
+                                           "back_s": round(time.monotonic() - at, 2)})
+                        print(f"  {name} killed at {at - chaos.t0:6.1f}s, back after {time.monotonic() - at:.2f}s",
+                              flush=True)
 
-            chaos.t0 = time.monotonic()
-            tasks = [asyncio.create_task(steady_client(http, stats, stop, "failover", k, seed))
-                     for k in range(concurrency)]
-            tasks.append(asyncio.create_task(chaos.migration_load(stop)))
-            faults = [asyncio.create_task(kill_leaders()), asyncio.create_task(kill_meta_stores())]
-            await asyncio.sleep(duration_s)
-            stop.set()
-            for f in faults:
-                f.cancel()
-            await asyncio.gather(*faults, return_exceptions=True)
-            await asyncio.gather(*tasks)
-            load_s = time.monotonic() - chaos.t0
-            leader_now = await _leader(etcd, keys)
-            orders_now = await _orders(cluster, leader_now) if leader_now else None
-            launched_after = cluster.launched_pids()
-            leaked, integrity_errors, live = await leaks(cluster)
-    finally:
-        await etcd.close()
-        await asyncio.to_thread(cluster.stop)
+                chaos.t0 = time.monotonic()
+                tasks = [asyncio.create_task(steady_client(http, stats, stop, "failover", k, seed))
+                         for k in range(concurrency)]
+                tasks.append(asyncio.create_task(chaos.migration_load(stop)))
+                faults = [asyncio.create_task(kill_leaders()), asyncio.create_task(kill_meta_stores())]
+                await asyncio.sleep(duration_s)
+                stop.set()
+                for f in faults:
+                    f.cancel()
+                await asyncio.gather(*faults, return_exceptions=True)
+                await asyncio.gather(*tasks)
+                load_s = time.monotonic() - chaos.t0
+                leader_now = await _leader(etcd, keys)
+                orders_now = await _orders(cluster, leader_now) if leader_now else None
+                launched_after = cluster.launched_pids()
+                leaked, integrity_errors, live = await leaks(cluster)
+        finally:
+            await etcd.close()
     took = [t["takeover_s"] for t in takeovers]
     return {
         "duration_s": round(load_s, 1), "seed": seed, "instances": instances + 1, "concurrency": concurrency,
@@ -197,17 +187,13 @@ def print_report(res: dict) -> None:
 @click.option("--instances", type=int, default=3, show_default=True,
               help="instances started with the cluster (the leader launches one more)")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="concurrent client streams")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="children's logs")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="docs/results/failover.json",
-              show_default=True, help="write results here")
+@seed_option()
+@log_dir_option()
+@json_option("docs/results/failover.json")
 def failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir, json_path) -> None:
     """The replicated control plane on etcd under faults: the leader scheduler and meta-store replicas killed."""
     res = asyncio.run(run_failover(duration, leader_every, meta_every, instances, concurrency, seed,
                                    log_dir=log_dir))
-    print_report(res)
-    if json_path:
-        _write_json(json_path, res)
-        print(f"wrote {json_path}")
+    report(res, json_path, print_report)
     if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"] or not res["launched_instance"]["kept"]:
         raise SystemExit(1)

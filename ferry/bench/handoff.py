@@ -19,9 +19,9 @@ import time
 import click
 import httpx
 
+from ferry.bench.harness import instance_arg_option, json_option, median, report, started
 from ferry.bench.sse import stream_completion
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.machine import write_json
+from ferry.cluster import ClusterSpec, free_port
 
 HEADER = ("prompt", "ttft_colo", "ttft_pd", "2nd_colo", "2nd_pd", "added", "tbt_colo", "tbt_pd", "same")
 
@@ -50,17 +50,12 @@ async def _measure(url: str, lens: list[int], reps: int, max_tokens: int, vocab:
 
 
 def _run_cluster(spec: ClusterSpec, lens, reps, max_tokens, vocab) -> dict[int, list[dict]]:
-    cluster = LocalCluster(spec)
-    cluster.start(timeout_s=600)
-    try:
+    with started(spec, timeout_s=600) as cluster:
         return asyncio.run(_measure(cluster.url, lens, reps, max_tokens, vocab))
-    finally:
-        cluster.stop()
 
 
 def _med(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r[key] is not None]
-    return statistics.median(vals) if vals else None
+    return median(r[key] for r in rows)
 
 
 def _fmt(v) -> str:
@@ -76,8 +71,8 @@ def _fmt(v) -> str:
 @click.option("--torch-threads", default=1, show_default=True, help="per instance (both clusters)")
 @click.option("--num-blocks", default=600, show_default=True)
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
-@click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@instance_arg_option()
+@json_option()
 def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks, vocab, instance_args,
             json_path) -> None:
     """Latency added by the serialized prefill->decode handoff vs a colocated run."""
@@ -108,5 +103,4 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
     click.echo("(ms, medians; 2nd = first -> second token, where the handoff happens; added = 2nd_pd - 2nd_colo; "
                "tbt = median gap after the second token; same = identical text and every split request prefilled "
                "on instance-0, decoded on instance-1)")
-    if json_path:
-        write_json(json_path, summary, indent=2)
+    report(summary, json_path)
