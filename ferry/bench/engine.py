@@ -28,8 +28,7 @@ import statistics
 import time
 
 import click
-from ferry.bench.harness import random_prompts
-from ferry.machine import write_json
+from ferry.bench.harness import int_list, json_option, median, random_prompts, report
 
 REFERENCE_TEXTS = [
     "Paris is",
@@ -122,17 +121,6 @@ def reference_check(model_dir, device: str, n_tokens: int = 64) -> bool:
     return bool(ok)
 
 
-def int_list(text: str, allow_empty: bool = False) -> list[int]:
-    """Comma-separated positive integers (a click option's value)."""
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from None
-    if (not vals and not allow_empty) or (vals and min(vals) < 1):
-        raise click.BadParameter(f"{text!r}: expected positive integers")
-    return vals
-
-
 @click.command()
 @click.option("--model", default="smollm2", show_default=True, help="model name, HF dir, or random shape")
 @click.option("--device", default="cpu", show_default=True)
@@ -169,7 +157,7 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--cap-isa", type=click.Choice(["avx2"]), default=None,
               help="run as on a CPU without AVX-512: torch, oneDNN, MKL, vLLM (both engines) and Ferry's own "
                    "choices capped at AVX2 (ferry/bench/isa.py; the instruction set, not the machine)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option()
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
            threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, prefix_caching,
            deterministic, cap_isa, vllm_log, json_path):
@@ -261,9 +249,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     top = result["native_tok_s"].get(str(max(bss)))
     if base and top:
         result[f"speedup_native_bs{max(bss)}_vs_transformers_bs1"] = round(top / base, 2)
-    _print_table(result, bss, hf_bss)
-    if json_path:
-        write_json(json_path, result, indent=2)
+    report(result, json_path, lambda r: _print_table(r, bss, hf_bss))
 
 
 def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log_path: str | None,
@@ -339,10 +325,9 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
 
 def _phases(runs: list[dict], output_len: int) -> dict:
     """Medians over the rounds: prefill seconds and decode milliseconds per output step."""
-    pre = [r["prefill_s"] for r in runs if r.get("prefill_s") is not None]
-    dec = [d for r in runs if (d := decode_step_ms(r["seconds"], r.get("prefill_s"), output_len)) is not None]
-    return {"prefill_s": round(statistics.median(pre), 3) if pre else None,
-            "decode_step_ms": round(statistics.median(dec), 2) if dec else None}
+    pre = median(r.get("prefill_s") for r in runs)
+    dec = median(decode_step_ms(r["seconds"], r.get("prefill_s"), output_len) for r in runs)
+    return {"prefill_s": None if pre is None else round(pre, 3), "decode_step_ms": None if dec is None else round(dec, 2)}
 
 
 def _cpu_ms(runs: list[dict]) -> float | None:

@@ -23,14 +23,13 @@ import time
 
 import click
 
-from ferry.machine import write_json
+from ferry.bench.harness import instance_status, json_option, random_prompts, report, started
 
 STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
 
 
 def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_len: int, repeats: int) -> dict:
     from ferry.bench.engine import decode_step_ms
-    from ferry.bench.harness import random_prompts
     from libs.common.types import Grammar, GrammarKind, SamplingParams
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineRequest
@@ -90,20 +89,14 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
 
     out = {"ttft_ms": {"1": [], "4": []}, "sibling_hit_tokens": [], "prompt_tokens": []}
 
-    def hits() -> int:
-        import grpc
-
-        from libs.pb import instance_pb2 as ipb
-        from libs.pb import instance_pb2_grpc as ipb_grpc
-
-        with grpc.insecure_channel(instance.address) as ch:
-            return ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5).prefix_cache.hits
+    async def hits() -> int:
+        return (await instance_status(instance.address, timeout=5)).prefix_cache.hits
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         for rep in range(repeats):
             for n in ((1, 4) if rep % 2 == 0 else (4, 1)):
                 prompt = " ".join(f"w{rep}x{n}x{i}" for i in range(prompt_len // 3))
-                before = hits()
+                before = await hits()
                 t0 = time.perf_counter()
                 first = None
                 async with http.stream("POST", "/v1/completions", json={
@@ -118,7 +111,7 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
                                 out["prompt_tokens"].append(chunk["usage"]["prompt_tokens"])
                 out["ttft_ms"][str(n)].append(1000 * first)
                 if n == 4:
-                    out["sibling_hit_tokens"].append(hits() - before)
+                    out["sibling_hit_tokens"].append(await hits() - before)
     return out
 
 
@@ -130,7 +123,7 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
 @click.option("--output-len", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--no-n", is_flag=True, help="skip the n=4 part (it starts a one-instance cluster)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option()
 def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_path):
     """What structured outputs and n cost (against the same work without, in turns)."""
     result: dict = {"model": model, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
@@ -147,19 +140,22 @@ def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_pa
     if not no_n:
         import tempfile
 
-        from ferry.cluster import ClusterSpec, LocalCluster, free_port
+        from ferry.cluster import ClusterSpec, free_port
 
-        c = LocalCluster(ClusterSpec(instances=1, engine="native", model=model, port=free_port(),
-                                     instance_args=["--dtype", dtype], log_dir=tempfile.mkdtemp(prefix="ferry-n-")))
-        c.start(timeout_s=300)
-        try:
+        with started(ClusterSpec(instances=1, engine="native", model=model, port=free_port(),
+                                 instance_args=["--dtype", dtype], log_dir=tempfile.mkdtemp(prefix="ferry-n-")),
+                     timeout_s=300) as c:
             n = asyncio.run(_n_rounds(c.url, prompt_len, repeats, c.instances()[0]))
-        finally:
-            c.stop()
         ratio = [a / b for a, b in zip(n["ttft_ms"]["4"], n["ttft_ms"]["1"])]
         result["n"] = {**n, "ttft_ratio_rounds": [round(x, 3) for x in ratio], "ttft_ratio": round(med(ratio), 3)}
+    report(result, json_path, _print)
+
+
+def _print(result: dict) -> None:
+    med = statistics.median
     g = result["grammar"]
-    click.echo(f"model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} repeats {repeats}")
+    click.echo("model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} "
+               "repeats {repeats}".format(**result))
     click.echo(f"{'what':<34} {'value':>10}  rounds")
     click.echo(f"{'decode tok/s, grammar / none':<34} {g['decode_ratio']:>10}  {g['decode_ratio_rounds']}")
     click.echo(f"{'TTFT added by a cached grammar ms':<34} {g['ttft_added_ms']:>10}  "
@@ -169,5 +165,3 @@ def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_pa
         click.echo(f"{'TTFT n=4 / n=1':<34} {r['ttft_ratio']:>10}  {r['ttft_ratio_rounds']}")
         click.echo(f"{'siblings prefix-cache hit tokens':<34} {med(r['sibling_hit_tokens']):>10}  "
                    f"{r['sibling_hit_tokens']} (prompts of {r['prompt_tokens']} tokens)")
-    if json_path:
-        write_json(json_path, result, indent=2)

@@ -28,7 +28,8 @@ import statistics
 import time
 
 import click
-from ferry.machine import write_json
+
+from ferry.bench.harness import json_option, report
 
 MODES = ("colocated", "serialized", "per_layer")
 
@@ -226,7 +227,7 @@ def table(rows: list[dict]) -> str:
 @click.option("--budget", default=2048, show_default=True, help="max_num_batched_tokens (prefill chunk)")
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--threads", default=0, show_default=True, help="torch threads (0: torch's default)")
-@click.option("--json", "json_path", default="docs/results/handoff_modes.json", show_default=True)
+@json_option("docs/results/handoff_modes.json")
 def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: str, threads: int, json_path: str) -> None:
     """TTFT-to-second-token added by a prefill->decode handoff, serialized vs per-layer."""
     import torch
@@ -247,6 +248,4 @@ def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: st
            "crossover_prompt_tokens": cross, "crossover_prompt_tokens_wall": cross_wall, "load_average_before_after": [load0, load1],
            "command": f"ferry bench handoff-modes --lengths {lengths} --repeats {repeats} --dtype {dtype} "
                       f"--budget {budget}" + (f" --threads {threads}" if threads else "")}
-    if json_path:
-        write_json(json_path, doc)
-        click.echo(f"wrote {json_path}")
+    report(doc, json_path)

@@ -18,13 +18,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import click
 
-from ferry.bench.engine import int_list
+from ferry.bench.harness import int_list, json_option, report, seed_option
 
 
 def _tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -156,8 +155,8 @@ def replay_hit_rate(engine, work, seed: int, token_range: tuple[int, int]) -> di
 @click.option("--num-requests", "-n", default=60, show_default=True)
 @click.option("--workload-engine", type=click.Choice(["native", "fake"]), default="native", show_default=True)
 @click.option("--token-delay-ms", default=20.0, show_default=True, help="fake workload engine: time per step")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@seed_option()
+@json_option()
 def prefix(model, dtype, prefix_lens, new_tokens, repeats, num_blocks, max_num_batched_tokens, threads,
            workload_prefix, arrivals, lengths, num_requests, workload_engine, token_delay_ms, seed, json_path):
     """TTFT with a cached prefix vs uncached, and a workload's hit rate vs its upper bound."""
@@ -193,11 +192,7 @@ def prefix(model, dtype, prefix_lens, new_tokens, repeats, num_blocks, max_num_b
             token_range = (1000, min(vocab, 32000))
         result["hit_rate"] = {"engine": workload_engine, **replay_hit_rate(eng, work, seed, token_range)}
         eng.check_integrity()
-    _print(result)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        click.echo(f"wrote {json_path}")
+    report(result, json_path, _print)
 
 
 def _print(r: dict) -> None:
