@@ -21,8 +21,8 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.harness import (expected_fake_text, instance_status, json_option, leaks, log_dir_for,
-                                 log_dir_option, migrate_out, report, running, scheduler_view, seed_option)
+from ferry.bench.harness import (bench_command, expected_fake_text, instance_status, leaks, log_dir_for,
+                                 log_dir_option, migrate_out, running, scheduler_view, seed_option)
 from ferry.bench.sse import Completion, StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.pb import meta_store_pb2 as mpb
@@ -66,6 +66,26 @@ class Stats:
         self.errors_by_kind[kind] += 1
         self.lost_requests.append({"at_s": round(time.monotonic() - self.t0, 2), "kind": kind,
                                    "request_id": request_id, "detail": detail[:300]})
+
+    def results(self, leaked: int, integrity_errors: list[str], live: list[str]) -> dict:
+        """The counts of a run under faults (the leak check's with them), as chaos and failover report them:
+        committed migrations seen by completed requests' clients (``migrations``) and the steady load's orders."""
+        return {"requests": self.requests, "completed": self.completed, "lost": self.lost,
+                "duplicated_tokens": self.duplicated_tokens, "leaked_blocks": leaked,
+                "integrity_errors": integrity_errors, "live_instances_at_end": live,
+                "errors_by_kind": dict(self.errors_by_kind), "lost_requests": self.lost_requests,
+                "resumes": self.resumes, "migrations": self.migrations,
+                "migration_orders": {"orders": self.orders, "committed": self.orders_committed,
+                                     "aborted": self.orders_aborted, "failed": self.orders_failed,
+                                     "abort_reasons": dict(self.abort_reasons)}}
+
+
+def print_counts(res: dict) -> None:
+    """The lines of ``Stats.results`` that chaos and failover print alike."""
+    print(f"requests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
+          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
+          f"resumes {res['resumes']}  migrations {res['migrations']}")
+    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
 
 
 def _failed(stats: Stats, e: Exception, request_id: str | None) -> None:
@@ -322,16 +342,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
             leaked, integrity_errors, live = await leaks(cluster)
     return {
         "duration_s": round(load_s, 1), "seed": seed, "instances": instances, "concurrency": concurrency,
-        "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
-        "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
-        "integrity_errors": integrity_errors, "live_instances_at_end": live,
-        "errors_by_kind": dict(stats.errors_by_kind), "lost_requests": stats.lost_requests,
-        "resumes": stats.resumes,
-        "migrations": stats.migrations,
-        # Committed migrations seen by completed requests' clients (`migrations`) and the steady load's orders.
-        "migration_orders": {"orders": stats.orders, "committed": stats.orders_committed,
-                             "aborted": stats.orders_aborted, "failed": stats.orders_failed,
-                             "abort_reasons": dict(stats.abort_reasons)},
+        **stats.results(leaked, integrity_errors, live),
         "faults": [asdict(f) for f in chaos.faults],
         "max_recovery_s": max((f.recovery_s or 0.0 for f in chaos.faults), default=0.0),
         "log_dir": log_dir,
@@ -344,18 +355,16 @@ def print_report(res: dict) -> None:
     print(f"{'fault':<17}{'target':<16}{'at (s)':>8}{'recovery (s)':>14}  note")
     for f in res["faults"]:
         print(f"{f['kind']:<17}{f['target']:<16}{f['at_s']:>8.1f}{f['recovery_s']:>14.2f}  {f['note']}")
-    print(f"\nrequests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
-          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
-          f"resumes {res['resumes']}  migrations {res['migrations']}")
-    mo = res.get("migration_orders", {})
-    print(f"migration load: {mo.get('orders', 0)} orders, {mo.get('committed', 0)} committed, "
-          f"{mo.get('aborted', 0)} aborted, {mo.get('failed', 0)} failed  {mo.get('abort_reasons', {})}")
-    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
+    print()
+    print_counts(res)
+    mo = res["migration_orders"]
+    print(f"migration load: {mo['orders']} orders, {mo['committed']} committed, {mo['aborted']} aborted, "
+          f"{mo['failed']} failed  {mo['abort_reasons']}")
     for lost in res.get("lost_requests", []):
         print(f"  lost at {lost['at_s']:.1f}s  {lost['kind']}  {lost['request_id']}  {lost['detail']}")
 
 
-@click.command("chaos")
+@bench_command("chaos", print_report, lambda res: res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"])
 @click.option("--duration", "duration", type=float, default=60.0, show_default=True, help="seconds of load")
 @seed_option("fault schedule and workload seed")
 @click.option("--instances", type=int, default=4, show_default=True, help="instances (auto-scaling min)")
@@ -363,10 +372,6 @@ def print_report(res: dict) -> None:
 @click.option("--fault-every", "fault_every", type=float, default=None,
               help="seconds between faults (default: spread five over the run)")
 @log_dir_option()
-@json_option()
-def chaos(duration, seed, instances, concurrency, fault_every, log_dir, json_path) -> None:
+def chaos(duration, seed, instances, concurrency, fault_every, log_dir) -> dict:
     """Faults under streaming load: no request lost, no token duplicated, no block leaked."""
-    res = asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))
-    report(res, json_path, print_report)
-    if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]:
-        raise SystemExit(1)
+    return asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))

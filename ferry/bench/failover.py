@@ -15,16 +15,15 @@ cluster): it must survive every takeover, adopted, never launched twice."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 
 import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import Chaos, Stats, steady_client
-from ferry.bench.harness import json_option, leaks, log_dir_for, log_dir_option, report, running, scheduler_view
-from ferry.bench.harness import seed_option
+from ferry.bench.chaos import Chaos, Stats, print_counts, steady_client
+from ferry.bench.harness import (bench_command, leaks, log_dir_for, log_dir_option, median, running, scheduler_view,
+                                 seed_option)
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.common import etcd as etcdlib
 
@@ -141,17 +140,10 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
     return {
         "duration_s": round(load_s, 1), "seed": seed, "instances": instances + 1, "concurrency": concurrency,
         "leader_every_s": leader_every_s, "meta_every_s": meta_every_s, "down_s": down_s,
-        "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
-        "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
-        "integrity_errors": integrity_errors, "live_instances_at_end": live,
-        "errors_by_kind": dict(stats.errors_by_kind), "lost_requests": stats.lost_requests,
-        "resumes": stats.resumes, "migrations": stats.migrations,
-        "migration_orders": {"orders": stats.orders, "committed": stats.orders_committed,
-                             "aborted": stats.orders_aborted, "failed": stats.orders_failed,
-                             "abort_reasons": dict(stats.abort_reasons)},
+        **stats.results(leaked, integrity_errors, live),
         "rescheduler_orders_by_leader_term": [t["orders_of_killed_term"] for t in takeovers] + [orders_now],
         "takeovers": takeovers, "meta_store_kills": meta_kills,
-        "takeover_s": {"n": len(took), "p50": statistics.median(took) if took else None,
+        "takeover_s": {"n": len(took), "p50": median(took),
                        "max": max(took) if took else None},
         "launched_instance": {"before": launched_before, "after": launched_after,
                               "kept": bool(launched_before) and launched_before == launched_after},
@@ -168,18 +160,16 @@ def print_report(res: dict) -> None:
               f"{t['orders_of_killed_term'] if t['orders_of_killed_term'] is not None else '-':>11}")
     ts = res["takeover_s"]
     print(f"takeover: n {ts['n']}, p50 {ts['p50']}, max {ts['max']}")
-    print(f"requests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
-          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
-          f"resumes {res['resumes']}  migrations {res['migrations']}")
+    print_counts(res)
     mo = res["migration_orders"]
     print(f"migration driver: {mo['orders']} orders, {mo['committed']} committed, {mo['aborted']} aborted, "
           f"{mo['failed']} failed; rescheduler orders per leader term {res['rescheduler_orders_by_leader_term']}")
     li = res["launched_instance"]
     print(f"launched instance kept across takeovers: {li['kept']} (pids before {li['before']}, after {li['after']})")
-    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
 
 
-@click.command("failover")
+@bench_command("failover", print_report, lambda res: res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]
+               or not res["launched_instance"]["kept"], json_default="docs/results/failover.json")
 @click.option("--duration", type=float, default=120.0, show_default=True, help="seconds of load")
 @click.option("--leader-every", type=float, default=20.0, show_default=True, help="kill the leader this often (s)")
 @click.option("--meta-every", type=float, default=20.0, show_default=True,
@@ -189,11 +179,6 @@ def print_report(res: dict) -> None:
 @click.option("--concurrency", type=int, default=8, show_default=True, help="concurrent client streams")
 @seed_option()
 @log_dir_option()
-@json_option("docs/results/failover.json")
-def failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir, json_path) -> None:
+def failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir) -> dict:
     """The replicated control plane on etcd under faults: the leader scheduler and meta-store replicas killed."""
-    res = asyncio.run(run_failover(duration, leader_every, meta_every, instances, concurrency, seed,
-                                   log_dir=log_dir))
-    report(res, json_path, print_report)
-    if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"] or not res["launched_instance"]["kept"]:
-        raise SystemExit(1)
+    return asyncio.run(run_failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir=log_dir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import statistics
 import tempfile
 import time
@@ -70,6 +71,23 @@ def json_option(default: str | None = None, help: str = "write results here"):  
                         show_default=default is not None, help=help)
 
 
+def bench_command(name: str | None = None, show: Callable[[dict], object] | None = None,
+                  failed: Callable[[dict], object] | None = None, json_default: str | None = None):
+    """A bench's command: the decorated function takes its options and
+    returns its results, which ``report`` shows (``show``) and writes to
+    ``--json``; the command exits 1 where ``failed(results)`` (the bench's
+    pass criteria)."""
+    def wrap(f):
+        @functools.wraps(f)
+        def run(json_path, **options):
+            res = f(**options)
+            report(res, json_path, show)
+            if failed is not None and failed(res):
+                raise SystemExit(1)
+        return click.command(name)(json_option(json_default)(run))
+    return wrap
+
+
 def seed_option(help: str | None = None):  # noqa: A002
     return click.option("--seed", type=int, default=0, show_default=True, help=help)
 
@@ -116,6 +134,34 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
     if (not vals and not allow_empty) or (vals and min(vals) < 1):
         raise click.BadParameter(f"{text!r}: expected positive integers")
     return vals
+
+
+class Background:
+    """``n`` requests decoding on one instance, each re-issued when it ends
+    (a bench's ``_slot(i)``); the arrival times of slot 0's tokens
+    (``times``; None between two of its requests: the gap across a prefill
+    is no step) time the instance's decode steps."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.times: list[float | None] = []
+        self.tasks: list[asyncio.Task] = []
+
+    async def _slot(self, i: int) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._slot(i)) for i in range(self.n)]
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def step_ms(self, t0: float, t1: float, inside: bool = True) -> float | None:
+        """The median step (ms) of the gaps ending inside [t0, t1] (outside it: ``inside=False``)."""
+        return median((b - a) * 1000 for a, b in zip(self.times, self.times[1:])
+                      if a is not None and b is not None and (t0 <= b <= t1) == inside)
 
 
 # --- what the services say ----------------------------------------------------------------

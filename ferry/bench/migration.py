@@ -12,23 +12,26 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import click
 import grpc
 import httpx
 
+from ferry.bench import harness
+from ferry.bench.harness import instance_arg_option, instance_status, json_option, median, migrate_out, started
 from ferry.bench.sse import stream_completion
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.cluster import ClusterSpec, free_port
+from ferry.machine import write_json
 from libs.pb import common_pb2 as cpb
 from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
-from ferry.machine import write_json
 
 _KV_TOKENS = 17_600  # the KV cache of every run on record (1,100 blocks of 16)
 
 
-class Background:
+class Background(harness.Background):
     """Requests decoding on one instance through its own gRPC stream; their
     inter-token gaps measure that instance's decode step time. Each slot
     re-issues a request of ``tokens`` output tokens when the last one ends,
@@ -39,11 +42,10 @@ class Background:
     batch than earlier ones."""
 
     def __init__(self, address: str, n: int, prompt_len: int, vocab: int, tokens: int = 256):
-        self.address, self.n, self.prompt_len, self.vocab, self.tokens = address, n, prompt_len, vocab, tokens
-        self.times: list[float | None] = []  # arrival time of every background token (None: a new request)
-        self.tasks: list[asyncio.Task] = []
+        super().__init__(n)
+        self.address, self.prompt_len, self.vocab, self.tokens = address, prompt_len, vocab, tokens
 
-    async def _one(self, i: int):
+    async def _slot(self, i: int):
         rng = random.Random(i)
         async with rpc.channel(self.address) as ch:
             while True:
@@ -60,39 +62,20 @@ class Background:
                                 self.times.append(None)
                             self.times.append(now)
                             first = False
-                except grpc.aio.AioRpcError:
-                    return
-                except asyncio.CancelledError:
+                except (grpc.aio.AioRpcError, asyncio.CancelledError):
                     return
 
-    def start(self):
-        self.tasks = [asyncio.create_task(self._one(i)) for i in range(self.n)]
 
-    async def stop(self):
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    def step_ms(self, t0: float, t1: float, inside: bool) -> float | None:
-        gaps = [(b - a) * 1000 for a, b in zip(self.times, self.times[1:])
-                if a is not None and b is not None and (t0 <= b <= t1) == inside]
-        return statistics.median(gaps) if gaps else None
-
-
-async def _stream(http, body, on_token=None):
-    cb = None
-    if on_token is not None:
-        async def cb(c):
-            await on_token(len(c.token_times), c.request_id)
-    c = await stream_completion(http, body, cb)
+async def _stream(http, body, on_token: Callable[[int, str], Awaitable[None]]):
+    """(text, token times, final) of one streamed completion; ``on_token(tokens so far, request id)`` after each chunk."""
+    c = await stream_completion(http, body, lambda c: on_token(len(c.token_times), c.request_id))
     return c.text, c.token_times, c.final
 
 
 async def _holder(cluster, rid):
     for _ in range(200):
         for inst in cluster.instances():
-            async with rpc.channel(inst.address) as ch:
-                st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest())
+            st = await instance_status(inst.address, timeout=None)
             if any(r.request_id == rid and r.state == cpb.RequestLoad.RUNNING for r in st.requests):
                 return inst
         await asyncio.sleep(0.01)
@@ -102,10 +85,7 @@ async def _holder(cluster, rid):
 async def _migrate(cluster, rid, blocking=False):
     src = await _holder(cluster, rid)
     dst = next(i for i in cluster.instances() if i is not src)
-    async with rpc.channel(src.address) as ch:
-        reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-            request_id=rid, dest_instance_id=dst.name, dest_address=dst.address, blocking=blocking), timeout=300)
-    return src, dst, reply.results[0]
+    return src, dst, (await migrate_out(src, rid, dst, timeout=300, blocking=blocking)).results[0]
 
 
 STALL_TAIL_S = 0.3  # the stall's window runs this long past the migration's end
@@ -263,12 +243,10 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
                 break
         recompute_ms = (time.perf_counter() - t0) * 1000
     ok = [r for r in rows if r["committed"]]
-    itls = [r["itl_ms"] for r in ok if r["itl_ms"] is not None]
-    itl = statistics.median(itls) if itls else None
+    itl = median(r["itl_ms"] for r in ok)
 
     def med(key):
-        vals = [r[key] for r in ok if r[key] is not None]
-        return statistics.median(vals) if vals else None
+        return median(r[key] for r in ok)
 
     during, outside = med("step_ms_during"), baseline_step
     parts = [r["breakdown"] for r in ok if r["breakdown"]]
@@ -358,13 +336,13 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
               help="KV blocks per instance (default: 17,600 tokens' worth at the instance's default block size: "
                    "1,100 of 16, 550 of 32)")
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
-@click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
+@instance_arg_option()
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
               help="pin the two instances to their own share of the cores each (ferry up --pin-cores)")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="the services' logs at info level into this folder (each migration's transitions, and how "
                    "long each request waited to join the destination's batch); else warnings to the terminal")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@json_option()
 def migration(lengths, runs, background, out_tokens, at_token, engine, model, device, dtype, num_blocks, vocab,
               instance_args, pin_cores, log_dir, json_path) -> None:
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
@@ -392,14 +370,10 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
         click.echo(_row(length, results[length]))
         config["loadavg_at_end"] = os.getloadavg()  # other work on the machine skews every number
         if json_path:
-            write_json(json_path, _summary(results, config), indent=2)
+            write_json(json_path, _summary(results, config))
 
-    cluster = LocalCluster(spec)
-    cluster.start(timeout_s=600)
-    try:
+    with started(spec, timeout_s=600) as cluster:
         res = asyncio.run(_run(cluster, lens, runs, background, out_tokens, at_token, vocab, on_length))
-    finally:
-        cluster.stop()
     out = _summary(res, config)
     for k, v in out["flatness"].items():
         click.echo(f"flatness of {k} (at {lens[-1]} / at {lens[0]}): " + (f"{v:.2f}" if v else "n/a"))

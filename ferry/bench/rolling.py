@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import click
 import httpx
 
-from ferry.bench.harness import (expected_fake_text, fmt, json_option, leaks, log_dir_for, report, running,
-                                 seed_option)
+from ferry.bench.harness import bench_command, expected_fake_text, fmt, leaks, log_dir_for, running, seed_option
 from ferry.bench.retrying import Attempted, Outcome, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure.metrics import percentile as pct
@@ -145,7 +144,8 @@ def print_report(res: dict) -> None:
         print(f"errors: {res['errors']}")
 
 
-@click.command("rolling-restart")
+@bench_command("rolling-restart", print_report,
+               lambda res: res["lost"] or res["cut"] or res["text_mismatches"] or res["leaked_blocks"])
 @click.option("--engine", type=click.Choice(["fake", "native"]), default="fake", show_default=True)
 @click.option("--instances", type=int, default=2, show_default=True)
 @click.option("--concurrency", type=int, default=8, show_default=True, help="client streams, each one after another")
@@ -154,10 +154,6 @@ def print_report(res: dict) -> None:
 @click.option("--settle", "settle_s", type=float, default=3.0, show_default=True, help="seconds between restarts")
 @seed_option()
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None)
-@json_option()
-def rolling_restart(engine, instances, concurrency, baseline_s, settle_s, seed, log_dir, json_path) -> None:
+def rolling_restart(**options) -> dict:
     """Restart every process one by one under load: nothing lost, cut or recomputed."""
-    res = asyncio.run(run_rolling(engine, instances, concurrency, baseline_s, settle_s, seed, log_dir))
-    report(res, json_path, print_report)
-    if res["lost"] or res["cut"] or res["text_mismatches"] or res["leaked_blocks"]:
-        raise SystemExit(1)
+    return asyncio.run(run_rolling(**options))

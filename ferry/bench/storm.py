@@ -27,8 +27,7 @@ import aiohttp
 import click
 import httpx
 
-from ferry.bench.harness import (fmt, instance_arg_option, json_option, leaks, log_dir_for, report, running,
-                                 seed_option)
+from ferry.bench.harness import bench_command, fmt, instance_arg_option, leaks, log_dir_for, running, seed_option
 from ferry.bench.retrying import stream_with_retries
 from ferry.cluster import ClusterSpec, free_port
 from ferry.measure.metrics import percentile as pct
@@ -215,7 +214,8 @@ def print_report(res: dict) -> None:
           f"{fmt(res['slowloris_closed_after_s_p50'])}s; after the storm a probe was {res['after_storm_probe']}")
 
 
-@click.command("storm")
+@bench_command("storm", print_report, lambda res: res["dead_processes"] or res["leaked_blocks"] or res["unended"]
+               or res["health_ms_max"] > 1000)
 @click.option("--engine", type=click.Choice(["fake", "native"]), default="native", show_default=True)
 @click.option("--instances", type=int, default=2, show_default=True)
 @click.option("--streams", type=int, default=5000, show_default=True, help="concurrent streaming requests")
@@ -227,12 +227,6 @@ def print_report(res: dict) -> None:
 @instance_arg_option()
 @seed_option()
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None)
-@json_option()
-def storm(engine, instances, streams, leavers, slow, max_tokens, max_s, frontend_args, instance_args, seed, log_dir,
-          json_path) -> None:
+def storm(frontend_args, instance_args, **options) -> dict:
     """Thousands of streams, leaving clients and slowloris sockets: nothing dies, nothing leaks."""
-    res = asyncio.run(run_storm(engine, instances, streams, leavers, slow, max_tokens, max_s, list(frontend_args),
-                                list(instance_args), log_dir, seed))
-    report(res, json_path, print_report)
-    if res["dead_processes"] or res["leaked_blocks"] or res["unended"] or res["health_ms_max"] > 1000:
-        raise SystemExit(1)
+    return asyncio.run(run_storm(frontend_args=list(frontend_args), instance_args=list(instance_args), **options))
