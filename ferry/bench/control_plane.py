@@ -41,7 +41,7 @@ import click
 import grpc
 import psutil
 
-from ferry.bench.harness import json_option, report
+from ferry.bench.harness import bench_command
 from ferry.cluster import ferry_command, free_port, grpc_healthy
 from ferry.measure.metrics import percentile as pct
 from libs.pb import common_pb2 as cpb
@@ -356,7 +356,7 @@ def print_table(rows: list[dict]) -> None:
           "report seen or dispatch)")
 
 
-@click.command("control-plane")
+@bench_command("control-plane", lambda res: print_table(res["points"]), json_default="docs/results/control_plane.json")
 @click.option("--instances", default="16,64,256,1000", show_default=True, help="N values, comma-separated")
 @click.option("--rate", type=float, default=500.0, show_default=True, help="dispatches per second")
 @click.option("--report-interval", type=float, default=0.1, show_default=True,
@@ -366,8 +366,7 @@ def print_table(rows: list[dict]) -> None:
 @click.option("--prefix-index/--no-prefix-index", default=False, show_default=True,
               help="the scheduler's prefix index on: the impersonated instances serve no KV events, so it retries "
                    "a stream to each of the N absent addresses every 2 s (a cost of the bench, not of reports)")
-@json_option("docs/results/control_plane.json")
-def control_plane(instances, rate, report_interval, warmup, measure, prefix_index, json_path) -> None:
+def control_plane(instances, rate, report_interval, warmup, measure, prefix_index) -> dict:
     """The control plane alone: N impersonated instances, dispatches at a rate; latency, lag and CPU."""
     log_dir = tempfile.mkdtemp(prefix="ferry-cp-")
     rows = []
@@ -378,4 +377,4 @@ def control_plane(instances, rate, report_interval, warmup, measure, prefix_inde
     res = {"rate": rate, "report_interval_s": report_interval, "warmup_s": warmup, "measure_s": measure,
            "prefix_index": prefix_index,
            "cores": os.cpu_count(), "points": rows, "log_dir": log_dir}
-    report(res, json_path, lambda r: print_table(r["points"]))
+    return res

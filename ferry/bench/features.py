@@ -23,7 +23,7 @@ import time
 
 import click
 
-from ferry.bench.harness import instance_status, json_option, random_prompts, report, started
+from ferry.bench.harness import bench_command, instance_status, random_prompts, started
 
 STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
 
@@ -115,7 +115,23 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
     return out
 
 
-@click.command()
+def _print(result: dict) -> None:
+    med = statistics.median
+    g = result["grammar"]
+    click.echo("model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} "
+               "repeats {repeats}".format(**result))
+    click.echo(f"{'what':<34} {'value':>10}  rounds")
+    click.echo(f"{'decode tok/s, grammar / none':<34} {g['decode_ratio']:>10}  {g['decode_ratio_rounds']}")
+    click.echo(f"{'TTFT added by a cached grammar ms':<34} {g['ttft_added_ms']:>10}  "
+               f"{g['ttft_ms_cached_grammar']} vs {g['ttft_ms_plain']}")
+    if "n" in result:
+        r = result["n"]
+        click.echo(f"{'TTFT n=4 / n=1':<34} {r['ttft_ratio']:>10}  {r['ttft_ratio_rounds']}")
+        click.echo(f"{'siblings prefix-cache hit tokens':<34} {med(r['sibling_hit_tokens']):>10}  "
+                   f"{r['sibling_hit_tokens']} (prompts of {r['prompt_tokens']} tokens)")
+
+
+@bench_command(None, _print)
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--batch", default=32, show_default=True, help="requests decoding together (the grammar cost)")
@@ -123,8 +139,7 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
 @click.option("--output-len", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--no-n", is_flag=True, help="skip the n=4 part (it starts a one-instance cluster)")
-@json_option()
-def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_path):
+def features(model, dtype, batch, prompt_len, output_len, repeats, no_n) -> dict:
     """What structured outputs and n cost (against the same work without, in turns)."""
     result: dict = {"model": model, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
                     "output_len": output_len, "repeats": repeats}
@@ -148,20 +163,4 @@ def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_pa
             n = asyncio.run(_n_rounds(c.url, prompt_len, repeats, c.instances()[0]))
         ratio = [a / b for a, b in zip(n["ttft_ms"]["4"], n["ttft_ms"]["1"])]
         result["n"] = {**n, "ttft_ratio_rounds": [round(x, 3) for x in ratio], "ttft_ratio": round(med(ratio), 3)}
-    report(result, json_path, _print)
-
-
-def _print(result: dict) -> None:
-    med = statistics.median
-    g = result["grammar"]
-    click.echo("model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} "
-               "repeats {repeats}".format(**result))
-    click.echo(f"{'what':<34} {'value':>10}  rounds")
-    click.echo(f"{'decode tok/s, grammar / none':<34} {g['decode_ratio']:>10}  {g['decode_ratio_rounds']}")
-    click.echo(f"{'TTFT added by a cached grammar ms':<34} {g['ttft_added_ms']:>10}  "
-               f"{g['ttft_ms_cached_grammar']} vs {g['ttft_ms_plain']}")
-    if "n" in result:
-        r = result["n"]
-        click.echo(f"{'TTFT n=4 / n=1':<34} {r['ttft_ratio']:>10}  {r['ttft_ratio_rounds']}")
-        click.echo(f"{'siblings prefix-cache hit tokens':<34} {med(r['sibling_hit_tokens']):>10}  "
-                   f"{r['sibling_hit_tokens']} (prompts of {r['prompt_tokens']} tokens)")
+    return result

@@ -19,7 +19,7 @@ import time
 import click
 import httpx
 
-from ferry.bench.harness import instance_arg_option, json_option, median, report, started
+from ferry.bench.harness import bench_command, instance_arg_option, median, started
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 
@@ -62,7 +62,7 @@ def _fmt(v) -> str:
     return f"{v:>10.1f}" if isinstance(v, float) else f"{v!s:>10s}"
 
 
-@click.command()
+@bench_command()
 @click.option("--lengths", default="256,1024,2048", show_default=True, help="prompt lengths (tokens)")
 @click.option("--reps", default=3, show_default=True, help="requests per length (medians reported)")
 @click.option("--max-tokens", default=16, show_default=True)
@@ -72,9 +72,7 @@ def _fmt(v) -> str:
 @click.option("--num-blocks", default=600, show_default=True)
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
 @instance_arg_option()
-@json_option()
-def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks, vocab, instance_args,
-            json_path) -> None:
+def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks, vocab, instance_args) -> dict:
     """Latency added by the serialized prefill->decode handoff vs a colocated run."""
     lens = [int(x) for x in lengths.split(",")]
     args = ["--num-blocks", str(num_blocks), "--max-model-len", str(max(lens) + max_tokens + 64),
@@ -103,4 +101,4 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
     click.echo("(ms, medians; 2nd = first -> second token, where the handoff happens; added = 2nd_pd - 2nd_colo; "
                "tbt = median gap after the second token; same = identical text and every split request prefilled "
                "on instance-0, decoded on instance-1)")
-    report(summary, json_path)
+    return summary

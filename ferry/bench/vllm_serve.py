@@ -23,7 +23,7 @@ import click
 import httpx
 
 from ferry.bench import client
-from ferry.bench.harness import fmt, json_option, report, seed_option, started
+from ferry.bench.harness import bench_command, fmt, seed_option, started
 from ferry.measure import metrics
 from ferry.measure import workload as wl
 from ferry.cluster import ClusterSpec, free_port
@@ -71,7 +71,7 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-@click.command("vllm")
+@bench_command("vllm")
 @click.option("--model", default="smollm2", show_default=True, help="Ferry model name or HF directory")
 @click.option("--rate", type=float, default=1.0, show_default=True, help="Poisson arrivals per second")
 @click.option("--lengths", default="fixed:256:64", show_default=True, help="as `ferry bench serving --lengths`")
@@ -89,9 +89,8 @@ def table(runs: dict[str, dict]) -> str:
               help="the engine of Ferry's instances (native: ferry up's default serving)")
 @click.option("--only", type=click.Choice(["both", "ferry", "vllm"]), default="both", show_default=True)
 @click.option("--startup-timeout-s", type=float, default=900, show_default=True)
-@json_option()
 def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, num_blocks, max_num_seqs, instances,
-               vllm_args, ferry_engine, only, startup_timeout_s, json_path) -> None:
+               vllm_args, ferry_engine, only, startup_timeout_s) -> dict:
     """Ferry over vLLM vs vLLM's own OpenAI server, same model, same rate."""
     from services.instance.engine.base import EngineConfig
     from services.instance.engine.vllm.args import default_block_size, engine_argv, resolve_model
@@ -125,6 +124,6 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
     click.echo(f"workload: poisson:{rate} {lengths} x{num_requests} (seed {seed}); vLLM args: {' '.join(argv)}")
     click.echo(table(runs))
     click.echo(f"logs: {logs}")
-    report({"command": " ".join(sys.argv), "workload": work.describe(), "vllm_argv": argv,
+    return {"command": " ".join(sys.argv), "workload": work.describe(), "vllm_argv": argv,
             "ferry_engine": ferry_engine, "ferry_instances": instances, "loadavg": list(os.getloadavg()),
-            "runs": {k: {"summary": v["summary"]} for k, v in runs.items()}}, json_path)
+            "runs": {k: {"summary": v["summary"]} for k, v in runs.items()}}
