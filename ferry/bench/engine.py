@@ -294,17 +294,19 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
             runs[name].append(run())
         click.echo(f"bs={bs} round {rep + 1}: " + "  ".join(
             f"{n} {r[-1]['tok_s']:.2f} tok/s" for n, r in runs.items() if r), err=True)
-    native = [r["tok_s"] for r in runs["native"]]
-    result["native_runs"][key] = [round(x, 2) for x in native]
-    result["native_tok_s"][key] = round(statistics.median(native), 2)
-    result.setdefault("native_cpu_ms_per_token", {})[key] = _cpu_ms(runs["native"])
-    result.setdefault("native_phases", {})[key] = _phases(runs["native"], output_len)
+    def side(name: str, into: dict, prefix: str = "") -> list[float]:
+        """One side's rounds into ``into``: tok/s of each and their median, CPU ms per token, the phases."""
+        tok_s = [r["tok_s"] for r in runs[name]]
+        into.setdefault(prefix + "runs", {})[key] = [round(x, 2) for x in tok_s]
+        into.setdefault(prefix + "tok_s", {})[key] = round(statistics.median(tok_s), 2)
+        into.setdefault(prefix + "cpu_ms_per_token", {})[key] = _cpu_ms(runs[name])
+        into.setdefault(prefix + "phases", {})[key] = _phases(runs[name], output_len)
+        return tok_s
+
+    native = side("native", result, "native_")
     if det is not None:
-        d, mine = result["deterministic"], [r["tok_s"] for r in runs["deterministic"]]
-        d["runs"][key] = [round(x, 2) for x in mine]
-        d["tok_s"][key] = round(statistics.median(mine), 2)
-        d["cpu_ms_per_token"][key] = _cpu_ms(runs["deterministic"])
-        d["phases"][key] = _phases(runs["deterministic"], output_len)
+        d = result["deterministic"]
+        mine = side("deterministic", d)
         d["over_default_rounds"][key] = [round(m / n, 3) for m, n in zip(mine, native)]
         d["over_default"][key] = round(statistics.median(d["over_default_rounds"][key]), 3)
     if vl is None:
@@ -313,11 +315,7 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
         "python": vl.proc.args[0], "version": vl.version, "error": None, "tok_s": {}, "runs": {},
         "cpu_ms_per_token": {}, "native_over_vllm": {}, "native_over_vllm_rounds": {},
         "settings": _vllm_settings()}
-    other = [r["tok_s"] for r in runs["vllm"]]
-    v["runs"][key] = [round(x, 2) for x in other]
-    v["tok_s"][key] = round(statistics.median(other), 2)
-    v["cpu_ms_per_token"][key] = _cpu_ms(runs["vllm"])
-    v.setdefault("phases", {})[key] = _phases(runs["vllm"], output_len)
+    other = side("vllm", v)
     rounds = [n / o for n, o in zip(native, other)]
     v["native_over_vllm_rounds"][key] = [round(x, 3) for x in rounds]
     v["native_over_vllm"][key] = round(statistics.median(rounds), 3)

@@ -23,6 +23,7 @@ import grpc
 from ferry.cluster import ClusterSpec, LocalCluster
 from ferry.machine import write_json
 from libs.common import rpc
+from libs.pb import common_pb2 as cpb
 from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import scheduler_pb2 as spb
@@ -195,6 +196,20 @@ async def migrate_out(src, rid: str, dst, timeout: float, blocking: bool = False
     async with rpc.channel(src.address) as ch:
         return await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
             request_id=rid, dest_instance_id=dst.name, dest_address=dst.address, blocking=blocking), timeout=timeout)
+
+
+async def first_token_s(stub: ipb_grpc.InstanceStub, rid: str, prompt_ids: list[int], max_tokens: int,
+                        ignore_eos: bool = False) -> float:
+    """Seconds from calling an instance's Generate directly (gRPC) to its first token; the call is then cancelled."""
+    t0 = time.perf_counter()
+    call = stub.Generate(ipb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=cpb.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=ignore_eos)))
+    async for ev in call:
+        if ev.token_ids:
+            break
+    took = time.perf_counter() - t0
+    call.cancel()
+    return took
 
 
 async def leaks(cluster: LocalCluster, timeout_s: float = 15.0) -> tuple[int, list[str], list[str]]:

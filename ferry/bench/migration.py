@@ -19,7 +19,8 @@ import grpc
 import httpx
 
 from ferry.bench import harness
-from ferry.bench.harness import instance_arg_option, instance_status, json_option, median, migrate_out, started
+from ferry.bench.harness import (first_token_s, instance_arg_option, instance_status, json_option, median,
+                                 migrate_out, started)
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 from ferry.machine import write_json
@@ -66,10 +67,24 @@ class Background(harness.Background):
                     return
 
 
-async def _stream(http, body, on_token: Callable[[int, str], Awaitable[None]]):
-    """(text, token times, final) of one streamed completion; ``on_token(tokens so far, request id)`` after each chunk."""
-    c = await stream_completion(http, body, lambda c: on_token(len(c.token_times), c.request_id))
-    return c.text, c.token_times, c.final
+async def _stream_with(http, body, at_token: int, action: Callable[[str], Awaitable]):
+    """One streamed completion; once it has ``at_token`` tokens, ``action(request id)`` runs beside it (never
+    inline: the client must keep reading tokens meanwhile). (text, token times, final, {"t0", "t1": the action's
+    start and end, "result": what it returned})."""
+    info: dict = {}
+
+    async def timed(rid: str) -> None:
+        info["t0"] = time.perf_counter()
+        info["result"] = await action(rid)
+        info["t1"] = time.perf_counter()
+
+    async def on_chunk(c) -> None:
+        if len(c.token_times) == at_token and "task" not in info:
+            info["task"] = asyncio.create_task(timed(c.request_id))
+
+    c = await stream_completion(http, body, on_chunk)
+    await info["task"]
+    return c.text, c.token_times, c.final, info
 
 
 async def _holder(cluster, rid):
@@ -159,39 +174,13 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     # it, the steps outside the migration window mix steps with and without
     # the long request (it has left after the window) and read a slowdown
     # that is the request's own attention, not the migration.
-    ref = {}
-
-    async def ref_at(n, rid):
-        if n == at_token and "task" not in ref:
-            ref["t0"] = time.perf_counter()
-
-            async def find():
-                ref["holder"] = await _holder(cluster, rid)
-            ref["task"] = asyncio.create_task(find())
-
-    reference, ref_times, _ = await _stream(http, body, ref_at)
-    await ref["task"]
-    baseline_step = bgs[ref["holder"].name].step_ms(ref["t0"], ref_times[-1], True)
+    reference, ref_times, _, ref = await _stream_with(http, body, at_token, lambda rid: _holder(cluster, rid))
+    baseline_step = bgs[ref["result"].name].step_ms(ref["t0"], ref_times[-1], True)
     rows = []
     for _ in range(runs):
-        info = {}
-
-        async def migrate_now(rid):
-            info["t0"] = time.perf_counter()
-            info["src"], _, info["res"] = await _migrate(cluster, rid)
-            info["t1"] = time.perf_counter()
-
-        async def on_token(n, rid):
-            # NOTE: order the migration beside the stream, never inline: the
-            # client must keep reading tokens while the migration runs.
-            if n == at_token and "task" not in info:
-                info["task"] = asyncio.create_task(migrate_now(rid))
-
-        text, times, final = await _stream(http, body, on_token)
-        await info["task"]
-        res = info["res"]
-        bg = bgs[info["src"].name]
-        dst_bg = bgs[next(i.name for i in cluster.instances() if i.name != info["src"].name)]
+        text, times, final, info = await _stream_with(http, body, at_token, lambda rid: _migrate(cluster, rid))
+        src, dst, res = info["result"]
+        bg, dst_bg = bgs[src.name], bgs[dst.name]
         suspend, parts, through = switch_point(times, res)
         stall, itl = client_stall(times, info["t0"], info["t1"], through)
         big = largest_gap(times, info["t0"], info["t1"], through)
@@ -217,31 +206,14 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
             "dest_step_ms": dst_bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
         })
     # Baseline 1: blocking copy = suspend, then copy every block (no pre-copy).
-    info = {}
-
-    async def block_at(n, rid):
-        if n == at_token and "task" not in info:
-            async def go():
-                info["t0"] = time.perf_counter()
-                _, _, info["res"] = await _migrate(cluster, rid, blocking=True)
-                info["t1"] = time.perf_counter()
-            info["task"] = asyncio.create_task(go())
-
-    _, btimes, _ = await _stream(http, body, block_at)
-    await info["task"]
-    blocking_ms = info["res"].downtime_ms or None
-    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], switch_point(btimes, info["res"])[2])
+    _, btimes, _, info = await _stream_with(http, body, at_token, lambda rid: _migrate(cluster, rid, blocking=True))
+    blocked = info["result"][2]
+    blocking_ms = blocked.downtime_ms or None
+    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], switch_point(btimes, blocked)[2])
     # Baseline 2: recompute = prefill prompt + output so far at the destination.
-    dst = cluster.instances()[1]
-    async with rpc.channel(dst.address) as ch:
-        t0 = time.perf_counter()
-        call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
-            request_id=f"recompute-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt + [100] * at_token,
-            sampling=cpb.SamplingParams(max_tokens=1, ignore_eos=True)))
-        async for ev in call:
-            if ev.token_ids:
-                break
-        recompute_ms = (time.perf_counter() - t0) * 1000
+    async with rpc.channel(cluster.instances()[1].address) as ch:
+        recompute_ms = 1000 * await first_token_s(ipb_grpc.InstanceStub(ch), f"recompute-{uuid.uuid4().hex[:8]}",
+                                                  prompt + [100] * at_token, 1, ignore_eos=True)
     ok = [r for r in rows if r["committed"]]
     itl = median(r["itl_ms"] for r in ok)
 

@@ -26,11 +26,9 @@ import click
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from ferry.bench.harness import json_option, report, started
+from ferry.bench.harness import first_token_s, json_option, report, started
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure.metrics import percentile as pct
-from libs.pb import common_pb2 as cpb
-from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
 
@@ -42,15 +40,7 @@ async def _direct_ttft(address: str, n: int) -> list[float]:
     async with rpc.channel(address) as ch:
         stub = ipb_grpc.InstanceStub(ch)
         for _ in range(n):
-            req = ipb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(PROMPT.encode()),
-                                      sampling=cpb.SamplingParams(max_tokens=2))
-            t0 = time.perf_counter()
-            call = stub.Generate(req)
-            async for ev in call:
-                if ev.token_ids:
-                    out.append(time.perf_counter() - t0)
-                    break
-            call.cancel()
+            out.append(await first_token_s(stub, uuid.uuid4().hex, list(PROMPT.encode()), 2))
             await asyncio.sleep(0.005)  # let the abort land; keep both paths equally idle
     return out
 
