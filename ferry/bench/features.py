@@ -24,6 +24,7 @@ import time
 import click
 
 from ferry.bench.harness import bench_command, instance_status, random_prompts, started
+from ferry.bench.sse import stream_completion
 
 STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
 
@@ -98,19 +99,11 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
                 prompt = " ".join(f"w{rep}x{n}x{i}" for i in range(prompt_len // 3))
                 before = await hits()
                 t0 = time.perf_counter()
-                first = None
-                async with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": rep, "n": n,
-                        "stream": True, "stream_options": {"include_usage": True}}) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            chunk = json.loads(line[6:])
-                            if first is None and chunk.get("choices"):
-                                first = time.perf_counter() - t0
-                            if n == 4 and chunk.get("usage") and not chunk.get("choices"):
-                                out["prompt_tokens"].append(chunk["usage"]["prompt_tokens"])
-                out["ttft_ms"][str(n)].append(1000 * first)
+                c = await stream_completion(http, {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": rep,
+                                                   "n": n, "stream_options": {"include_usage": True}})
+                out["ttft_ms"][str(n)].append(1000 * (c.token_times[0] - t0))
                 if n == 4:
+                    out["prompt_tokens"].append(c.usage["prompt_tokens"])
                     out["sibling_hit_tokens"].append(await hits() - before)
     return out
 

@@ -19,7 +19,7 @@ import time
 import click
 import httpx
 
-from ferry.bench.harness import bench_command, instance_arg_option, median, started
+from ferry.bench.harness import bench_command, cells, instance_arg_option, median, started
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 
@@ -58,10 +58,6 @@ def _med(rows: list[dict], key: str) -> float | None:
     return median(r[key] for r in rows)
 
 
-def _fmt(v) -> str:
-    return f"{v:>10.1f}" if isinstance(v, float) else f"{v!s:>10s}"
-
-
 @bench_command()
 @click.option("--lengths", default="256,1024,2048", show_default=True, help="prompt lengths (tokens)")
 @click.option("--reps", default=3, show_default=True, help="requests per length (medians reported)")
@@ -84,7 +80,7 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
                          lens, reps, max_tokens, vocab)
     summary = {"config": {"engine": engine, "model": model, "torch_threads": torch_threads, "reps": reps,
                           "max_tokens": max_tokens}, "lengths": {}}
-    click.echo("".join(f"{h:>10s}" for h in HEADER))
+    click.echo(cells(HEADER, 10))
     for n in lens:
         c, s = colo[n], split[n]
         same = all(a["text"] == b["text"] for a, b in zip(c, s))
@@ -95,9 +91,9 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
                "same_tokens": same, "every_request_handed_off": handed}
         row["handoff_added_ms"] = row["second_token_split_ms"] - row["second_token_colocated_ms"]
         summary["lengths"][n] = row
-        click.echo(f"{n:>10d}" + "".join(_fmt(row[k]) for k in (
+        click.echo(cells([n, *(row[k] for k in (
             "ttft_colocated_ms", "ttft_split_ms", "second_token_colocated_ms", "second_token_split_ms",
-            "handoff_added_ms", "tbt_colocated_ms", "tbt_split_ms")) + f"{same and handed!s:>10s}")
+            "handoff_added_ms", "tbt_colocated_ms", "tbt_split_ms")), same and handed], 10, 1))
     click.echo("(ms, medians; 2nd = first -> second token, where the handoff happens; added = 2nd_pd - 2nd_colo; "
                "tbt = median gap after the second token; same = identical text and every split request prefilled "
                "on instance-0, decoded on instance-1)")

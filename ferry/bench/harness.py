@@ -133,6 +133,11 @@ def fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
 
+def cells(values: Iterable, width: int = 11, digits: int = 2) -> str:
+    """A table's row (or header) of right-aligned cells: floats with ``digits`` decimals, the rest as text."""
+    return "".join(f"{v:>{width}.{digits}f}" if isinstance(v, float) else f"{v!s:>{width}}" for v in values)
+
+
 def median(values: Iterable[float | None]) -> float | None:
     """The median of the values that are not None; None when there are none."""
     vals = [v for v in values if v is not None]

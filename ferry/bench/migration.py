@@ -19,7 +19,7 @@ import grpc
 import httpx
 
 from ferry.bench import harness
-from ferry.bench.harness import (first_token_s, instance_arg_option, instance_status, json_option, median,
+from ferry.bench.harness import (cells, first_token_s, instance_arg_option, instance_status, json_option, median,
                                  migrate_out, started)
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
@@ -259,7 +259,7 @@ def _row(length, r) -> str:
     vals = [str(length), r["downtime_ms"], r["commit_ack_ms"], r["stall_ms"], r["itl_ms"], join, r["stages"],
             (r["bytes"] or 0) / 2**20, r["total_ms"], str(r["tokens_match"]), s["without_migration"],
             s["during_migration"], r["blocking_copy_ms"], r["blocking_copy_stall_ms"], r["recompute_ms"]]
-    return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals)
+    return cells(vals)
 
 
 def _flat(res: dict, key: str) -> float | None:
@@ -337,7 +337,7 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
     def on_length(results: dict) -> None:
         # Print and save each length as it completes: long lengths take minutes on a CPU.
         if len(results) == 1:
-            click.echo("".join(f"{h:>11s}" for h in HEADER))
+            click.echo(cells(HEADER))
         length = list(results)[-1]
         click.echo(_row(length, results[length]))
         config["loadavg_at_end"] = os.getloadavg()  # other work on the machine skews every number

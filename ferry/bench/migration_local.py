@@ -34,7 +34,7 @@ import time
 import click
 
 from ferry.bench import harness
-from ferry.bench.harness import json_option, median
+from ferry.bench.harness import cells, json_option, median
 from ferry.bench.migration import client_stall, switch_point
 from ferry.machine import write_json
 
@@ -159,7 +159,7 @@ def _row(length, mode, ref_step, r, control: bool) -> str:
             ref_step, r["step_ms_during"], None if r["slowdown"] is None else f"{r['slowdown'] * 100:+.1f}%",
             r["blocking_downtime_ms"], r["blocking_stall_ms"],
             f"{r['tokens_match'] and r['blocking_tokens_match']}/{control}"]
-    return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v!s:>11s}" for v in vals)
+    return cells(vals)
 
 
 async def _run(opts: dict, on_length) -> dict:
@@ -252,7 +252,7 @@ def migration_local(json_path, lengths, **opts) -> None:
         if len(results["lengths"]) == 1:
             click.echo(f"{results['config']['device_name']}, {opts['model']} {opts['dtype']}, "
                        f"{results['config']['num_blocks']} blocks per engine")
-            click.echo("".join(f"{h:>11s}" for h in HEADER))
+            click.echo(cells(HEADER))
         for mode, m in r["by_transfer"].items():
             click.echo(_row(length, mode, r["reference_step_ms"], m, r["control_match"]))
         results["config"]["elapsed_s"] = time.perf_counter() - started
