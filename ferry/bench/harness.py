@@ -66,21 +66,16 @@ async def running(spec: ClusterSpec, timeout_s: float = 120.0):
 # --- the options every bench takes alike ----------------------------------------------
 
 
-def _json(default: str | None, help: str) -> tuple[list[str], dict]:  # noqa: A002 - click's name
-    return ["--json", "json_path"], {"type": click.Path(dir_okay=False), "default": default,
-                                     "show_default": default is not None, "help": help}
+JSON_DECLS = ["--json", "json_path"]
+
+
+def _json_attrs(default: str | None = None, help: str = "write results here") -> dict:  # noqa: A002 - click's
+    return {"type": click.Path(dir_okay=False), "default": default, "show_default": default is not None, "help": help}
 
 
 def json_option(default: str | None = None, help: str = "write results here"):  # noqa: A002
     """``--json PATH`` (``json_path``): where ``report`` writes the results."""
-    decls, attrs = _json(default, help)
-    return click.option(*decls, **attrs)
-
-
-def json_param(default: str | None = None, help: str = "write results here") -> click.Option:  # noqa: A002
-    """``json_option`` as a parameter to append to a command."""
-    decls, attrs = _json(default, help)
-    return click.Option(decls, **attrs)
+    return click.option(*JSON_DECLS, **_json_attrs(default, help))
 
 
 def bench_command(name: str | None = None, show: Callable[[dict], object] | None = None,
@@ -97,7 +92,7 @@ def bench_command(name: str | None = None, show: Callable[[dict], object] | None
             if failed is not None and failed(res):
                 raise SystemExit(1)
         cmd = click.command(name)(run)
-        cmd.params.append(json_param(json_default))  # listed last, as the benches list it
+        cmd.params.append(click.Option(JSON_DECLS, **_json_attrs(json_default)))  # last, as the benches list it
         return cmd
     return wrap
 

@@ -223,8 +223,7 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     during, outside = med("step_ms_during"), baseline_step
     parts = [r["breakdown"] for r in ok if r["breakdown"]]
     keys = {k for p in parts for k in p} - {"switch_token", "largest_gap_token"}
-    breakdown = {k: statistics.median(p[k] for p in parts if p.get(k) is not None) for k in sorted(keys)
-                 if any(p.get(k) is not None for p in parts)} if parts else None
+    breakdown = {k: m for k in sorted(keys) if (m := median(p.get(k) for p in parts)) is not None} if parts else None
     if parts:  # how often the largest gap is the switch itself
         breakdown["largest_is_switch"] = sum(p.get("largest_gap_token") == p["switch_token"] for p in parts) / len(parts)
     return {

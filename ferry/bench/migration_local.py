@@ -128,10 +128,8 @@ async def _length(cluster, bgs, length, runs, out_tokens, at_token, vocab, modes
         ok = [r for r in rows[mode] if r["committed"]]
         during = median(r["step_ms_during"] for r in ok)
         out["by_transfer"][mode] = {
-            "downtime_ms": median(r["downtime_ms"] for r in ok), "commit_ack_ms": median(r["commit_ack_ms"] for r in ok),
-            "stall_ms": median(r["stall_ms"] for r in ok), "itl_ms": median(r["itl_ms"] for r in ok),
-            "total_ms": median(r["total_ms"] for r in ok), "copy_gbps": median(r["copy_gbps"] for r in ok),
-            "bytes": median(r["bytes"] for r in ok), "stages": median(r["stages"] for r in ok),
+            **{k: median(r[k] for r in ok) for k in ("downtime_ms", "commit_ack_ms", "stall_ms", "itl_ms", "total_ms",
+                                                      "copy_gbps", "bytes", "stages")},
             "step_ms_during": during, "dest_step_ms": median(r["dest_step_ms"] for r in ok),
             "slowdown": (during / baseline - 1) if during and baseline else None,
             "tokens_match": bool(rows[mode]) and all(r["tokens_match"] for r in rows[mode]),
