@@ -41,7 +41,7 @@ import click
 import grpc
 import psutil
 
-from ferry.bench.harness import bench_command
+from ferry.bench.harness import bench_command, int_list
 from ferry.cluster import ferry_command, free_port, grpc_healthy
 from ferry.measure.metrics import percentile as pct
 from libs.pb import common_pb2 as cpb
@@ -370,7 +370,7 @@ def control_plane(instances, rate, report_interval, warmup, measure, prefix_inde
     """The control plane alone: N impersonated instances, dispatches at a rate; latency, lag and CPU."""
     log_dir = tempfile.mkdtemp(prefix="ferry-cp-")
     rows = []
-    for n in [int(x) for x in instances.split(",") if x.strip()]:
+    for n in int_list(instances):
         print(f"N = {n} ...", flush=True)
         rows.append(run_point(n, rate, report_interval, warmup, measure, log_dir, prefix_index))
         print_table(rows[-1:])

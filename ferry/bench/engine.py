@@ -294,6 +294,7 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
             runs[name].append(run())
         click.echo(f"bs={bs} round {rep + 1}: " + "  ".join(
             f"{n} {r[-1]['tok_s']:.2f} tok/s" for n, r in runs.items() if r), err=True)
+
     def side(name: str, into: dict, prefix: str = "") -> list[float]:
         """One side's rounds into ``into``: tok/s of each and their median, CPU ms per token, the phases."""
         tok_s = [r["tok_s"] for r in runs[name]]

@@ -22,8 +22,8 @@ import grpc
 import httpx
 
 from ferry.bench.chaos import Chaos, Stats, print_counts, steady_client
-from ferry.bench.harness import (bench_command, leaks, log_dir_for, log_dir_option, median, running, scheduler_view,
-                                 seed_option)
+from ferry.bench.harness import (bench_command, leaks, log_dir_for, log_dir_option, median, running,
+                                 scheduler_view, seed_option)
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.common import etcd as etcdlib
 

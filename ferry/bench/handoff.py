@@ -19,7 +19,7 @@ import time
 import click
 import httpx
 
-from ferry.bench.harness import bench_command, cells, instance_arg_option, median, started
+from ferry.bench.harness import bench_command, cells, instance_arg_option, int_list, median, started
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 
@@ -70,7 +70,7 @@ def _med(rows: list[dict], key: str) -> float | None:
 @instance_arg_option()
 def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks, vocab, instance_args) -> dict:
     """Latency added by the serialized prefill->decode handoff vs a colocated run."""
-    lens = [int(x) for x in lengths.split(",")]
+    lens = int_list(lengths)
     args = ["--num-blocks", str(num_blocks), "--max-model-len", str(max(lens) + max_tokens + 64),
             *instance_args]
     common = {"engine": engine, "model": model, "instance_args": args, "dispatch": "llumnix",

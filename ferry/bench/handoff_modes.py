@@ -29,7 +29,7 @@ import time
 
 import click
 
-from ferry.bench.harness import bench_command
+from ferry.bench.harness import bench_command, int_list
 
 MODES = ("colocated", "serialized", "per_layer")
 
@@ -233,7 +233,7 @@ def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: st
 
     if threads:
         torch.set_num_threads(threads)
-    ns = [int(x) for x in lengths.split(",")]
+    ns = int_list(lengths)
     load0 = os.getloadavg()[0]
     result = asyncio.run(_bench(ns, repeats, dtype, budget, model))
     load1 = os.getloadavg()[0]

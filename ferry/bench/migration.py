@@ -19,8 +19,8 @@ import grpc
 import httpx
 
 from ferry.bench import harness
-from ferry.bench.harness import (cells, first_token_s, instance_arg_option, instance_status, json_option, median,
-                                 migrate_out, started)
+from ferry.bench.harness import (cells, first_token_s, instance_arg_option, instance_status, int_list,
+                                 json_option, median, migrate_out, started)
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 from ferry.machine import write_json
@@ -317,7 +317,7 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
 def migration(lengths, runs, background, out_tokens, at_token, engine, model, device, dtype, num_blocks, vocab,
               instance_args, pin_cores, log_dir, json_path) -> None:
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
-    lens = [int(x) for x in lengths.split(",")]
+    lens = int_list(lengths)
     if num_blocks is None:
         from services.instance.config import default_block_size
 

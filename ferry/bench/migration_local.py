@@ -34,7 +34,7 @@ import time
 import click
 
 from ferry.bench import harness
-from ferry.bench.harness import cells, json_option, median
+from ferry.bench.harness import cells, int_list, json_option, median
 from ferry.bench.migration import client_stall, switch_point
 from ferry.machine import write_json
 
@@ -242,7 +242,7 @@ def migration_local(json_path, lengths, **opts) -> None:
     from libs.common.logging import setup_logging
 
     setup_logging("warning")
-    opts["lengths"] = [int(x) for x in lengths.split(",")]
+    opts["lengths"] = int_list(lengths)
     started = time.perf_counter()
 
     def on_length(results: dict, length: int) -> None:

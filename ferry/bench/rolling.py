@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import click
 import httpx
 
-from ferry.bench.harness import bench_command, expected_fake_text, fmt, leaks, log_dir_for, running, seed_option
+from ferry.bench.harness import (bench_command, expected_fake_text, fmt, leaks, log_dir_for, running,
+                                 seed_option)
 from ferry.bench.retrying import Attempted, Outcome, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure.metrics import percentile as pct

@@ -27,7 +27,8 @@ import aiohttp
 import click
 import httpx
 
-from ferry.bench.harness import bench_command, fmt, instance_arg_option, leaks, log_dir_for, running, seed_option
+from ferry.bench.harness import (bench_command, fmt, instance_arg_option, leaks, log_dir_for, running,
+                                 seed_option)
 from ferry.bench.retrying import stream_with_retries
 from ferry.cluster import ClusterSpec, free_port
 from ferry.measure.metrics import percentile as pct
