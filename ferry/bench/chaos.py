@@ -15,6 +15,7 @@ import collections
 import random
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import click
@@ -88,24 +89,34 @@ def print_counts(res: dict) -> None:
     print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
 
 
-def _failed(stats: Stats, e: Exception, request_id: str | None) -> None:
-    stats.lose(e.kind if isinstance(e, StreamError) else type(e).__name__, request_id, str(e))
+async def checked_stream(http: httpx.AsyncClient, stats: Stats, prompt: str, n: int,
+                         on_chunk: Callable[[Completion], Awaitable[None]] | None = None) -> None:
+    """One stream of the fake model, counted in ``stats``: exact, lost (by
+    kind, with the request id that arrived before the failure) or wrong."""
+    stats.requests += 1
+    seen = Completion()
 
+    async def note(c: Completion) -> None:
+        seen.request_id = c.request_id
+        if on_chunk is not None:
+            await on_chunk(c)
 
-def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None,
-             request_id: str | None = None) -> None:
+    try:
+        done = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note)
+    except Exception as e:  # noqa: BLE001 - every failure is counted by kind
+        stats.lose(e.kind if isinstance(e, StreamError) else type(e).__name__, seen.request_id, str(e))
+        return
     want = expected_fake_text(prompt, n)
-    if text == want:
+    if done.text == want:
         stats.completed += 1
     else:
         # Tokens delivered more than once: the answer is longer than it must
         # be, or repeats its own tail where the expected text goes on.
-        extra = max(0, len(text) - len(want))
-        stats.duplicated_tokens += extra
-        stats.lose("wrong_tokens", request_id, f"{len(text)} characters, {len(want)} expected")
-    if final:
-        stats.resumes += final.get("resumes", 0)
-        stats.migrations += final.get("migrations", 0)
+        stats.duplicated_tokens += max(0, len(done.text) - len(want))
+        stats.lose("wrong_tokens", done.request_id, f"{len(done.text)} characters, {len(want)} expected")
+    if done.final:
+        stats.resumes += done.final.get("resumes", 0)
+        stats.migrations += done.final.get("migrations", 0)
 
 
 async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event, tag: str, k: int,
@@ -117,18 +128,7 @@ async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Eve
     while not stop.is_set():
         prompt, n = f"{tag} {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
         i += 1
-        stats.requests += 1
-        seen = Completion()  # what arrived before a failure (its request id)
-
-        async def note(c: Completion) -> None:
-            seen.request_id = c.request_id
-
-        try:
-            done = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note)
-        except Exception as e:  # noqa: BLE001 - every failure is counted by kind
-            _failed(stats, e, seen.request_id)
-            continue
-        _account(stats, prompt, n, done.text, done.final, done.request_id)
+        await checked_stream(http, stats, prompt, n)
 
 
 async def _meta_instances(address: str) -> list:
@@ -218,16 +218,7 @@ class Chaos:
             if not ids:
                 ids.append(c.request_id)
 
-        async def victim() -> None:
-            self.stats.requests += 1
-            try:
-                c = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note_id)
-            except Exception as e:  # noqa: BLE001
-                _failed(self.stats, e, ids[0] if ids else None)
-                return
-            _account(self.stats, prompt, n, c.text, c.final, c.request_id)
-
-        self.victims.append(asyncio.create_task(victim()))
+        self.victims.append(asyncio.create_task(checked_stream(http, self.stats, prompt, n, note_id)))
         for _ in range(100):
             if ids:
                 break
