@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import click
 import grpc
@@ -41,6 +42,16 @@ async def _orders(cluster: LocalCluster, name: str) -> int | None:
         return (await scheduler_view(cluster.child(name).address, 1.0)).migrations_ordered
     except grpc.RpcError:
         return None
+
+
+async def _every(period_s: float, first: float, stop: asyncio.Event, fault: Callable[[], Awaitable[None]]) -> None:
+    """``fault()`` at ``first`` (monotonic), then every ``period_s`` after the last one was due, until ``stop``."""
+    due = first
+    while not stop.is_set():
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        due += period_s
+        if not stop.is_set():
+            await fault()
 
 
 async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, meta_every_s: float = 20.0,
@@ -74,55 +85,42 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
         launched_before = cluster.launched_pids()
         try:
             async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-                async def kill_leaders() -> None:
-                    t_next = chaos.t0 + leader_every_s
-                    while not stop.is_set():
-                        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-                        t_next += leader_every_s
-                        if stop.is_set():
-                            return
-                        old = await _leader(etcd, keys)
-                        if old is None:
-                            continue
-                        orders_before = await _orders(cluster, old)
-                        killed = time.monotonic()
-                        await asyncio.to_thread(cluster.kill, old)
-                        new = None
-                        while new in (None, old):
-                            await asyncio.sleep(0.01)
-                            new = await _leader(etcd, keys)
-                        took = time.monotonic() - killed
-                        print(f"  leader {old} killed at {killed - chaos.t0:6.1f}s: {new} leads after {took:.2f}s",
-                              flush=True)
-                        takeovers.append({"at_s": round(killed - chaos.t0, 2), "killed": old, "new": new,
-                                          "takeover_s": round(took, 3), "orders_of_killed_term": orders_before})
-                        await asyncio.sleep(down_s)
-                        await asyncio.to_thread(cluster.restart, old)
+                async def kill_leader() -> None:
+                    old = await _leader(etcd, keys)
+                    if old is None:
+                        return
+                    orders_before = await _orders(cluster, old)
+                    killed = time.monotonic()
+                    await asyncio.to_thread(cluster.kill, old)
+                    new = None
+                    while new in (None, old):
+                        await asyncio.sleep(0.01)
+                        new = await _leader(etcd, keys)
+                    took = time.monotonic() - killed
+                    print(f"  leader {old} killed at {killed - chaos.t0:6.1f}s: {new} leads after {took:.2f}s",
+                          flush=True)
+                    takeovers.append({"at_s": round(killed - chaos.t0, 2), "killed": old, "new": new,
+                                      "takeover_s": round(took, 3), "orders_of_killed_term": orders_before})
+                    await asyncio.sleep(down_s)
+                    await asyncio.to_thread(cluster.restart, old)
 
-                async def kill_meta_stores() -> None:
-                    t_next = chaos.t0 + meta_every_s / 2
-                    k = 0
-                    while not stop.is_set():
-                        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-                        t_next += meta_every_s
-                        if stop.is_set():
-                            return
-                        name = "meta-store" if k % 2 == 0 else "meta-store-1"
-                        k += 1
-                        at = time.monotonic()
-                        await asyncio.to_thread(cluster.kill, name)
-                        await asyncio.sleep(down_s)
-                        await asyncio.to_thread(cluster.restart, name)
-                        meta_kills.append({"at_s": round(at - chaos.t0, 2), "killed": name,
-                                           "back_s": round(time.monotonic() - at, 2)})
-                        print(f"  {name} killed at {at - chaos.t0:6.1f}s, back after {time.monotonic() - at:.2f}s",
-                              flush=True)
+                async def kill_meta_store() -> None:
+                    name = "meta-store" if len(meta_kills) % 2 == 0 else "meta-store-1"  # in turns
+                    at = time.monotonic()
+                    await asyncio.to_thread(cluster.kill, name)
+                    await asyncio.sleep(down_s)
+                    await asyncio.to_thread(cluster.restart, name)
+                    meta_kills.append({"at_s": round(at - chaos.t0, 2), "killed": name,
+                                       "back_s": round(time.monotonic() - at, 2)})
+                    print(f"  {name} killed at {at - chaos.t0:6.1f}s, back after {time.monotonic() - at:.2f}s",
+                          flush=True)
 
                 chaos.t0 = time.monotonic()
                 tasks = [asyncio.create_task(steady_client(http, stats, stop, "failover", k, seed))
                          for k in range(concurrency)]
                 tasks.append(asyncio.create_task(chaos.migration_load(stop)))
-                faults = [asyncio.create_task(kill_leaders()), asyncio.create_task(kill_meta_stores())]
+                faults = [asyncio.create_task(_every(leader_every_s, chaos.t0 + leader_every_s, stop, kill_leader)),
+                          asyncio.create_task(_every(meta_every_s, chaos.t0 + meta_every_s / 2, stop, kill_meta_store))]
                 await asyncio.sleep(duration_s)
                 stop.set()
                 for f in faults:

@@ -26,7 +26,7 @@ import click
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from ferry.bench.harness import first_token_s, json_option, report, started
+from ferry.bench.harness import bench_command, first_token_s, started
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure.metrics import percentile as pct
 from libs.pb import instance_pb2_grpc as ipb_grpc
@@ -199,7 +199,7 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
     }
 
 
-@click.command()
+@bench_command()
 @click.option("--instances", default=2, show_default=True)
 @click.option("--samples", default=200, show_default=True, help="TTFT samples per path")
 @click.option("--rates", default="100,200,300,400,500,600,800,1000,1200", show_default=True,
@@ -208,7 +208,6 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 @click.option("--token-delay-ms", default=1.0, show_default=True, help="fake engine step time")
 @click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
               help="the inner services check a cluster token on every call, as under `ferry up`")
-@json_option()
 @click.option("--tracing", is_flag=True,
               help="instead of the rate steps, what tracing adds: clusters with tracing off (two: the noise floor) "
                    "and on at 100%% sampling (spans exported to a local OTLP receiver in its own process), their "
@@ -218,22 +217,22 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 @click.option("--ab-frontend-arg", "ab_args", multiple=True,
               help="instead of the rate steps, compare added TTFT against a second cluster whose frontend has this "
                    "extra argument (repeatable), the two sampled in turns, e.g. --ab-frontend-arg=--no-dispatch-stream")
-def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, json_path, tracing, trace_sample_ratio,
-             ab_args) -> None:
+def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, tracing, trace_sample_ratio,
+             ab_args) -> dict:
     """Frontend + scheduler overhead on a fake-engine cluster."""
     token = rpc.new_token() if cluster_token else ""
     before = rpc.current()
     if token:  # the direct calls to an instance carry it too
         rpc.configure(rpc.Credentials(token=token))
     try:
-        _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args, tracing,
-                  trace_sample_ratio)
+        return _overhead(instances, samples, rates, step_s, token_delay_ms, token, ab_args, tracing, trace_sample_ratio)
     finally:  # this process's credentials as they were (the command also runs in-process, in tests)
         rpc.configure(before)
 
 
-def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args, tracing=False,
-              trace_sample_ratio=1.0) -> None:
+def _overhead(instances, samples, rates, step_s, token_delay_ms, token, ab_args, tracing=False,
+              trace_sample_ratio=1.0) -> dict:
+    """The results of one of the three runs: tracing's cost, an A/B of two frontends, or the rate steps."""
     def spec(frontend_args=(), otlp_endpoint=""):
         return ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
                            instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"],
@@ -242,28 +241,23 @@ def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_pat
     if tracing:
         from ferry.bench.tracing_overhead import run
 
-        run(spec, samples, json_path, trace_sample_ratio)
-        return
+        return run(spec, samples, trace_sample_ratio)
     if ab_args:
-        _overhead_ab(spec, samples, list(ab_args), json_path)
-        return
+        return _overhead_ab(spec, samples, list(ab_args))
     with started(spec(), timeout_s=60) as cluster:
         res = asyncio.run(_run(cluster, samples, [float(r) for r in rates.split(",")], step_s))
     res["config"] = {"instances": instances, "token_delay_ms": token_delay_ms, "step_s": step_s,
                      "cluster_token": bool(token)}
-    report(res, json_path, _print_run)
-
-
-def _print_run(res: dict) -> None:
     click.echo(f"\n{'metric':28s}{'value':>12s}")
     for k in ("direct_ttft_ms_p50", "frontend_ttft_ms_p50", "added_ttft_ms_p50", "direct_ttft_ms_p99",
               "frontend_ttft_ms_p99", "added_ttft_ms_p99", "added_new_conn_ttft_ms_p50", "max_rps"):
         click.echo(f"{k:28s}{res[k]:12.2f}")
     for k, v in res["split_ms_mean"].items():
         click.echo(f"{'mean ' + k:28s}{v:12.2f}")
+    return res
 
 
-def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) -> None:
+def _overhead_ab(spec, samples: int, ab_args: list[str]) -> dict:
     labels = {"default": [], " ".join(ab_args): ab_args}
     with started(*(spec(a) for a in labels.values()), timeout_s=60) as clusters:
         res = asyncio.run(added_ttft_ab(dict(zip(labels, clusters)), samples))
@@ -271,4 +265,4 @@ def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) 
     for k, r in res.items():
         click.echo(f"{k:28s}{r['added_ttft_ms_p50']:14.2f}{r['added_new_conn_ttft_ms_p50']:10.2f}"
                    f"{r['frontend_ttft_ms_p50']:14.2f}{r['direct_ttft_ms_p50']:12.2f}")
-    report({"ab": res, "samples": samples}, json_path)
+    return {"ab": res, "samples": samples}

@@ -19,7 +19,7 @@ import timeit
 
 import click
 
-from ferry.bench.harness import report, started
+from ferry.bench.harness import started
 from ferry.cluster import free_port
 
 # The tracing calls one request makes with tracing off, on its way through
@@ -109,7 +109,7 @@ def on_path_us(number: int = 5000) -> dict[str, float]:
             "otlp_encode_per_span": min(enc) * us}
 
 
-def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
+def run(spec, samples: int, ratio: float = 1.0) -> dict:
     from ferry.bench.overhead import added_ttft_ab
 
     port = free_port()
@@ -147,4 +147,4 @@ def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
                + f"; {sum(hooks.values()):.0f} ns per request")
     click.echo("tracing on, in process (µs per request): "
                + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in on_path.items()))
-    report(out, json_path)
+    return out
