@@ -39,13 +39,14 @@ REFERENCE_TEXTS = [
 ]
 
 
-def native_run(engine, prompts: list[list[int]], output_len: int) -> dict:
+def native_run(engine, prompts: list[list[int]], output_len: int, grammar=None) -> dict:
     """tok/s, CPU seconds (this process) and the prefill time of one batch,
-    as vllm_offline reports them (prefill: until every request has its first token)."""
+    as vllm_offline reports them (prefill: until every request has its first
+    token); each request under ``grammar`` where one is given."""
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
 
-    sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, grammar=grammar)
     c0, t0 = time.process_time(), time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"bench-{i}", tuple(p), sp))

@@ -30,7 +30,7 @@ STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "s
 
 
 def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_len: int, repeats: int) -> dict:
-    from ferry.bench.engine import decode_step_ms
+    from ferry.bench.engine import native_run
     from libs.common.types import Grammar, GrammarKind, SamplingParams
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineRequest
@@ -46,20 +46,7 @@ def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_l
     grammar = Grammar(GrammarKind.JSON, STRING_SCHEMA)
 
     def run(prompts, with_grammar: bool) -> dict:
-        sp = SamplingParams(max_tokens=output_len, ignore_eos=True, grammar=grammar if with_grammar else None)
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            eng.add_request(EngineRequest(f"f-{i}", tuple(p), sp))
-        n, first, started = 0, None, set()
-        while eng.has_work():
-            out = eng.step()
-            n += len(out)
-            if first is None:
-                started.update(o.request_id for o in out)
-                if len(started) == len(prompts):
-                    first = time.perf_counter() - t0
-        seconds = time.perf_counter() - t0
-        return {"tok_s": n / seconds, "prefill_s": first, "decode_ms": decode_step_ms(seconds, first, output_len)}
+        return native_run(eng, prompts, output_len, grammar if with_grammar else None)
 
     run(random_prompts(1, prompt_len, vocab, 7), True)  # compile the grammar once: the cache serves every later run
     out: dict = {"decode": {"plain": [], "grammar": [], "ratio": []}, "ttft_ms": {"plain": [], "grammar": []}}
