@@ -34,6 +34,7 @@ from ferry.bench import client
 from ferry.bench.harness import fmt, instance_status, json_option, report, scheduler_view
 from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
+from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
 
 POLICIES = POLICY_NAMES  # libs/common/policies: the one registry
@@ -147,20 +148,25 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
     """Append a compact GetClusterView snapshot every interval until stopped."""
     import grpc
 
-    while not stop.is_set():
-        try:
-            v = await scheduler_view(address, timeout=2.0)
-            out.append({"t": time.perf_counter(), "migrations_ordered": v.migrations_ordered, "instances": {
-                r.info.instance_id: {"freeness": r.status.freeness, "num_running": r.status.num_running,
-                                     "num_waiting": r.status.num_waiting, "free_blocks": r.status.free_blocks,
-                                     "num_preemptions": r.status.num_preemptions,
-                                     "migrating_out": r.status.migrating_out} for r in v.instances}})
-        except grpc.RpcError:
-            pass
-        try:
-            await asyncio.wait_for(stop.wait(), interval_s)
-        except TimeoutError:
-            pass
+    from libs.pb import scheduler_pb2 as pb
+    from libs.pb import scheduler_pb2_grpc as pb_grpc
+
+    async with rpc.channel(address) as ch:  # one channel for the run: the client's CPU is the cluster's too
+        stub = pb_grpc.SchedulerStub(ch)
+        while not stop.is_set():
+            try:
+                v = await stub.GetClusterView(pb.ClusterViewRequest(), timeout=2.0)
+                out.append({"t": time.perf_counter(), "migrations_ordered": v.migrations_ordered, "instances": {
+                    r.info.instance_id: {"freeness": r.status.freeness, "num_running": r.status.num_running,
+                                         "num_waiting": r.status.num_waiting, "free_blocks": r.status.free_blocks,
+                                         "num_preemptions": r.status.num_preemptions,
+                                         "migrating_out": r.status.migrating_out} for r in v.instances}})
+            except grpc.RpcError:
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except TimeoutError:
+                pass
 
 
 async def prefix_stats(scheduler: str) -> tuple[dict, int | None]:
