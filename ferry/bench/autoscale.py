@@ -16,11 +16,9 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import expected_fake_text
-from ferry.bench.harness import scheduler_view
+from ferry.bench.harness import bench_command, expected_fake_text, running, scheduler_view, seed_option
 from ferry.bench.sse import stream_completion
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.machine import write_json
+from ferry.cluster import ClusterSpec, free_port
 from ferry.measure.metrics import percentile as pct
 
 
@@ -51,12 +49,10 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
     spec = ClusterSpec(instances=1 if autoscale else peak_instances, engine="fake", port=free_port(),
                        log_dir=log_dir, launcher=autoscale, instance_args=instance_args,
                        scheduler_args=scheduler_args if autoscale else scheduler_args[:6])
-    cluster = LocalCluster(spec)
-    await asyncio.to_thread(cluster.start, 120)
     times = arrivals(steps, seed)
     total = sum(s for s, _ in steps)
     ttft, wrong, errors, counts = [], 0, 0, []
-    try:
+    async with running(spec) as cluster:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=300) as http:
             t0 = time.monotonic()
 
@@ -87,8 +83,6 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
             await asyncio.gather(*(one(i, at) for i, at in enumerate(times)))
             elapsed = time.monotonic() - t0
             sampler.cancel()
-    finally:
-        await asyncio.to_thread(cluster.stop)
     # Instance-seconds over the workload's span (until the last request ended).
     inst_s, prev_t, prev_n = 0.0, 0.0, counts[0][1] if counts else 0
     for t, n in counts:
@@ -102,7 +96,19 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
             "instances_over_time": [(round(t, 1), n) for t, n in counts[::4]]}
 
 
-@click.command("autoscale")
+def print_report(res: dict) -> None:
+    a, f = res["autoscale"], res["fixed"]
+    print(f"{'mode':<10}{'requests':>9}{'errors':>7}{'wrong':>6}{'inst-s':>9}{'max inst':>9}"
+          f"{'TTFT p50':>10}{'TTFT p99':>10}")
+    for name, r in (("autoscale", a), ("fixed", f)):
+        print(f"{name:<10}{r['requests']:>9}{r['errors']:>7}{r['wrong']:>6}{r['instance_seconds']:>9.1f}"
+              f"{r['max_instances_seen']:>9}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}")
+    print(f"instance-seconds saved: {res['saving']:.1%}   P99 TTFT autoscale/fixed: {res['p99_ttft_ratio']}x "
+          f"(target: >= 25% saved at <= 1.2x)")
+    print("autoscale instances over time (s, n):", a["instances_over_time"])
+
+
+@bench_command("autoscale", print_report)
 @click.option("--steps", default="20:3,25:12,25:3", show_default=True,
               help="rate steps as seconds:requests_per_second, comma-separated")
 @click.option("--peak-instances", type=int, default=3, show_default=True, help="the fixed fleet's size")
@@ -113,10 +119,9 @@ async def run_once(autoscale: bool, steps, seed: int, peak_instances: int, max_t
 @click.option("--scale-in-above", type=float, default=25.0, show_default=True)
 @click.option("--window", type=float, default=2.0, show_default=True)
 @click.option("--cooldown", type=float, default=3.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@seed_option()
 def autoscale(steps, peak_instances, max_tokens, num_blocks, token_delay_ms, scale_out_below, scale_in_above,
-              window, cooldown, seed, json_path) -> None:
+              window, cooldown, seed) -> dict:
     """Auto-scaling vs a fixed fleet sized for the peak: instance-seconds and TTFT."""
     st = parse_steps(steps)
     inst = ["--token-delay-ms", str(token_delay_ms), "--num-blocks", str(num_blocks),
@@ -135,13 +140,4 @@ def autoscale(steps, peak_instances, max_tokens, num_blocks, token_delay_ms, sca
     res["saving"] = round(1 - a["instance_seconds"] / f["instance_seconds"], 3)
     res["p99_ttft_ratio"] = round(a["ttft_p99_s"] / f["ttft_p99_s"], 2)
     res["steps"], res["log_dir"] = steps, log_dir
-    print(f"{'mode':<10}{'requests':>9}{'errors':>7}{'wrong':>6}{'inst-s':>9}{'max inst':>9}"
-          f"{'TTFT p50':>10}{'TTFT p99':>10}")
-    for name, r in (("autoscale", a), ("fixed", f)):
-        print(f"{name:<10}{r['requests']:>9}{r['errors']:>7}{r['wrong']:>6}{r['instance_seconds']:>9.1f}"
-              f"{r['max_instances_seen']:>9}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>10.3f}")
-    print(f"instance-seconds saved: {res['saving']:.1%}   P99 TTFT autoscale/fixed: {res['p99_ttft_ratio']}x "
-          f"(target: >= 25% saved at <= 1.2x)")
-    print("autoscale instances over time (s, n):", a["instances_over_time"])
-    if json_path:
-        write_json(json_path, res, indent=2)
+    return res

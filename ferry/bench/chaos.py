@@ -14,31 +14,23 @@ import asyncio
 import collections
 import random
 import re
-import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import click
 import grpc
 import httpx
 
-from ferry.bench.harness import leaks, scheduler_view
+from ferry.bench.harness import (bench_command, expected_fake_text, instance_status, leaks, log_dir_for,
+                                 log_dir_option, migrate_out, running, scheduler_view, seed_option)
 from ferry.bench.sse import Completion, StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from libs.pb import instance_pb2 as ipb
-from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.pb import meta_store_pb2 as mpb
 from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import rpc
-from services.instance.engine.fake import fake_generate
-from ferry.machine import write_json
 
 FAULT_KINDS = ("instance", "scheduler", "meta_store", "migration_dest", "migration_source")
-
-
-def expected_fake_text(text: str, n: int) -> str:
-    """The fake engine's output for a text prompt (greedy, no EOS: it never emits 0)."""
-    return bytes(fake_generate(list(text.encode()), n)).decode()
 
 
 @dataclass
@@ -76,30 +68,55 @@ class Stats:
         self.lost_requests.append({"at_s": round(time.monotonic() - self.t0, 2), "kind": kind,
                                    "request_id": request_id, "detail": detail[:300]})
 
+    def results(self, leaked: int, integrity_errors: list[str], live: list[str]) -> dict:
+        """The counts of a run under faults (the leak check's with them), as chaos and failover report them:
+        committed migrations seen by completed requests' clients (``migrations``) and the steady load's orders."""
+        return {"requests": self.requests, "completed": self.completed, "lost": self.lost,
+                "duplicated_tokens": self.duplicated_tokens, "leaked_blocks": leaked,
+                "integrity_errors": integrity_errors, "live_instances_at_end": live,
+                "errors_by_kind": dict(self.errors_by_kind), "lost_requests": self.lost_requests,
+                "resumes": self.resumes, "migrations": self.migrations,
+                "migration_orders": {"orders": self.orders, "committed": self.orders_committed,
+                                     "aborted": self.orders_aborted, "failed": self.orders_failed,
+                                     "abort_reasons": dict(self.abort_reasons)}}
 
-async def _stream(http: httpx.AsyncClient, prompt: str, n: int) -> tuple[str, dict | None]:
-    c = await stream_completion(http, {"prompt": prompt, "max_tokens": n})
-    return c.text, c.final
+
+def print_counts(res: dict) -> None:
+    """The lines of ``Stats.results`` that chaos and failover print alike."""
+    print(f"requests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
+          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
+          f"resumes {res['resumes']}  migrations {res['migrations']}")
+    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
 
 
-def _failed(stats: Stats, e: Exception, request_id: str | None) -> None:
-    stats.lose(e.kind if isinstance(e, StreamError) else type(e).__name__, request_id, str(e))
+async def checked_stream(http: httpx.AsyncClient, stats: Stats, prompt: str, n: int,
+                         on_chunk: Callable[[Completion], Awaitable[None]] | None = None) -> None:
+    """One stream of the fake model, counted in ``stats``: exact, lost (by
+    kind, with the request id that arrived before the failure) or wrong."""
+    stats.requests += 1
+    seen = Completion()
 
+    async def note(c: Completion) -> None:
+        seen.request_id = c.request_id
+        if on_chunk is not None:
+            await on_chunk(c)
 
-def _account(stats: Stats, prompt: str, n: int, text: str, final: dict | None,
-             request_id: str | None = None) -> None:
+    try:
+        done = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note)
+    except Exception as e:  # noqa: BLE001 - every failure is counted by kind
+        stats.lose(e.kind if isinstance(e, StreamError) else type(e).__name__, seen.request_id, str(e))
+        return
     want = expected_fake_text(prompt, n)
-    if text == want:
+    if done.text == want:
         stats.completed += 1
     else:
         # Tokens delivered more than once: the answer is longer than it must
         # be, or repeats its own tail where the expected text goes on.
-        extra = max(0, len(text) - len(want))
-        stats.duplicated_tokens += extra
-        stats.lose("wrong_tokens", request_id, f"{len(text)} characters, {len(want)} expected")
-    if final:
-        stats.resumes += final.get("resumes", 0)
-        stats.migrations += final.get("migrations", 0)
+        stats.duplicated_tokens += max(0, len(done.text) - len(want))
+        stats.lose("wrong_tokens", done.request_id, f"{len(done.text)} characters, {len(want)} expected")
+    if done.final:
+        stats.resumes += done.final.get("resumes", 0)
+        stats.migrations += done.final.get("migrations", 0)
 
 
 async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Event, tag: str, k: int,
@@ -111,28 +128,12 @@ async def steady_client(http: httpx.AsyncClient, stats: Stats, stop: asyncio.Eve
     while not stop.is_set():
         prompt, n = f"{tag} {k} {i} " * crng.randint(1, 4), crng.randint(20, 120)
         i += 1
-        stats.requests += 1
-        seen = Completion()  # what arrived before a failure (its request id)
-
-        async def note(c: Completion) -> None:
-            seen.request_id = c.request_id
-
-        try:
-            done = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note)
-        except Exception as e:  # noqa: BLE001 - every failure is counted by kind
-            _failed(stats, e, seen.request_id)
-            continue
-        _account(stats, prompt, n, done.text, done.final, done.request_id)
+        await checked_stream(http, stats, prompt, n)
 
 
 async def _meta_instances(address: str) -> list:
     async with rpc.channel(address) as ch:
         return list((await mpb_grpc.MetaStoreStub(ch).List(mpb.ListRequest(), timeout=1.0)).instances)
-
-
-async def _instance_status(address: str) -> ipb.InstanceStatus:
-    async with rpc.channel(address) as ch:
-        return await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=1.0)
 
 
 class Chaos:
@@ -169,8 +170,8 @@ class Chaos:
             if len(live) < self.n or len(await _meta_instances(self.c.meta_store)) < self.n:
                 return False
             p = f"probe {self.rng.random():.6f}"
-            text, _ = await asyncio.wait_for(_stream(http, p, 4), 5)
-            return text == expected_fake_text(p, 4)
+            c = await asyncio.wait_for(stream_completion(http, {"prompt": p, "max_tokens": 4}), 5)
+            return c.text == expected_fake_text(p, 4)
         except (TimeoutError, grpc.RpcError, StreamError, httpx.HTTPError):
             return False
 
@@ -217,16 +218,7 @@ class Chaos:
             if not ids:
                 ids.append(c.request_id)
 
-        async def victim() -> None:
-            self.stats.requests += 1
-            try:
-                c = await stream_completion(http, {"prompt": prompt, "max_tokens": n}, note_id)
-            except Exception as e:  # noqa: BLE001
-                _failed(self.stats, e, ids[0] if ids else None)
-                return
-            _account(self.stats, prompt, n, c.text, c.final, c.request_id)
-
-        self.victims.append(asyncio.create_task(victim()))
+        self.victims.append(asyncio.create_task(checked_stream(http, self.stats, prompt, n, note_id)))
         for _ in range(100):
             if ids:
                 break
@@ -234,19 +226,13 @@ class Chaos:
         live = self._live_static()
         for src in live:
             try:
-                st = await _instance_status(src.address)
+                st = await instance_status(src.address)
             except grpc.RpcError:
                 continue
             if not ids or not any(r.request_id == ids[0] and r.state == 1 for r in st.requests):
                 continue
             dst = self.rng.choice([i for i in live if i is not src])
-            rid = ids[0]
-
-            async def order():
-                async with rpc.channel(src.address) as ch:
-                    return await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-                        request_id=rid, dest_instance_id=dst.name, dest_address=dst.address), timeout=30)
-            task = asyncio.create_task(order())
+            task = asyncio.create_task(migrate_out(src, ids[0], dst, timeout=30))
             await asyncio.sleep(0.15)  # inside the first copy stage (slowed by a failpoint)
             victim = dst if kill_dest else src
             in_flight = not task.done()
@@ -273,7 +259,7 @@ class Chaos:
                 continue
             src = self.rng.choice(live)
             try:
-                st = await _instance_status(src.address)
+                st = await instance_status(src.address)
             except grpc.RpcError:
                 continue
             running = [r.request_id for r in st.requests if r.state == 1]
@@ -282,10 +268,7 @@ class Chaos:
             dst = self.rng.choice([i for i in live if i is not src])
             st_.orders += 1
             try:
-                async with rpc.channel(src.address) as ch:
-                    reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-                        request_id=self.rng.choice(running), dest_instance_id=dst.name,
-                        dest_address=dst.address), timeout=10)
+                reply = await migrate_out(src, self.rng.choice(running), dst, timeout=10)
             except grpc.RpcError as e:
                 st_.orders_failed += 1
                 st_.abort_reasons[f"order: {e.code().name}"] += 1
@@ -302,7 +285,7 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                     token_delay_ms: float = 10.0, min_faults: int = 0, migration_load: bool = True) -> dict:
     """``min_faults``: go on past ``duration_s`` until this many faults were
     injected (a slow machine recovers slowly; tests want every kind once)."""
-    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-chaos-")
+    log_dir = log_dir_for(log_dir, "chaos")
     spec = ClusterSpec(
         instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True,
         instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "96",
@@ -318,16 +301,14 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
                         "--autoscale-interval-s", "0.2"],
         frontend_args=["--max-resumes", "6", "--bypass-retry-s", "0.5"],
     )
-    cluster = LocalCluster(spec)
-    await asyncio.to_thread(cluster.start, 120)
     rng = random.Random(seed)
     stats = Stats()
     stop = asyncio.Event()
-    chaos = Chaos(cluster, instances, seed, stats=stats)
     kinds = list(FAULT_KINDS)
     rng.shuffle(kinds)
     every = fault_every_s or max(3.0, duration_s / (len(kinds) + 1))
-    try:
+    async with running(spec) as cluster:
+        chaos = Chaos(cluster, instances, seed, stats=stats)
         async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
             clients = [asyncio.create_task(steady_client(http, stats, stop, "chaos", k, seed))
                        for k in range(concurrency)]
@@ -350,20 +331,9 @@ async def run_chaos(duration_s: float = 60.0, seed: int = 0, instances: int = 4,
             await asyncio.gather(*clients, *chaos.victims)
             load_s = time.monotonic() - chaos.t0
             leaked, integrity_errors, live = await leaks(cluster)
-    finally:
-        await asyncio.to_thread(cluster.stop)
     return {
         "duration_s": round(load_s, 1), "seed": seed, "instances": instances, "concurrency": concurrency,
-        "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
-        "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
-        "integrity_errors": integrity_errors, "live_instances_at_end": live,
-        "errors_by_kind": dict(stats.errors_by_kind), "lost_requests": stats.lost_requests,
-        "resumes": stats.resumes,
-        "migrations": stats.migrations,
-        # Committed migrations seen by completed requests' clients (`migrations`) and the steady load's orders.
-        "migration_orders": {"orders": stats.orders, "committed": stats.orders_committed,
-                             "aborted": stats.orders_aborted, "failed": stats.orders_failed,
-                             "abort_reasons": dict(stats.abort_reasons)},
+        **stats.results(leaked, integrity_errors, live),
         "faults": [asdict(f) for f in chaos.faults],
         "max_recovery_s": max((f.recovery_s or 0.0 for f in chaos.faults), default=0.0),
         "log_dir": log_dir,
@@ -376,31 +346,23 @@ def print_report(res: dict) -> None:
     print(f"{'fault':<17}{'target':<16}{'at (s)':>8}{'recovery (s)':>14}  note")
     for f in res["faults"]:
         print(f"{f['kind']:<17}{f['target']:<16}{f['at_s']:>8.1f}{f['recovery_s']:>14.2f}  {f['note']}")
-    print(f"\nrequests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
-          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
-          f"resumes {res['resumes']}  migrations {res['migrations']}")
-    mo = res.get("migration_orders", {})
-    print(f"migration load: {mo.get('orders', 0)} orders, {mo.get('committed', 0)} committed, "
-          f"{mo.get('aborted', 0)} aborted, {mo.get('failed', 0)} failed  {mo.get('abort_reasons', {})}")
-    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
+    print()
+    print_counts(res)
+    mo = res["migration_orders"]
+    print(f"migration load: {mo['orders']} orders, {mo['committed']} committed, {mo['aborted']} aborted, "
+          f"{mo['failed']} failed  {mo['abort_reasons']}")
     for lost in res.get("lost_requests", []):
         print(f"  lost at {lost['at_s']:.1f}s  {lost['kind']}  {lost['request_id']}  {lost['detail']}")
 
 
-@click.command("chaos")
+@bench_command("chaos", print_report, lambda res: res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"])
 @click.option("--duration", "duration", type=float, default=60.0, show_default=True, help="seconds of load")
-@click.option("--seed", type=int, default=0, show_default=True, help="fault schedule and workload seed")
+@seed_option("fault schedule and workload seed")
 @click.option("--instances", type=int, default=4, show_default=True, help="instances (auto-scaling min)")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="concurrent client streams")
 @click.option("--fault-every", "fault_every", type=float, default=None,
               help="seconds between faults (default: spread five over the run)")
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="children's logs")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results here")
-def chaos(duration, seed, instances, concurrency, fault_every, log_dir, json_path) -> None:
+@log_dir_option()
+def chaos(duration, seed, instances, concurrency, fault_every, log_dir) -> dict:
     """Faults under streaming load: no request lost, no token duplicated, no block leaked."""
-    res = asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))
-    print_report(res)
-    if json_path:
-        write_json(json_path, res, indent=2)
-    if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]:
-        raise SystemExit(1)
+    return asyncio.run(run_chaos(duration, seed, instances, concurrency, fault_every, log_dir))

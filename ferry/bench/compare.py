@@ -15,8 +15,8 @@ import sys
 import click
 
 from ferry.measure import workload as wl
-from ferry.bench.serving import POLICIES, options_from, run_serving, serving_options
-from ferry.machine import write_json
+from ferry.bench.harness import report
+from ferry.bench.serving import POLICIES, options_from, run_serving, serving_options, write_plots
 
 BASELINE = "llumnix"
 ROWS = (("TTFT mean", "ttft_ms", "mean"), ("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
@@ -96,13 +96,6 @@ def compare(policies, json_path, plots_dir, **kw) -> None:
                f"n={first['workload']['num_requests']} seed={opts.seed}; {opts.instances} {opts.engine} instances; "
                f"latencies in ms" + (f" of model time (sim slowdown {opts.scale:g})" if opts.scale != 1 else ""))
     click.echo(compare_table(summaries))
-    if json_path:
-        write_json(json_path, {"command": " ".join(sys.argv), "workload": first["workload"],
-                               "time_scale": first["time_scale"], "options": first["options"],
-                               "policies": summaries, "runs": runs})
-        click.echo(f"wrote {json_path}")
-    if plots_dir:
-        from ferry.measure import plots
-
-        for p in plots.write_all(runs, plots_dir):
-            click.echo(f"wrote {p}")
+    report({"command": " ".join(sys.argv), "workload": first["workload"], "time_scale": first["time_scale"],
+            "options": first["options"], "policies": summaries, "runs": runs}, json_path)
+    write_plots(runs, plots_dir)

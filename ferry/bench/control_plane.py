@@ -41,7 +41,9 @@ import click
 import grpc
 import psutil
 
+from ferry.bench.harness import bench_command, int_list
 from ferry.cluster import ferry_command, free_port, grpc_healthy
+from ferry.measure.metrics import percentile as pct
 from libs.pb import common_pb2 as cpb
 from libs.pb import meta_store_pb2 as mpb
 from libs.pb import meta_store_pb2_grpc as mpb_grpc
@@ -51,23 +53,6 @@ from libs.pb import scheduler_pb2_grpc as spb_grpc
 TOTAL_BLOCKS = 4096
 HOLD_S = 1.0  # a dispatched request is listed as running in its instance's reports this long
 PER_CHANNEL = 25  # impersonated instances per gRPC channel (connection)
-
-
-def _write_json(path: str, obj: dict) -> None:
-    try:
-        from ferry.machine import write_json
-    except ImportError:  # a tree without ferry/machine.py
-        from ferry.bench.serving import write_json
-    write_json(path, obj)
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """ferry/measure/metrics.percentile's nearest rank, kept here: this bench
-    runs on older trees too (copied in for before/after runs)."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
 # --------------------------------------------------------------- the impersonators
@@ -371,7 +356,7 @@ def print_table(rows: list[dict]) -> None:
           "report seen or dispatch)")
 
 
-@click.command("control-plane")
+@bench_command("control-plane", lambda res: print_table(res["points"]), json_default="docs/results/control_plane.json")
 @click.option("--instances", default="16,64,256,1000", show_default=True, help="N values, comma-separated")
 @click.option("--rate", type=float, default=500.0, show_default=True, help="dispatches per second")
 @click.option("--report-interval", type=float, default=0.1, show_default=True,
@@ -381,20 +366,15 @@ def print_table(rows: list[dict]) -> None:
 @click.option("--prefix-index/--no-prefix-index", default=False, show_default=True,
               help="the scheduler's prefix index on: the impersonated instances serve no KV events, so it retries "
                    "a stream to each of the N absent addresses every 2 s (a cost of the bench, not of reports)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="docs/results/control_plane.json",
-              show_default=True)
-def control_plane(instances, rate, report_interval, warmup, measure, prefix_index, json_path) -> None:
+def control_plane(instances, rate, report_interval, warmup, measure, prefix_index) -> dict:
     """The control plane alone: N impersonated instances, dispatches at a rate; latency, lag and CPU."""
     log_dir = tempfile.mkdtemp(prefix="ferry-cp-")
     rows = []
-    for n in [int(x) for x in instances.split(",") if x.strip()]:
+    for n in int_list(instances):
         print(f"N = {n} ...", flush=True)
         rows.append(run_point(n, rate, report_interval, warmup, measure, log_dir, prefix_index))
         print_table(rows[-1:])
-    print_table(rows)
     res = {"rate": rate, "report_interval_s": report_interval, "warmup_s": warmup, "measure_s": measure,
            "prefix_index": prefix_index,
            "cores": os.cpu_count(), "points": rows, "log_dir": log_dir}
-    if json_path:
-        _write_json(json_path, res)
-        print(f"wrote {json_path}")
+    return res

@@ -17,17 +17,15 @@ import time
 
 import click
 
+from ferry.measure.metrics import percentile
 from libs.common.config import click_options
 
 
 def _stats(lags: list[float]) -> dict:
-    xs = sorted(lags)
-    if not xs:
+    if not lags:
         return {"n": 0}
-
-    def p(q):
-        return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 2)
-    return {"n": len(xs), "p50": p(50), "p90": p(90), "p99": p(99), "p999": p(99.9), "max": round(xs[-1], 2)}
+    qs = {"p50": 50, "p90": 90, "p99": 99, "p999": 99.9, "max": 100}
+    return {"n": len(lags), **{k: round(percentile(lags, q), 2) for k, q in qs.items()}}
 
 
 def main() -> None:

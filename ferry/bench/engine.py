@@ -28,8 +28,7 @@ import statistics
 import time
 
 import click
-from ferry.bench.harness import random_prompts
-from ferry.machine import write_json
+from ferry.bench.harness import int_list, json_option, median, random_prompts, report
 
 REFERENCE_TEXTS = [
     "Paris is",
@@ -40,13 +39,14 @@ REFERENCE_TEXTS = [
 ]
 
 
-def native_run(engine, prompts: list[list[int]], output_len: int) -> dict:
+def native_run(engine, prompts: list[list[int]], output_len: int, grammar=None) -> dict:
     """tok/s, CPU seconds (this process) and the prefill time of one batch,
-    as vllm_offline reports them (prefill: until every request has its first token)."""
+    as vllm_offline reports them (prefill: until every request has its first
+    token); each request under ``grammar`` where one is given."""
     from libs.common.types import SamplingParams
     from services.instance.engine.base import EngineRequest
 
-    sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, grammar=grammar)
     c0, t0 = time.process_time(), time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(EngineRequest(f"bench-{i}", tuple(p), sp))
@@ -122,17 +122,6 @@ def reference_check(model_dir, device: str, n_tokens: int = 64) -> bool:
     return bool(ok)
 
 
-def int_list(text: str, allow_empty: bool = False) -> list[int]:
-    """Comma-separated positive integers (a click option's value)."""
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from None
-    if (not vals and not allow_empty) or (vals and min(vals) < 1):
-        raise click.BadParameter(f"{text!r}: expected positive integers")
-    return vals
-
-
 @click.command()
 @click.option("--model", default="smollm2", show_default=True, help="model name, HF dir, or random shape")
 @click.option("--device", default="cpu", show_default=True)
@@ -169,7 +158,7 @@ def int_list(text: str, allow_empty: bool = False) -> list[int]:
 @click.option("--cap-isa", type=click.Choice(["avx2"]), default=None,
               help="run as on a CPU without AVX-512: torch, oneDNN, MKL, vLLM (both engines) and Ferry's own "
                    "choices capped at AVX2 (ferry/bench/isa.py; the instruction set, not the machine)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@json_option()
 def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output_len, max_num_batched_tokens,
            threads, no_reference, repeats, vllm_python, no_vllm, no_vllm_kernels, no_shared_kv, prefix_caching,
            deterministic, cap_isa, vllm_log, json_path):
@@ -261,9 +250,7 @@ def engine(model, device, dtype, batch_sizes, hf_batch_sizes, prompt_len, output
     top = result["native_tok_s"].get(str(max(bss)))
     if base and top:
         result[f"speedup_native_bs{max(bss)}_vs_transformers_bs1"] = round(top / base, 2)
-    _print_table(result, bss, hf_bss)
-    if json_path:
-        write_json(json_path, result, indent=2)
+    report(result, json_path, lambda r: _print_table(r, bss, hf_bss))
 
 
 def _start_vllm(vllm: tuple[str, str], model: str, dtype: str, max_len: int, log_path: str | None,
@@ -308,17 +295,20 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
             runs[name].append(run())
         click.echo(f"bs={bs} round {rep + 1}: " + "  ".join(
             f"{n} {r[-1]['tok_s']:.2f} tok/s" for n, r in runs.items() if r), err=True)
-    native = [r["tok_s"] for r in runs["native"]]
-    result["native_runs"][key] = [round(x, 2) for x in native]
-    result["native_tok_s"][key] = round(statistics.median(native), 2)
-    result.setdefault("native_cpu_ms_per_token", {})[key] = _cpu_ms(runs["native"])
-    result.setdefault("native_phases", {})[key] = _phases(runs["native"], output_len)
+
+    def side(name: str, into: dict, prefix: str = "") -> list[float]:
+        """One side's rounds into ``into``: tok/s of each and their median, CPU ms per token, the phases."""
+        tok_s = [r["tok_s"] for r in runs[name]]
+        into.setdefault(prefix + "runs", {})[key] = [round(x, 2) for x in tok_s]
+        into.setdefault(prefix + "tok_s", {})[key] = round(statistics.median(tok_s), 2)
+        into.setdefault(prefix + "cpu_ms_per_token", {})[key] = _cpu_ms(runs[name])
+        into.setdefault(prefix + "phases", {})[key] = _phases(runs[name], output_len)
+        return tok_s
+
+    native = side("native", result, "native_")
     if det is not None:
-        d, mine = result["deterministic"], [r["tok_s"] for r in runs["deterministic"]]
-        d["runs"][key] = [round(x, 2) for x in mine]
-        d["tok_s"][key] = round(statistics.median(mine), 2)
-        d["cpu_ms_per_token"][key] = _cpu_ms(runs["deterministic"])
-        d["phases"][key] = _phases(runs["deterministic"], output_len)
+        d = result["deterministic"]
+        mine = side("deterministic", d)
         d["over_default_rounds"][key] = [round(m / n, 3) for m, n in zip(mine, native)]
         d["over_default"][key] = round(statistics.median(d["over_default_rounds"][key]), 3)
     if vl is None:
@@ -327,11 +317,7 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
         "python": vl.proc.args[0], "version": vl.version, "error": None, "tok_s": {}, "runs": {},
         "cpu_ms_per_token": {}, "native_over_vllm": {}, "native_over_vllm_rounds": {},
         "settings": _vllm_settings()}
-    other = [r["tok_s"] for r in runs["vllm"]]
-    v["runs"][key] = [round(x, 2) for x in other]
-    v["tok_s"][key] = round(statistics.median(other), 2)
-    v["cpu_ms_per_token"][key] = _cpu_ms(runs["vllm"])
-    v.setdefault("phases", {})[key] = _phases(runs["vllm"], output_len)
+    other = side("vllm", v)
     rounds = [n / o for n, o in zip(native, other)]
     v["native_over_vllm_rounds"][key] = [round(x, 3) for x in rounds]
     v["native_over_vllm"][key] = round(statistics.median(rounds), 3)
@@ -339,10 +325,9 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
 
 def _phases(runs: list[dict], output_len: int) -> dict:
     """Medians over the rounds: prefill seconds and decode milliseconds per output step."""
-    pre = [r["prefill_s"] for r in runs if r.get("prefill_s") is not None]
-    dec = [d for r in runs if (d := decode_step_ms(r["seconds"], r.get("prefill_s"), output_len)) is not None]
-    return {"prefill_s": round(statistics.median(pre), 3) if pre else None,
-            "decode_step_ms": round(statistics.median(dec), 2) if dec else None}
+    pre = median(r.get("prefill_s") for r in runs)
+    dec = median(decode_step_ms(r["seconds"], r.get("prefill_s"), output_len) for r in runs)
+    return {"prefill_s": None if pre is None else round(pre, 3), "decode_step_ms": None if dec is None else round(dec, 2)}
 
 
 def _cpu_ms(runs: list[dict]) -> float | None:

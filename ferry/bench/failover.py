@@ -15,26 +15,18 @@ cluster): it must survive every takeover, adopted, never launched twice."""
 from __future__ import annotations
 
 import asyncio
-import statistics
-import tempfile
 import time
+from collections.abc import Awaitable, Callable
 
 import click
 import grpc
 import httpx
 
-from ferry.bench.chaos import Chaos, Stats, steady_client
-from ferry.bench.harness import leaks, scheduler_view
+from ferry.bench.chaos import Chaos, Stats, print_counts, steady_client
+from ferry.bench.harness import (bench_command, leaks, log_dir_for, log_dir_option, median, running,
+                                 scheduler_view, seed_option)
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.common import etcd as etcdlib
-
-
-def _write_json(path: str, obj: dict) -> None:
-    try:
-        from ferry.machine import write_json
-    except ImportError:  # a tree without ferry/machine.py
-        from ferry.bench.serving import write_json
-    write_json(path, obj)
 
 
 async def _leader(etcd, keys: etcdlib.Keys) -> str | None:
@@ -52,10 +44,20 @@ async def _orders(cluster: LocalCluster, name: str) -> int | None:
         return None
 
 
+async def _every(period_s: float, first: float, stop: asyncio.Event, fault: Callable[[], Awaitable[None]]) -> None:
+    """``fault()`` at ``first`` (monotonic), then every ``period_s`` after the last one was due, until ``stop``."""
+    due = first
+    while not stop.is_set():
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        due += period_s
+        if not stop.is_set():
+            await fault()
+
+
 async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, meta_every_s: float = 20.0,
                        instances: int = 3, concurrency: int = 8, seed: int = 0, down_s: float = 1.0,
                        token_delay_ms: float = 10.0, log_dir: str | None = None) -> dict:
-    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-failover-")
+    log_dir = log_dir_for(log_dir, "failover")
     spec = ClusterSpec(
         instances=instances, engine="fake", port=free_port(), log_dir=log_dir, launcher=True, etcd=True,
         instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "96",
@@ -68,32 +70,25 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
                         "--max-instances", str(instances + 1), "--autoscale-interval-s", "0.2"],
         frontend_args=["--max-resumes", "6", "--bypass-retry-s", "0.5"],
     )
-    cluster = LocalCluster(spec)
-    await asyncio.to_thread(cluster.start, 120)
-    etcd = etcdlib.client(cluster.etcd_endpoints)
-    keys = etcdlib.Keys()
-    stats = Stats()
-    stop = asyncio.Event()
-    chaos = Chaos(cluster, instances, seed, stats=stats)
-    takeovers: list[dict] = []
-    meta_kills: list[dict] = []
-    # The first leader launches the extra instance before the faults begin.
-    t_wait = time.monotonic()
-    while not cluster.launched_pids() and time.monotonic() - t_wait < 60:
-        await asyncio.sleep(0.2)
-    launched_before = cluster.launched_pids()
-    try:
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
-            async def kill_leaders() -> None:
-                t_next = chaos.t0 + leader_every_s
-                while not stop.is_set():
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-                    t_next += leader_every_s
-                    if stop.is_set():
-                        return
+    async with running(spec) as cluster:
+        etcd = etcdlib.client(cluster.etcd_endpoints)
+        keys = etcdlib.Keys()
+        stats = Stats()
+        stop = asyncio.Event()
+        chaos = Chaos(cluster, instances, seed, stats=stats)
+        takeovers: list[dict] = []
+        meta_kills: list[dict] = []
+        # The first leader launches the extra instance before the faults begin.
+        t_wait = time.monotonic()
+        while not cluster.launched_pids() and time.monotonic() - t_wait < 60:
+            await asyncio.sleep(0.2)
+        launched_before = cluster.launched_pids()
+        try:
+            async with httpx.AsyncClient(base_url=cluster.url, timeout=120) as http:
+                async def kill_leader() -> None:
                     old = await _leader(etcd, keys)
                     if old is None:
-                        continue
+                        return
                     orders_before = await _orders(cluster, old)
                     killed = time.monotonic()
                     await asyncio.to_thread(cluster.kill, old)
@@ -109,16 +104,8 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
                     await asyncio.sleep(down_s)
                     await asyncio.to_thread(cluster.restart, old)
 
-            async def kill_meta_stores() -> None:
-                t_next = chaos.t0 + meta_every_s / 2
-                k = 0
-                while not stop.is_set():
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-                    t_next += meta_every_s
-                    if stop.is_set():
-                        return
-                    name = "meta-store" if k % 2 == 0 else "meta-store-1"
-                    k += 1
+                async def kill_meta_store() -> None:
+                    name = "meta-store" if len(meta_kills) % 2 == 0 else "meta-store-1"  # in turns
                     at = time.monotonic()
                     await asyncio.to_thread(cluster.kill, name)
                     await asyncio.sleep(down_s)
@@ -128,40 +115,33 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
                     print(f"  {name} killed at {at - chaos.t0:6.1f}s, back after {time.monotonic() - at:.2f}s",
                           flush=True)
 
-            chaos.t0 = time.monotonic()
-            tasks = [asyncio.create_task(steady_client(http, stats, stop, "failover", k, seed))
-                     for k in range(concurrency)]
-            tasks.append(asyncio.create_task(chaos.migration_load(stop)))
-            faults = [asyncio.create_task(kill_leaders()), asyncio.create_task(kill_meta_stores())]
-            await asyncio.sleep(duration_s)
-            stop.set()
-            for f in faults:
-                f.cancel()
-            await asyncio.gather(*faults, return_exceptions=True)
-            await asyncio.gather(*tasks)
-            load_s = time.monotonic() - chaos.t0
-            leader_now = await _leader(etcd, keys)
-            orders_now = await _orders(cluster, leader_now) if leader_now else None
-            launched_after = cluster.launched_pids()
-            leaked, integrity_errors, live = await leaks(cluster)
-    finally:
-        await etcd.close()
-        await asyncio.to_thread(cluster.stop)
+                chaos.t0 = time.monotonic()
+                tasks = [asyncio.create_task(steady_client(http, stats, stop, "failover", k, seed))
+                         for k in range(concurrency)]
+                tasks.append(asyncio.create_task(chaos.migration_load(stop)))
+                faults = [asyncio.create_task(_every(leader_every_s, chaos.t0 + leader_every_s, stop, kill_leader)),
+                          asyncio.create_task(_every(meta_every_s, chaos.t0 + meta_every_s / 2, stop, kill_meta_store))]
+                await asyncio.sleep(duration_s)
+                stop.set()
+                for f in faults:
+                    f.cancel()
+                await asyncio.gather(*faults, return_exceptions=True)
+                await asyncio.gather(*tasks)
+                load_s = time.monotonic() - chaos.t0
+                leader_now = await _leader(etcd, keys)
+                orders_now = await _orders(cluster, leader_now) if leader_now else None
+                launched_after = cluster.launched_pids()
+                leaked, integrity_errors, live = await leaks(cluster)
+        finally:
+            await etcd.close()
     took = [t["takeover_s"] for t in takeovers]
     return {
         "duration_s": round(load_s, 1), "seed": seed, "instances": instances + 1, "concurrency": concurrency,
         "leader_every_s": leader_every_s, "meta_every_s": meta_every_s, "down_s": down_s,
-        "requests": stats.requests, "completed": stats.completed, "lost": stats.lost,
-        "duplicated_tokens": stats.duplicated_tokens, "leaked_blocks": leaked,
-        "integrity_errors": integrity_errors, "live_instances_at_end": live,
-        "errors_by_kind": dict(stats.errors_by_kind), "lost_requests": stats.lost_requests,
-        "resumes": stats.resumes, "migrations": stats.migrations,
-        "migration_orders": {"orders": stats.orders, "committed": stats.orders_committed,
-                             "aborted": stats.orders_aborted, "failed": stats.orders_failed,
-                             "abort_reasons": dict(stats.abort_reasons)},
+        **stats.results(leaked, integrity_errors, live),
         "rescheduler_orders_by_leader_term": [t["orders_of_killed_term"] for t in takeovers] + [orders_now],
         "takeovers": takeovers, "meta_store_kills": meta_kills,
-        "takeover_s": {"n": len(took), "p50": statistics.median(took) if took else None,
+        "takeover_s": {"n": len(took), "p50": median(took),
                        "max": max(took) if took else None},
         "launched_instance": {"before": launched_before, "after": launched_after,
                               "kept": bool(launched_before) and launched_before == launched_after},
@@ -178,18 +158,16 @@ def print_report(res: dict) -> None:
               f"{t['orders_of_killed_term'] if t['orders_of_killed_term'] is not None else '-':>11}")
     ts = res["takeover_s"]
     print(f"takeover: n {ts['n']}, p50 {ts['p50']}, max {ts['max']}")
-    print(f"requests {res['requests']}  completed {res['completed']}  lost {res['lost']}  "
-          f"duplicated_tokens {res['duplicated_tokens']}  leaked_blocks {res['leaked_blocks']}  "
-          f"resumes {res['resumes']}  migrations {res['migrations']}")
+    print_counts(res)
     mo = res["migration_orders"]
     print(f"migration driver: {mo['orders']} orders, {mo['committed']} committed, {mo['aborted']} aborted, "
           f"{mo['failed']} failed; rescheduler orders per leader term {res['rescheduler_orders_by_leader_term']}")
     li = res["launched_instance"]
     print(f"launched instance kept across takeovers: {li['kept']} (pids before {li['before']}, after {li['after']})")
-    print(f"errors_by_kind {res['errors_by_kind']}  integrity_errors {res['integrity_errors']}")
 
 
-@click.command("failover")
+@bench_command("failover", print_report, lambda res: res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"]
+               or not res["launched_instance"]["kept"], json_default="docs/results/failover.json")
 @click.option("--duration", type=float, default=120.0, show_default=True, help="seconds of load")
 @click.option("--leader-every", type=float, default=20.0, show_default=True, help="kill the leader this often (s)")
 @click.option("--meta-every", type=float, default=20.0, show_default=True,
@@ -197,17 +175,8 @@ def print_report(res: dict) -> None:
 @click.option("--instances", type=int, default=3, show_default=True,
               help="instances started with the cluster (the leader launches one more)")
 @click.option("--concurrency", type=int, default=8, show_default=True, help="concurrent client streams")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="children's logs")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="docs/results/failover.json",
-              show_default=True, help="write results here")
-def failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir, json_path) -> None:
+@seed_option()
+@log_dir_option()
+def failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir) -> dict:
     """The replicated control plane on etcd under faults: the leader scheduler and meta-store replicas killed."""
-    res = asyncio.run(run_failover(duration, leader_every, meta_every, instances, concurrency, seed,
-                                   log_dir=log_dir))
-    print_report(res)
-    if json_path:
-        _write_json(json_path, res)
-        print(f"wrote {json_path}")
-    if res["lost"] or res["duplicated_tokens"] or res["leaked_blocks"] or not res["launched_instance"]["kept"]:
-        raise SystemExit(1)
+    return asyncio.run(run_failover(duration, leader_every, meta_every, instances, concurrency, seed, log_dir=log_dir))

@@ -23,14 +23,14 @@ import time
 
 import click
 
-from ferry.machine import write_json
+from ferry.bench.harness import bench_command, instance_status, random_prompts, started
+from ferry.bench.sse import stream_completion
 
 STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
 
 
 def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_len: int, repeats: int) -> dict:
-    from ferry.bench.engine import decode_step_ms
-    from ferry.bench.harness import random_prompts
+    from ferry.bench.engine import native_run
     from libs.common.types import Grammar, GrammarKind, SamplingParams
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineRequest
@@ -46,20 +46,7 @@ def _engine_rounds(model: str, dtype: str, batch: int, prompt_len: int, output_l
     grammar = Grammar(GrammarKind.JSON, STRING_SCHEMA)
 
     def run(prompts, with_grammar: bool) -> dict:
-        sp = SamplingParams(max_tokens=output_len, ignore_eos=True, grammar=grammar if with_grammar else None)
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            eng.add_request(EngineRequest(f"f-{i}", tuple(p), sp))
-        n, first, started = 0, None, set()
-        while eng.has_work():
-            out = eng.step()
-            n += len(out)
-            if first is None:
-                started.update(o.request_id for o in out)
-                if len(started) == len(prompts):
-                    first = time.perf_counter() - t0
-        seconds = time.perf_counter() - t0
-        return {"tok_s": n / seconds, "prefill_s": first, "decode_ms": decode_step_ms(seconds, first, output_len)}
+        return native_run(eng, prompts, output_len, grammar if with_grammar else None)
 
     run(random_prompts(1, prompt_len, vocab, 7), True)  # compile the grammar once: the cache serves every later run
     out: dict = {"decode": {"plain": [], "grammar": [], "ratio": []}, "ttft_ms": {"plain": [], "grammar": []}}
@@ -90,39 +77,41 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
 
     out = {"ttft_ms": {"1": [], "4": []}, "sibling_hit_tokens": [], "prompt_tokens": []}
 
-    def hits() -> int:
-        import grpc
-
-        from libs.pb import instance_pb2 as ipb
-        from libs.pb import instance_pb2_grpc as ipb_grpc
-
-        with grpc.insecure_channel(instance.address) as ch:
-            return ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5).prefix_cache.hits
+    async def hits() -> int:
+        return (await instance_status(instance.address, timeout=5)).prefix_cache.hits
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         for rep in range(repeats):
             for n in ((1, 4) if rep % 2 == 0 else (4, 1)):
                 prompt = " ".join(f"w{rep}x{n}x{i}" for i in range(prompt_len // 3))
-                before = hits()
+                before = await hits()
                 t0 = time.perf_counter()
-                first = None
-                async with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": rep, "n": n,
-                        "stream": True, "stream_options": {"include_usage": True}}) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            chunk = json.loads(line[6:])
-                            if first is None and chunk.get("choices"):
-                                first = time.perf_counter() - t0
-                            if n == 4 and chunk.get("usage") and not chunk.get("choices"):
-                                out["prompt_tokens"].append(chunk["usage"]["prompt_tokens"])
-                out["ttft_ms"][str(n)].append(1000 * first)
+                c = await stream_completion(http, {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": rep,
+                                                   "n": n, "stream_options": {"include_usage": True}})
+                out["ttft_ms"][str(n)].append(1000 * (c.token_times[0] - t0))
                 if n == 4:
-                    out["sibling_hit_tokens"].append(hits() - before)
+                    out["prompt_tokens"].append(c.usage["prompt_tokens"])
+                    out["sibling_hit_tokens"].append(await hits() - before)
     return out
 
 
-@click.command()
+def _print(result: dict) -> None:
+    med = statistics.median
+    g = result["grammar"]
+    click.echo("model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} "
+               "repeats {repeats}".format(**result))
+    click.echo(f"{'what':<34} {'value':>10}  rounds")
+    click.echo(f"{'decode tok/s, grammar / none':<34} {g['decode_ratio']:>10}  {g['decode_ratio_rounds']}")
+    click.echo(f"{'TTFT added by a cached grammar ms':<34} {g['ttft_added_ms']:>10}  "
+               f"{g['ttft_ms_cached_grammar']} vs {g['ttft_ms_plain']}")
+    if "n" in result:
+        r = result["n"]
+        click.echo(f"{'TTFT n=4 / n=1':<34} {r['ttft_ratio']:>10}  {r['ttft_ratio_rounds']}")
+        click.echo(f"{'siblings prefix-cache hit tokens':<34} {med(r['sibling_hit_tokens']):>10}  "
+                   f"{r['sibling_hit_tokens']} (prompts of {r['prompt_tokens']} tokens)")
+
+
+@bench_command(None, _print)
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--batch", default=32, show_default=True, help="requests decoding together (the grammar cost)")
@@ -130,8 +119,7 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
 @click.option("--output-len", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--no-n", is_flag=True, help="skip the n=4 part (it starts a one-instance cluster)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
-def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_path):
+def features(model, dtype, batch, prompt_len, output_len, repeats, no_n) -> dict:
     """What structured outputs and n cost (against the same work without, in turns)."""
     result: dict = {"model": model, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
                     "output_len": output_len, "repeats": repeats}
@@ -147,27 +135,12 @@ def features(model, dtype, batch, prompt_len, output_len, repeats, no_n, json_pa
     if not no_n:
         import tempfile
 
-        from ferry.cluster import ClusterSpec, LocalCluster, free_port
+        from ferry.cluster import ClusterSpec, free_port
 
-        c = LocalCluster(ClusterSpec(instances=1, engine="native", model=model, port=free_port(),
-                                     instance_args=["--dtype", dtype], log_dir=tempfile.mkdtemp(prefix="ferry-n-")))
-        c.start(timeout_s=300)
-        try:
+        with started(ClusterSpec(instances=1, engine="native", model=model, port=free_port(),
+                                 instance_args=["--dtype", dtype], log_dir=tempfile.mkdtemp(prefix="ferry-n-")),
+                     timeout_s=300) as c:
             n = asyncio.run(_n_rounds(c.url, prompt_len, repeats, c.instances()[0]))
-        finally:
-            c.stop()
         ratio = [a / b for a, b in zip(n["ttft_ms"]["4"], n["ttft_ms"]["1"])]
         result["n"] = {**n, "ttft_ratio_rounds": [round(x, 3) for x in ratio], "ttft_ratio": round(med(ratio), 3)}
-    g = result["grammar"]
-    click.echo(f"model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} repeats {repeats}")
-    click.echo(f"{'what':<34} {'value':>10}  rounds")
-    click.echo(f"{'decode tok/s, grammar / none':<34} {g['decode_ratio']:>10}  {g['decode_ratio_rounds']}")
-    click.echo(f"{'TTFT added by a cached grammar ms':<34} {g['ttft_added_ms']:>10}  "
-               f"{g['ttft_ms_cached_grammar']} vs {g['ttft_ms_plain']}")
-    if "n" in result:
-        r = result["n"]
-        click.echo(f"{'TTFT n=4 / n=1':<34} {r['ttft_ratio']:>10}  {r['ttft_ratio_rounds']}")
-        click.echo(f"{'siblings prefix-cache hit tokens':<34} {med(r['sibling_hit_tokens']):>10}  "
-                   f"{r['sibling_hit_tokens']} (prompts of {r['prompt_tokens']} tokens)")
-    if json_path:
-        write_json(json_path, result, indent=2)
+    return result

@@ -19,9 +19,9 @@ import time
 import click
 import httpx
 
+from ferry.bench.harness import bench_command, cells, instance_arg_option, int_list, median, started
 from ferry.bench.sse import stream_completion
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.machine import write_json
+from ferry.cluster import ClusterSpec, free_port
 
 HEADER = ("prompt", "ttft_colo", "ttft_pd", "2nd_colo", "2nd_pd", "added", "tbt_colo", "tbt_pd", "same")
 
@@ -50,24 +50,15 @@ async def _measure(url: str, lens: list[int], reps: int, max_tokens: int, vocab:
 
 
 def _run_cluster(spec: ClusterSpec, lens, reps, max_tokens, vocab) -> dict[int, list[dict]]:
-    cluster = LocalCluster(spec)
-    cluster.start(timeout_s=600)
-    try:
+    with started(spec, timeout_s=600) as cluster:
         return asyncio.run(_measure(cluster.url, lens, reps, max_tokens, vocab))
-    finally:
-        cluster.stop()
 
 
 def _med(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r[key] is not None]
-    return statistics.median(vals) if vals else None
+    return median(r[key] for r in rows)
 
 
-def _fmt(v) -> str:
-    return f"{v:>10.1f}" if isinstance(v, float) else f"{v!s:>10s}"
-
-
-@click.command()
+@bench_command()
 @click.option("--lengths", default="256,1024,2048", show_default=True, help="prompt lengths (tokens)")
 @click.option("--reps", default=3, show_default=True, help="requests per length (medians reported)")
 @click.option("--max-tokens", default=16, show_default=True)
@@ -76,12 +67,10 @@ def _fmt(v) -> str:
 @click.option("--torch-threads", default=1, show_default=True, help="per instance (both clusters)")
 @click.option("--num-blocks", default=600, show_default=True)
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
-@click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
-def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks, vocab, instance_args,
-            json_path) -> None:
+@instance_arg_option()
+def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks, vocab, instance_args) -> dict:
     """Latency added by the serialized prefill->decode handoff vs a colocated run."""
-    lens = [int(x) for x in lengths.split(",")]
+    lens = int_list(lengths)
     args = ["--num-blocks", str(num_blocks), "--max-model-len", str(max(lens) + max_tokens + 64),
             *instance_args]
     common = {"engine": engine, "model": model, "instance_args": args, "dispatch": "llumnix",
@@ -91,7 +80,7 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
                          lens, reps, max_tokens, vocab)
     summary = {"config": {"engine": engine, "model": model, "torch_threads": torch_threads, "reps": reps,
                           "max_tokens": max_tokens}, "lengths": {}}
-    click.echo("".join(f"{h:>10s}" for h in HEADER))
+    click.echo(cells(HEADER, 10))
     for n in lens:
         c, s = colo[n], split[n]
         same = all(a["text"] == b["text"] for a, b in zip(c, s))
@@ -102,11 +91,10 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
                "same_tokens": same, "every_request_handed_off": handed}
         row["handoff_added_ms"] = row["second_token_split_ms"] - row["second_token_colocated_ms"]
         summary["lengths"][n] = row
-        click.echo(f"{n:>10d}" + "".join(_fmt(row[k]) for k in (
+        click.echo(cells([n, *(row[k] for k in (
             "ttft_colocated_ms", "ttft_split_ms", "second_token_colocated_ms", "second_token_split_ms",
-            "handoff_added_ms", "tbt_colocated_ms", "tbt_split_ms")) + f"{same and handed!s:>10s}")
+            "handoff_added_ms", "tbt_colocated_ms", "tbt_split_ms")), same and handed], 10, 1))
     click.echo("(ms, medians; 2nd = first -> second token, where the handoff happens; added = 2nd_pd - 2nd_colo; "
                "tbt = median gap after the second token; same = identical text and every split request prefilled "
                "on instance-0, decoded on instance-1)")
-    if json_path:
-        write_json(json_path, summary, indent=2)
+    return summary

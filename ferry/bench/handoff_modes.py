@@ -28,7 +28,8 @@ import statistics
 import time
 
 import click
-from ferry.machine import write_json
+
+from ferry.bench.harness import bench_command, int_list
 
 MODES = ("colocated", "serialized", "per_layer")
 
@@ -219,21 +220,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@click.command()
+@bench_command(None, None, json_default="docs/results/handoff_modes.json")
 @click.option("--lengths", default="256,1024,2048,4096", show_default=True, help="prompt lengths, comma-separated")
 @click.option("--repeats", default=3, show_default=True, help="runs of each mode per length (median)")
 @click.option("--dtype", default="auto", show_default=True, help="KV and weights dtype (auto: bf16 where fast)")
 @click.option("--budget", default=2048, show_default=True, help="max_num_batched_tokens (prefill chunk)")
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--threads", default=0, show_default=True, help="torch threads (0: torch's default)")
-@click.option("--json", "json_path", default="docs/results/handoff_modes.json", show_default=True)
-def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: str, threads: int, json_path: str) -> None:
+def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: str, threads: int) -> dict:
     """TTFT-to-second-token added by a prefill->decode handoff, serialized vs per-layer."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-    ns = [int(x) for x in lengths.split(",")]
+    ns = int_list(lengths)
     load0 = os.getloadavg()[0]
     result = asyncio.run(_bench(ns, repeats, dtype, budget, model))
     load1 = os.getloadavg()[0]
@@ -247,6 +247,4 @@ def handoff_modes(lengths: str, repeats: int, dtype: str, budget: int, model: st
            "crossover_prompt_tokens": cross, "crossover_prompt_tokens_wall": cross_wall, "load_average_before_after": [load0, load1],
            "command": f"ferry bench handoff-modes --lengths {lengths} --repeats {repeats} --dtype {dtype} "
                       f"--budget {budget}" + (f" --threads {threads}" if threads else "")}
-    if json_path:
-        write_json(json_path, doc)
-        click.echo(f"wrote {json_path}")
+    return doc

@@ -12,23 +12,27 @@ import random
 import statistics
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import click
 import grpc
 import httpx
 
+from ferry.bench import harness
+from ferry.bench.harness import (cells, first_token_s, instance_arg_option, instance_status, int_list,
+                                 json_option, median, migrate_out, started)
 from ferry.bench.sse import stream_completion
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.cluster import ClusterSpec, free_port
+from ferry.machine import write_json
 from libs.pb import common_pb2 as cpb
 from libs.pb import instance_pb2 as ipb
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
-from ferry.machine import write_json
 
 _KV_TOKENS = 17_600  # the KV cache of every run on record (1,100 blocks of 16)
 
 
-class Background:
+class Background(harness.Background):
     """Requests decoding on one instance through its own gRPC stream; their
     inter-token gaps measure that instance's decode step time. Each slot
     re-issues a request of ``tokens`` output tokens when the last one ends,
@@ -39,11 +43,10 @@ class Background:
     batch than earlier ones."""
 
     def __init__(self, address: str, n: int, prompt_len: int, vocab: int, tokens: int = 256):
-        self.address, self.n, self.prompt_len, self.vocab, self.tokens = address, n, prompt_len, vocab, tokens
-        self.times: list[float | None] = []  # arrival time of every background token (None: a new request)
-        self.tasks: list[asyncio.Task] = []
+        super().__init__(n)
+        self.address, self.prompt_len, self.vocab, self.tokens = address, prompt_len, vocab, tokens
 
-    async def _one(self, i: int):
+    async def _slot(self, i: int):
         rng = random.Random(i)
         async with rpc.channel(self.address) as ch:
             while True:
@@ -60,39 +63,34 @@ class Background:
                                 self.times.append(None)
                             self.times.append(now)
                             first = False
-                except grpc.aio.AioRpcError:
-                    return
-                except asyncio.CancelledError:
+                except (grpc.aio.AioRpcError, asyncio.CancelledError):
                     return
 
-    def start(self):
-        self.tasks = [asyncio.create_task(self._one(i)) for i in range(self.n)]
 
-    async def stop(self):
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+async def _stream_with(http, body, at_token: int, action: Callable[[str], Awaitable]):
+    """One streamed completion; once it has ``at_token`` tokens, ``action(request id)`` runs beside it (never
+    inline: the client must keep reading tokens meanwhile). (text, token times, final, {"t0", "t1": the action's
+    start and end, "result": what it returned})."""
+    info: dict = {}
 
-    def step_ms(self, t0: float, t1: float, inside: bool) -> float | None:
-        gaps = [(b - a) * 1000 for a, b in zip(self.times, self.times[1:])
-                if a is not None and b is not None and (t0 <= b <= t1) == inside]
-        return statistics.median(gaps) if gaps else None
+    async def timed(rid: str) -> None:
+        info["t0"] = time.perf_counter()
+        info["result"] = await action(rid)
+        info["t1"] = time.perf_counter()
 
+    async def on_chunk(c) -> None:
+        if len(c.token_times) == at_token and "task" not in info:
+            info["task"] = asyncio.create_task(timed(c.request_id))
 
-async def _stream(http, body, on_token=None):
-    cb = None
-    if on_token is not None:
-        async def cb(c):
-            await on_token(len(c.token_times), c.request_id)
-    c = await stream_completion(http, body, cb)
-    return c.text, c.token_times, c.final
+    c = await stream_completion(http, body, on_chunk)
+    await info["task"]
+    return c.text, c.token_times, c.final, info
 
 
 async def _holder(cluster, rid):
     for _ in range(200):
         for inst in cluster.instances():
-            async with rpc.channel(inst.address) as ch:
-                st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest())
+            st = await instance_status(inst.address, timeout=None)
             if any(r.request_id == rid and r.state == cpb.RequestLoad.RUNNING for r in st.requests):
                 return inst
         await asyncio.sleep(0.01)
@@ -102,10 +100,7 @@ async def _holder(cluster, rid):
 async def _migrate(cluster, rid, blocking=False):
     src = await _holder(cluster, rid)
     dst = next(i for i in cluster.instances() if i is not src)
-    async with rpc.channel(src.address) as ch:
-        reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
-            request_id=rid, dest_instance_id=dst.name, dest_address=dst.address, blocking=blocking), timeout=300)
-    return src, dst, reply.results[0]
+    return src, dst, (await migrate_out(src, rid, dst, timeout=300, blocking=blocking)).results[0]
 
 
 STALL_TAIL_S = 0.3  # the stall's window runs this long past the migration's end
@@ -179,39 +174,13 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
     # it, the steps outside the migration window mix steps with and without
     # the long request (it has left after the window) and read a slowdown
     # that is the request's own attention, not the migration.
-    ref = {}
-
-    async def ref_at(n, rid):
-        if n == at_token and "task" not in ref:
-            ref["t0"] = time.perf_counter()
-
-            async def find():
-                ref["holder"] = await _holder(cluster, rid)
-            ref["task"] = asyncio.create_task(find())
-
-    reference, ref_times, _ = await _stream(http, body, ref_at)
-    await ref["task"]
-    baseline_step = bgs[ref["holder"].name].step_ms(ref["t0"], ref_times[-1], True)
+    reference, ref_times, _, ref = await _stream_with(http, body, at_token, lambda rid: _holder(cluster, rid))
+    baseline_step = bgs[ref["result"].name].step_ms(ref["t0"], ref_times[-1], True)
     rows = []
     for _ in range(runs):
-        info = {}
-
-        async def migrate_now(rid):
-            info["t0"] = time.perf_counter()
-            info["src"], _, info["res"] = await _migrate(cluster, rid)
-            info["t1"] = time.perf_counter()
-
-        async def on_token(n, rid):
-            # NOTE: order the migration beside the stream, never inline: the
-            # client must keep reading tokens while the migration runs.
-            if n == at_token and "task" not in info:
-                info["task"] = asyncio.create_task(migrate_now(rid))
-
-        text, times, final = await _stream(http, body, on_token)
-        await info["task"]
-        res = info["res"]
-        bg = bgs[info["src"].name]
-        dst_bg = bgs[next(i.name for i in cluster.instances() if i.name != info["src"].name)]
+        text, times, final, info = await _stream_with(http, body, at_token, lambda rid: _migrate(cluster, rid))
+        src, dst, res = info["result"]
+        bg, dst_bg = bgs[src.name], bgs[dst.name]
         suspend, parts, through = switch_point(times, res)
         stall, itl = client_stall(times, info["t0"], info["t1"], through)
         big = largest_gap(times, info["t0"], info["t1"], through)
@@ -237,44 +206,24 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
             "dest_step_ms": dst_bg.step_ms(info["t0"] - 3, info["t1"] + 3, False),
         })
     # Baseline 1: blocking copy = suspend, then copy every block (no pre-copy).
-    info = {}
-
-    async def block_at(n, rid):
-        if n == at_token and "task" not in info:
-            async def go():
-                info["t0"] = time.perf_counter()
-                _, _, info["res"] = await _migrate(cluster, rid, blocking=True)
-                info["t1"] = time.perf_counter()
-            info["task"] = asyncio.create_task(go())
-
-    _, btimes, _ = await _stream(http, body, block_at)
-    await info["task"]
-    blocking_ms = info["res"].downtime_ms or None
-    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], switch_point(btimes, info["res"])[2])
+    _, btimes, _, info = await _stream_with(http, body, at_token, lambda rid: _migrate(cluster, rid, blocking=True))
+    blocked = info["result"][2]
+    blocking_ms = blocked.downtime_ms or None
+    blocking_stall, _ = client_stall(btimes, info["t0"], info["t1"], switch_point(btimes, blocked)[2])
     # Baseline 2: recompute = prefill prompt + output so far at the destination.
-    dst = cluster.instances()[1]
-    async with rpc.channel(dst.address) as ch:
-        t0 = time.perf_counter()
-        call = ipb_grpc.InstanceStub(ch).Generate(ipb.GenerateRequest(
-            request_id=f"recompute-{uuid.uuid4().hex[:8]}", prompt_token_ids=prompt + [100] * at_token,
-            sampling=cpb.SamplingParams(max_tokens=1, ignore_eos=True)))
-        async for ev in call:
-            if ev.token_ids:
-                break
-        recompute_ms = (time.perf_counter() - t0) * 1000
+    async with rpc.channel(cluster.instances()[1].address) as ch:
+        recompute_ms = 1000 * await first_token_s(ipb_grpc.InstanceStub(ch), f"recompute-{uuid.uuid4().hex[:8]}",
+                                                  prompt + [100] * at_token, 1, ignore_eos=True)
     ok = [r for r in rows if r["committed"]]
-    itls = [r["itl_ms"] for r in ok if r["itl_ms"] is not None]
-    itl = statistics.median(itls) if itls else None
+    itl = median(r["itl_ms"] for r in ok)
 
     def med(key):
-        vals = [r[key] for r in ok if r[key] is not None]
-        return statistics.median(vals) if vals else None
+        return median(r[key] for r in ok)
 
     during, outside = med("step_ms_during"), baseline_step
     parts = [r["breakdown"] for r in ok if r["breakdown"]]
     keys = {k for p in parts for k in p} - {"switch_token", "largest_gap_token"}
-    breakdown = {k: statistics.median(p[k] for p in parts if p.get(k) is not None) for k in sorted(keys)
-                 if any(p.get(k) is not None for p in parts)} if parts else None
+    breakdown = {k: m for k in sorted(keys) if (m := median(p.get(k) for p in parts)) is not None} if parts else None
     if parts:  # how often the largest gap is the switch itself
         breakdown["largest_is_switch"] = sum(p.get("largest_gap_token") == p["switch_token"] for p in parts) / len(parts)
     return {
@@ -309,7 +258,7 @@ def _row(length, r) -> str:
     vals = [str(length), r["downtime_ms"], r["commit_ack_ms"], r["stall_ms"], r["itl_ms"], join, r["stages"],
             (r["bytes"] or 0) / 2**20, r["total_ms"], str(r["tokens_match"]), s["without_migration"],
             s["during_migration"], r["blocking_copy_ms"], r["blocking_copy_stall_ms"], r["recompute_ms"]]
-    return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{str(v):>11s}" for v in vals)
+    return cells(vals)
 
 
 def _flat(res: dict, key: str) -> float | None:
@@ -358,17 +307,17 @@ async def _run(cluster, lengths, runs, background, out_tokens, at_token, vocab, 
               help="KV blocks per instance (default: 17,600 tokens' worth at the instance's default block size: "
                    "1,100 of 16, 550 of 32)")
 @click.option("--vocab", default=49152, show_default=True, help="prompt token ids are drawn below this")
-@click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
+@instance_arg_option()
 @click.option("--pin-cores/--no-pin-cores", default=False, show_default=True,
               help="pin the two instances to their own share of the cores each (ferry up --pin-cores)")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="the services' logs at info level into this folder (each migration's transitions, and how "
                    "long each request waited to join the destination's batch); else warnings to the terminal")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@json_option()
 def migration(lengths, runs, background, out_tokens, at_token, engine, model, device, dtype, num_blocks, vocab,
               instance_args, pin_cores, log_dir, json_path) -> None:
     """Downtime of live migration vs sequence length, against blocking copy and recompute."""
-    lens = [int(x) for x in lengths.split(",")]
+    lens = int_list(lengths)
     if num_blocks is None:
         from services.instance.config import default_block_size
 
@@ -387,19 +336,15 @@ def migration(lengths, runs, background, out_tokens, at_token, engine, model, de
     def on_length(results: dict) -> None:
         # Print and save each length as it completes: long lengths take minutes on a CPU.
         if len(results) == 1:
-            click.echo("".join(f"{h:>11s}" for h in HEADER))
+            click.echo(cells(HEADER))
         length = list(results)[-1]
         click.echo(_row(length, results[length]))
         config["loadavg_at_end"] = os.getloadavg()  # other work on the machine skews every number
         if json_path:
-            write_json(json_path, _summary(results, config), indent=2)
+            write_json(json_path, _summary(results, config))
 
-    cluster = LocalCluster(spec)
-    cluster.start(timeout_s=600)
-    try:
+    with started(spec, timeout_s=600) as cluster:
         res = asyncio.run(_run(cluster, lens, runs, background, out_tokens, at_token, vocab, on_length))
-    finally:
-        cluster.stop()
     out = _summary(res, config)
     for k, v in out["flatness"].items():
         click.echo(f"flatness of {k} (at {lens[-1]} / at {lens[0]}): " + (f"{v:.2f}" if v else "n/a"))

@@ -29,25 +29,23 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import statistics
 import time
 
 import click
 
+from ferry.bench import harness
+from ferry.bench.harness import cells, int_list, json_option, median
 from ferry.bench.migration import client_stall, switch_point
 from ferry.machine import write_json
 
 
-class _Background:
-    """``n`` requests decoding on one node, each re-issued when it ends; the
-    arrival times of slot 0's tokens time the node's steps (None between
-    two of its requests: the gap across a prefill is no step)."""
+class _Background(harness.Background):
+    """``n`` requests decoding on one node (ferry/inprocess.py's Client), each re-issued when it ends."""
 
     def __init__(self, cluster, node: str, n: int, prompt_len: int, tokens: int, vocab: int):
-        self.cluster, self.node, self.n = cluster, node, n
+        super().__init__(n)
+        self.cluster, self.node = cluster, node
         self.prompt_len, self.tokens, self.vocab = prompt_len, tokens, vocab
-        self.times: list[float | None] = []
-        self.tasks: list[asyncio.Task] = []
         self._count = 0
 
     async def _slot(self, i: int) -> None:
@@ -70,27 +68,9 @@ class _Background:
                 self.times.extend(c.times[seen:])
             await task
 
-    def start(self) -> None:
-        self.tasks = [asyncio.create_task(self._slot(i)) for i in range(self.n)]
-
-    async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-    def step_ms(self, t0: float, t1: float) -> float | None:
-        gaps = [(b - a) * 1000 for a, b in zip(self.times, self.times[1:])
-                if a is not None and b is not None and t0 <= b <= t1]
-        return statistics.median(gaps) if gaps else None
-
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
-def _med(vals) -> float | None:
-    vals = [v for v in vals if v is not None]
-    return statistics.median(vals) if vals else None
 
 
 async def _one(cluster, bgs, prompt, out_tokens, at_token, rid, blocking=False) -> dict:
@@ -146,13 +126,11 @@ async def _length(cluster, bgs, length, runs, out_tokens, at_token, vocab, modes
             blk = await _one(cluster, bgs, prompt, out_tokens, at_token, f"blk-{length}-{mode}", blocking=True)
             blk["tokens_match"] = blk.pop("tokens") == want
         ok = [r for r in rows[mode] if r["committed"]]
-        during = _med(r["step_ms_during"] for r in ok)
+        during = median(r["step_ms_during"] for r in ok)
         out["by_transfer"][mode] = {
-            "downtime_ms": _med(r["downtime_ms"] for r in ok), "commit_ack_ms": _med(r["commit_ack_ms"] for r in ok),
-            "stall_ms": _med(r["stall_ms"] for r in ok), "itl_ms": _med(r["itl_ms"] for r in ok),
-            "total_ms": _med(r["total_ms"] for r in ok), "copy_gbps": _med(r["copy_gbps"] for r in ok),
-            "bytes": _med(r["bytes"] for r in ok), "stages": _med(r["stages"] for r in ok),
-            "step_ms_during": during, "dest_step_ms": _med(r["dest_step_ms"] for r in ok),
+            **{k: median(r[k] for r in ok) for k in ("downtime_ms", "commit_ack_ms", "stall_ms", "itl_ms", "total_ms",
+                                                      "copy_gbps", "bytes", "stages")},
+            "step_ms_during": during, "dest_step_ms": median(r["dest_step_ms"] for r in ok),
             "slowdown": (during / baseline - 1) if during and baseline else None,
             "tokens_match": bool(rows[mode]) and all(r["tokens_match"] for r in rows[mode]),
             "committed": len(ok), "runs": len(rows[mode]),
@@ -179,7 +157,7 @@ def _row(length, mode, ref_step, r, control: bool) -> str:
             ref_step, r["step_ms_during"], None if r["slowdown"] is None else f"{r['slowdown'] * 100:+.1f}%",
             r["blocking_downtime_ms"], r["blocking_stall_ms"],
             f"{r['tokens_match'] and r['blocking_tokens_match']}/{control}"]
-    return "".join(f"{v:>11.2f}" if isinstance(v, float) else f"{v!s:>11s}" for v in vals)
+    return cells(vals)
 
 
 async def _run(opts: dict, on_length) -> dict:
@@ -258,13 +236,13 @@ def _device_name(device) -> str:
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="on CUDA, also the plain transfer (the engine's stream, pageable memory), alternating")
 @click.option("--vocab", default=32000, show_default=True, help="prompt token ids are drawn below this")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False))
+@json_option()
 def migration_local(json_path, lengths, **opts) -> None:
     """Live migration between two engines in this process (GPU: staged vs plain KV transfer)."""
     from libs.common.logging import setup_logging
 
     setup_logging("warning")
-    opts["lengths"] = [int(x) for x in lengths.split(",")]
+    opts["lengths"] = int_list(lengths)
     started = time.perf_counter()
 
     def on_length(results: dict, length: int) -> None:
@@ -272,12 +250,12 @@ def migration_local(json_path, lengths, **opts) -> None:
         if len(results["lengths"]) == 1:
             click.echo(f"{results['config']['device_name']}, {opts['model']} {opts['dtype']}, "
                        f"{results['config']['num_blocks']} blocks per engine")
-            click.echo("".join(f"{h:>11s}" for h in HEADER))
+            click.echo(cells(HEADER))
         for mode, m in r["by_transfer"].items():
             click.echo(_row(length, mode, r["reference_step_ms"], m, r["control_match"]))
         results["config"]["elapsed_s"] = time.perf_counter() - started
         if json_path:
-            write_json(json_path, results, indent=2)
+            write_json(json_path, results)
 
     asyncio.run(_run(opts, on_length))
     click.echo("(ms; downtime = suspend -> first step on the destination; ack = suspend -> commit acknowledged; "

@@ -26,12 +26,11 @@ import click
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from ferry.bench.harness import bench_command, first_token_s, started
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from libs.pb import common_pb2 as cpb
-from libs.pb import instance_pb2 as ipb
+from ferry.measure.metrics import percentile as pct
 from libs.pb import instance_pb2_grpc as ipb_grpc
 from libs.common import rpc
-from ferry.machine import write_json
 
 PROMPT = "measure the overhead of the serving path"
 
@@ -41,15 +40,7 @@ async def _direct_ttft(address: str, n: int) -> list[float]:
     async with rpc.channel(address) as ch:
         stub = ipb_grpc.InstanceStub(ch)
         for _ in range(n):
-            req = ipb.GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=list(PROMPT.encode()),
-                                      sampling=cpb.SamplingParams(max_tokens=2))
-            t0 = time.perf_counter()
-            call = stub.Generate(req)
-            async for ev in call:
-                if ev.token_ids:
-                    out.append(time.perf_counter() - t0)
-                    break
-            call.cancel()
+            out.append(await first_token_s(stub, uuid.uuid4().hex, list(PROMPT.encode()), 2))
             await asyncio.sleep(0.005)  # let the abort land; keep both paths equally idle
     return out
 
@@ -98,9 +89,9 @@ async def _rate_step(http: aiohttp.ClientSession, rate: float, duration_s: float
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - start
     errors = sum(1 for ok, _ in results if not ok)
-    lat = sorted(t for ok, t in results if ok) or [float("nan")]
+    lat = [t for ok, t in results if ok] or [float("nan")]
     return {"offered_rps": rate, "achieved_rps": (n - errors) / wall, "error_rate": errors / max(1, n),
-            "latency_ms_p50": 1000 * lat[len(lat) // 2], "latency_ms_p99": 1000 * lat[int(len(lat) * 0.99)]}
+            "latency_ms_p50": 1000 * pct(lat, 50), "latency_ms_p99": 1000 * pct(lat, 99)}
 
 
 async def _frontend_ttft_total(http: aiohttp.ClientSession) -> tuple[float, float]:
@@ -160,10 +151,6 @@ async def _ttft_samples(targets: dict[str, tuple[str, str]], samples: int, round
             await h.close()
 
 
-def _p50_ms(xs: list[float]) -> float:
-    return 1000 * float(np.median(xs))
-
-
 async def added_ttft_ab(clusters: dict[str, LocalCluster], samples: int) -> dict:
     """Added TTFT p50 of each cluster, their samples interleaved in rounds
     (the same machine state for all): {label: {frontend, direct, added}}."""
@@ -171,7 +158,7 @@ async def added_ttft_ab(clusters: dict[str, LocalCluster], samples: int) -> dict
                               samples, rounds=8, read_inside=False)
     out = {}
     for k, g in got.items():
-        f, fn, d = _p50_ms(g.frontend), _p50_ms(g.frontend_new_conn), _p50_ms(g.direct)
+        f, fn, d = (1000 * pct(x, 50) for x in (g.frontend, g.frontend_new_conn, g.direct))
         out[k] = {"frontend_ttft_ms_p50": f, "direct_ttft_ms_p50": d, "added_ttft_ms_p50": f - d,
                   "frontend_new_conn_ttft_ms_p50": fn, "added_new_conn_ttft_ms_p50": fn - d}
     return out
@@ -193,13 +180,11 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
     inside = 1000 * got.inside_s / got.inside_n if got.inside_n else float("nan")
     ok = [s for s in steps if s["error_rate"] < 0.05 and s["achieved_rps"] >= 0.9 * s["offered_rps"]]
     return {
-        "direct_ttft_ms_p50": float(np.percentile(d, 50)), "direct_ttft_ms_p99": float(np.percentile(d, 99)),
-        "frontend_ttft_ms_p50": float(np.percentile(f, 50)), "frontend_ttft_ms_p99": float(np.percentile(f, 99)),
-        "added_ttft_ms_p50": float(np.percentile(f, 50) - np.percentile(d, 50)),
-        "added_ttft_ms_p99": float(np.percentile(f, 99) - np.percentile(d, 99)),
+        "direct_ttft_ms_p50": pct(d, 50), "direct_ttft_ms_p99": pct(d, 99),
+        "frontend_ttft_ms_p50": pct(f, 50), "frontend_ttft_ms_p99": pct(f, 99),
+        "added_ttft_ms_p50": pct(f, 50) - pct(d, 50), "added_ttft_ms_p99": pct(f, 99) - pct(d, 99),
         # The same, each request on a new HTTP connection (a client without a pool).
-        "frontend_new_conn_ttft_ms_p50": float(np.percentile(fn, 50)),
-        "added_new_conn_ttft_ms_p50": float(np.percentile(fn, 50) - np.percentile(d, 50)),
+        "frontend_new_conn_ttft_ms_p50": pct(fn, 50), "added_new_conn_ttft_ms_p50": pct(fn, 50) - pct(d, 50),
         # Where the added time goes, in means (the frontend's histogram gives no
         # per-request values): inside = dispatch + the instance call as the
         # frontend sees it, against the same call made directly; edge = HTTP,
@@ -214,7 +199,7 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
     }
 
 
-@click.command()
+@bench_command()
 @click.option("--instances", default=2, show_default=True)
 @click.option("--samples", default=200, show_default=True, help="TTFT samples per path")
 @click.option("--rates", default="100,200,300,400,500,600,800,1000,1200", show_default=True,
@@ -223,7 +208,6 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 @click.option("--token-delay-ms", default=1.0, show_default=True, help="fake engine step time")
 @click.option("--cluster-token/--no-cluster-token", default=True, show_default=True,
               help="the inner services check a cluster token on every call, as under `ferry up`")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results here")
 @click.option("--tracing", is_flag=True,
               help="instead of the rate steps, what tracing adds: clusters with tracing off (two: the noise floor) "
                    "and on at 100%% sampling (spans exported to a local OTLP receiver in its own process), their "
@@ -233,22 +217,22 @@ async def _run(cluster: LocalCluster, samples: int, rates: list[float], step_s: 
 @click.option("--ab-frontend-arg", "ab_args", multiple=True,
               help="instead of the rate steps, compare added TTFT against a second cluster whose frontend has this "
                    "extra argument (repeatable), the two sampled in turns, e.g. --ab-frontend-arg=--no-dispatch-stream")
-def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, json_path, tracing, trace_sample_ratio,
-             ab_args) -> None:
+def overhead(instances, samples, rates, step_s, token_delay_ms, cluster_token, tracing, trace_sample_ratio,
+             ab_args) -> dict:
     """Frontend + scheduler overhead on a fake-engine cluster."""
     token = rpc.new_token() if cluster_token else ""
     before = rpc.current()
     if token:  # the direct calls to an instance carry it too
         rpc.configure(rpc.Credentials(token=token))
     try:
-        _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args, tracing,
-                  trace_sample_ratio)
+        return _overhead(instances, samples, rates, step_s, token_delay_ms, token, ab_args, tracing, trace_sample_ratio)
     finally:  # this process's credentials as they were (the command also runs in-process, in tests)
         rpc.configure(before)
 
 
-def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_path, ab_args, tracing=False,
-              trace_sample_ratio=1.0) -> None:
+def _overhead(instances, samples, rates, step_s, token_delay_ms, token, ab_args, tracing=False,
+              trace_sample_ratio=1.0) -> dict:
+    """The results of one of the three runs: tracing's cost, an A/B of two frontends, or the rate steps."""
     def spec(frontend_args=(), otlp_endpoint=""):
         return ClusterSpec(instances=instances, engine="fake", port=free_port(), log_level="warning",
                            instance_args=["--token-delay-ms", str(token_delay_ms), "--num-blocks", "65536"],
@@ -257,17 +241,11 @@ def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_pat
     if tracing:
         from ferry.bench.tracing_overhead import run
 
-        run(spec, samples, json_path, trace_sample_ratio)
-        return
+        return run(spec, samples, trace_sample_ratio)
     if ab_args:
-        _overhead_ab(spec, samples, list(ab_args), json_path)
-        return
-    cluster = LocalCluster(spec())
-    cluster.start(timeout_s=60)
-    try:
+        return _overhead_ab(spec, samples, list(ab_args))
+    with started(spec(), timeout_s=60) as cluster:
         res = asyncio.run(_run(cluster, samples, [float(r) for r in rates.split(",")], step_s))
-    finally:
-        cluster.stop()
     res["config"] = {"instances": instances, "token_delay_ms": token_delay_ms, "step_s": step_s,
                      "cluster_token": bool(token)}
     click.echo(f"\n{'metric':28s}{'value':>12s}")
@@ -276,23 +254,15 @@ def _overhead(instances, samples, rates, step_s, token_delay_ms, token, json_pat
         click.echo(f"{k:28s}{res[k]:12.2f}")
     for k, v in res["split_ms_mean"].items():
         click.echo(f"{'mean ' + k:28s}{v:12.2f}")
-    if json_path:
-        write_json(json_path, res, indent=2)
+    return res
 
 
-def _overhead_ab(spec, samples: int, ab_args: list[str], json_path: str | None) -> None:
+def _overhead_ab(spec, samples: int, ab_args: list[str]) -> dict:
     labels = {"default": [], " ".join(ab_args): ab_args}
-    clusters = {k: LocalCluster(spec(a)) for k, a in labels.items()}
-    try:
-        for c in clusters.values():
-            c.start(timeout_s=60)
-        res = asyncio.run(added_ttft_ab(clusters, samples))
-    finally:
-        for c in clusters.values():
-            c.stop()
+    with started(*(spec(a) for a in labels.values()), timeout_s=60) as clusters:
+        res = asyncio.run(added_ttft_ab(dict(zip(labels, clusters)), samples))
     click.echo(f"\n{'frontend':28s}{'added p50 ms':>14s}{'new conn':>10s}{'frontend p50':>14s}{'direct p50':>12s}")
     for k, r in res.items():
         click.echo(f"{k:28s}{r['added_ttft_ms_p50']:14.2f}{r['added_new_conn_ttft_ms_p50']:10.2f}"
                    f"{r['frontend_ttft_ms_p50']:14.2f}{r['direct_ttft_ms_p50']:12.2f}")
-    if json_path:
-        write_json(json_path, {"ab": res, "samples": samples}, indent=2)
+    return {"ab": res, "samples": samples}

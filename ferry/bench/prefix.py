@@ -18,13 +18,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import click
 
-from ferry.bench.engine import int_list
+from ferry.bench.harness import bench_command, int_list, seed_option
 
 
 def _tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -139,7 +138,22 @@ def replay_hit_rate(engine, work, seed: int, token_range: tuple[int, int]) -> di
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-@click.command("prefix")
+def _print(r: dict) -> None:
+    click.echo(f"model {r['model']}  dtype {r['dtype']}  block {r['block_size']}  threads {r['threads']}  "
+               f"+{r['new_tokens']} new tokens  budget {r['max_num_batched_tokens']}  {r['repeats']} rounds (medians)")
+    click.echo(f"{'prefix':>7}  {'cached ms':>10}  {'uncached ms':>12}  {'ratio':>7}  {'hit tokens':>10}")
+    for L, v in r["ttft"].items():
+        click.echo(f"{L:>7}  {v['cached_ms']:>10.1f}  {v['uncached_ms']:>12.1f}  {v['ratio']:>7.3f}  "
+                   f"{min(v['hit_tokens'])!s:>10}")
+    h = r.get("hit_rate")
+    if h:
+        b = h["upper_bound"]["hit_rate"]
+        click.echo(f"workload {h['workload']['prefix']} ({h['engine']}, n={h['workload']['num_requests']}): hit rate "
+                   f"{100 * (h['hit_rate'] or 0):.1f}% vs upper bound {100 * (b or 0):.1f}% "
+                   f"({h['evictions']} evictions)")
+
+
+@bench_command("prefix", _print)
 @click.option("--model", default="smollm2", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--prefix-lens", default="256,512,1024,2048", show_default=True,
@@ -156,10 +170,9 @@ def replay_hit_rate(engine, work, seed: int, token_range: tuple[int, int]) -> di
 @click.option("--num-requests", "-n", default=60, show_default=True)
 @click.option("--workload-engine", type=click.Choice(["native", "fake"]), default="native", show_default=True)
 @click.option("--token-delay-ms", default=20.0, show_default=True, help="fake workload engine: time per step")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None)
+@seed_option()
 def prefix(model, dtype, prefix_lens, new_tokens, repeats, num_blocks, max_num_batched_tokens, threads,
-           workload_prefix, arrivals, lengths, num_requests, workload_engine, token_delay_ms, seed, json_path):
+           workload_prefix, arrivals, lengths, num_requests, workload_engine, token_delay_ms, seed) -> dict:
     """TTFT with a cached prefix vs uncached, and a workload's hit rate vs its upper bound."""
     import torch
 
@@ -193,23 +206,4 @@ def prefix(model, dtype, prefix_lens, new_tokens, repeats, num_blocks, max_num_b
             token_range = (1000, min(vocab, 32000))
         result["hit_rate"] = {"engine": workload_engine, **replay_hit_rate(eng, work, seed, token_range)}
         eng.check_integrity()
-    _print(result)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
-        click.echo(f"wrote {json_path}")
-
-
-def _print(r: dict) -> None:
-    click.echo(f"model {r['model']}  dtype {r['dtype']}  block {r['block_size']}  threads {r['threads']}  "
-               f"+{r['new_tokens']} new tokens  budget {r['max_num_batched_tokens']}  {r['repeats']} rounds (medians)")
-    click.echo(f"{'prefix':>7}  {'cached ms':>10}  {'uncached ms':>12}  {'ratio':>7}  {'hit tokens':>10}")
-    for L, v in r["ttft"].items():
-        click.echo(f"{L:>7}  {v['cached_ms']:>10.1f}  {v['uncached_ms']:>12.1f}  {v['ratio']:>7.3f}  "
-                   f"{min(v['hit_tokens'])!s:>10}")
-    h = r.get("hit_rate")
-    if h:
-        b = h["upper_bound"]["hit_rate"]
-        click.echo(f"workload {h['workload']['prefix']} ({h['engine']}, n={h['workload']['num_requests']}): hit rate "
-                   f"{100 * (h['hit_rate'] or 0):.1f}% vs upper bound {100 * (b or 0):.1f}% "
-                   f"({h['evictions']} evictions)")
+    return result

@@ -127,7 +127,7 @@ def profile(json_path, model, device, dtype, num_blocks, block_size, prefill_len
     """Measure the native engine here and write a sim profile (JSON)."""
     import torch
 
-    from ferry.bench.engine import int_list
+    from ferry.bench.harness import int_list
     from ferry.machine import write_json
     from services.instance.engine import create_engine
     from services.instance.engine.base import EngineConfig, EngineError

@@ -15,19 +15,17 @@ those of a baseline period before the first one."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 
 import click
 import httpx
 
-from ferry.bench.chaos import expected_fake_text
-from ferry.bench.harness import leaks
+from ferry.bench.harness import (bench_command, expected_fake_text, fmt, leaks, log_dir_for, running,
+                                 seed_option)
 from ferry.bench.retrying import Attempted, Outcome, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure.metrics import percentile as pct
@@ -69,16 +67,15 @@ def _summary(rows: list[Attempted]) -> dict:
 
 async def run_rolling(engine: str, instances: int, concurrency: int, baseline_s: float, settle_s: float,
                       seed: int, log_dir: str | None) -> dict:
-    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-rolling-")
+    log_dir = log_dir_for(log_dir, "rolling")
     fake = engine == "fake"
     args = ["--token-delay-ms", "10", "--num-blocks", "4096"] if fake else ["--num-blocks", "1024"]
-    cluster = LocalCluster(ClusterSpec(instances=instances, engine=engine, port=free_port(), instance_args=args,
-                                       log_dir=log_dir, frontend_args=["--shutdown-grace-s", "120"]))
-    await asyncio.to_thread(cluster.start, 600 if not fake else 60)
+    spec = ClusterSpec(instances=instances, engine=engine, port=free_port(), instance_args=args, log_dir=log_dir,
+                       frontend_args=["--shutdown-grace-s", "120"])
     rows: list[tuple[float, float, Attempted, str, int]] = []  # (sent, done, result, prompt, n)
     stop = asyncio.Event()
     restarts: list[Restart] = []
-    try:
+    async with running(spec, 60 if fake else 600) as cluster:
         limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
         async with httpx.AsyncClient(base_url=cluster.url, timeout=300, limits=limits) as http:
             async def client(k: int) -> None:
@@ -104,8 +101,6 @@ async def run_rolling(engine: str, instances: int, concurrency: int, baseline_s:
             await asyncio.gather(*clients)
             duration = time.perf_counter() - t0
             leaked, integrity_errors, live = await leaks(cluster)
-    finally:
-        await asyncio.to_thread(cluster.stop)
     first, last = restarts[0].began, restarts[-1].ended
     windows = [(r.began, r.ended) for r in restarts]
     during = [a for s, e, a, _, _ in rows if any(s < we and e > ws for ws, we in windows)]
@@ -131,10 +126,6 @@ async def run_rolling(engine: str, instances: int, concurrency: int, baseline_s:
     }
 
 
-def _f(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
 def print_report(res: dict) -> None:
     print(f"\nrolling restart: {res['engine']}, {res['instances']} instances, {res['concurrency']} streams, "
           f"{res['duration_s']}s ({res['restart_span_s']}s of restarts)")
@@ -148,28 +139,22 @@ def print_report(res: dict) -> None:
     print(f"\n{'':<18}{'requests':>9}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}{'max':>8}  (ms)")
     for k in ("baseline", "during_restarts"):
         s = res[k]
-        print(f"{k:<18}{s['requests']:>9}{_f(s['ttft_ms_p50']):>10}{_f(s['ttft_ms_p99']):>8}"
-              f"{_f(s['tbt_ms_p50']):>9}{_f(s['tbt_ms_p99']):>8}{_f(s['tbt_ms_max']):>8}")
+        print(f"{k:<18}{s['requests']:>9}" + "".join(f"{fmt(s[c]):>{w}}" for c, w in (
+            ("ttft_ms_p50", 10), ("ttft_ms_p99", 8), ("tbt_ms_p50", 9), ("tbt_ms_p99", 8), ("tbt_ms_max", 8))))
     if res["errors"]:
         print(f"errors: {res['errors']}")
 
 
-@click.command("rolling-restart")
+@bench_command("rolling-restart", print_report,
+               lambda res: res["lost"] or res["cut"] or res["text_mismatches"] or res["leaked_blocks"])
 @click.option("--engine", type=click.Choice(["fake", "native"]), default="fake", show_default=True)
 @click.option("--instances", type=int, default=2, show_default=True)
 @click.option("--concurrency", type=int, default=8, show_default=True, help="client streams, each one after another")
 @click.option("--baseline", "baseline_s", type=float, default=10.0, show_default=True,
               help="seconds of load before the first restart")
 @click.option("--settle", "settle_s", type=float, default=3.0, show_default=True, help="seconds between restarts")
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option()
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results here")
-def rolling_restart(engine, instances, concurrency, baseline_s, settle_s, seed, log_dir, json_path) -> None:
+def rolling_restart(**options) -> dict:
     """Restart every process one by one under load: nothing lost, cut or recomputed."""
-    res = asyncio.run(run_rolling(engine, instances, concurrency, baseline_s, settle_s, seed, log_dir))
-    print_report(res)
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(res, fh, indent=2)
-    if res["lost"] or res["cut"] or res["text_mismatches"] or res["leaked_blocks"]:
-        raise SystemExit(1)
+    return asyncio.run(run_rolling(**options))

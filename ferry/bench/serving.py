@@ -31,11 +31,11 @@ import click
 import httpx
 
 from ferry.bench import client
+from ferry.bench.harness import fmt, instance_status, json_option, report, scheduler_view
 from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
 from libs.common import rpc
 from libs.common.policies import POLICY_NAMES
-from ferry.machine import write_json
 
 POLICIES = POLICY_NAMES  # libs/common/policies: the one registry
 LAG_WARN_MS = 100.0  # send lag (wall) above this: the client could not keep up
@@ -151,7 +151,7 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
     from libs.pb import scheduler_pb2 as pb
     from libs.pb import scheduler_pb2_grpc as pb_grpc
 
-    async with rpc.channel(address) as ch:
+    async with rpc.channel(address) as ch:  # one channel for the run: the client's CPU is the cluster's too
         stub = pb_grpc.SchedulerStub(ch)
         while not stop.is_set():
             try:
@@ -174,21 +174,14 @@ async def prefix_stats(scheduler: str) -> tuple[dict, int | None]:
     (fresher than the view's last report), and the cluster's block size."""
     import grpc
 
-    from libs.pb import instance_pb2 as ipb
-    from libs.pb import instance_pb2_grpc as ipb_grpc
-    from libs.pb import scheduler_pb2 as pb
-    from libs.pb import scheduler_pb2_grpc as pb_grpc
     from libs.common import convert
 
     out, block = {}, None
     try:
-        async with rpc.channel(scheduler) as ch:
-            view = await pb_grpc.SchedulerStub(ch).GetClusterView(pb.ClusterViewRequest(), timeout=5.0)
-        for r in view.instances:
+        for r in (await scheduler_view(scheduler, timeout=5.0)).instances:
             block = block or r.info.block_size
             try:
-                async with rpc.channel(r.info.address) as ch:
-                    st = await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5.0)
+                st = await instance_status(r.info.address, timeout=5.0)
                 out[r.info.instance_id] = convert.status_from_pb(st).prefix_cache
             except grpc.RpcError:
                 out[r.info.instance_id] = convert.status_from_pb(r.status).prefix_cache
@@ -278,15 +271,11 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
 
 # --- output --------------------------------------------------------------------------
 
-def _f(v, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
 def summary_table(run: dict) -> str:
     s = run["summary"]
     head = (f"{run['label']}: {s['completed']}/{s['requests']} completed, wall {s['wall_s']:.1f}s, "
-            f"time scale 1/{run['time_scale']:g}, throughput {_f(s['throughput_rps'], 2)} req/s, "
-            f"{_f(s['output_tokens_per_s'], 0)} tok/s, send lag p99 {_f(s['send_lag_ms']['p99'])} ms (wall)")
+            f"time scale 1/{run['time_scale']:g}, throughput {fmt(s['throughput_rps'], 2)} req/s, "
+            f"{fmt(s['output_tokens_per_s'], 0)} tok/s, send lag p99 {fmt(s['send_lag_ms']['p99'])} ms (wall)")
     cols = (f"{'':8}{'TTFT mean':>11}{'p50':>9}{'p99':>10}{'dec mean':>11}{'p99':>9}{'e2e mean':>11}{'p99':>10}"
             f"{'preempt':>9}{'loss ms':>9}{'migr':>6}")
     lines = [head, cols]
@@ -294,9 +283,9 @@ def summary_table(run: dict) -> str:
         if not g["requests"]:
             continue
         t, d, e = g["ttft_ms"], g["decode_ms"], g["e2e_ms"]
-        lines.append(f"{name:8}{_f(t['mean']):>11}{_f(t['p50']):>9}{_f(t['p99']):>10}{_f(d['mean'], 2):>11}"
-                     f"{_f(d['p99'], 2):>9}{_f(e['mean']):>11}{_f(e['p99']):>10}{g['preemptions']:>9}"
-                     f"{_f(g['preemption_loss_ms_mean']):>9}{g['migrations']:>6}")
+        lines.append(f"{name:8}{fmt(t['mean']):>11}{fmt(t['p50']):>9}{fmt(t['p99']):>10}{fmt(d['mean'], 2):>11}"
+                     f"{fmt(d['p99'], 2):>9}{fmt(e['mean']):>11}{fmt(e['p99']):>10}{g['preemptions']:>9}"
+                     f"{fmt(g['preemption_loss_ms_mean']):>9}{g['migrations']:>6}")
     lag = s["send_lag_ms"]["p99"]
     if lag is not None and lag > LAG_WARN_MS:
         lines.append(f"WARNING: the client sent requests up to {lag:,.0f} ms late (p99, wall): this machine's CPU "
@@ -306,8 +295,8 @@ def summary_table(run: dict) -> str:
     pc = s.get("prefix_cache")
     if pc and pc.get("queries"):
         bound = pc.get("upper_bound") or {}
-        lines.append(f"prefix cache: hit rate {_f(100 * pc['hit_rate'])}% of {pc['queries']:,} prompt tokens"
-                     + (f" (upper bound {_f(100 * bound['hit_rate'])}%)" if bound.get("hit_rate") is not None
+        lines.append(f"prefix cache: hit rate {fmt(100 * pc['hit_rate'])}% of {pc['queries']:,} prompt tokens"
+                     + (f" (upper bound {fmt(100 * bound['hit_rate'])}%)" if bound.get("hit_rate") is not None
                         else "") + f", {pc['evictions']:,} blocks evicted")
     return "\n".join(lines)
 
@@ -378,7 +367,7 @@ def serving_options(f):
                      show_default=True, help="the cluster's log level (info: the services' events, e.g. KunServe's "
                                              "drops and restores with their durations)"),
         click.option("--no-progress", "no_progress", is_flag=True, help="no progress bar"),
-        click.option("--json", "json_path", default=None, help="write results here"),
+        json_option(),
         click.option("--plots", "plots_dir", default=None, help="write PNG plots into this folder"),
     ])
 
@@ -403,12 +392,14 @@ def serving(dispatch, json_path, plots_dir, **kw) -> None:
         run = run_serving(options_from(kw), dispatch)
     except wl.WorkloadError as e:
         raise click.UsageError(str(e)) from e
-    click.echo(summary_table(run))
-    if json_path:
-        write_json(json_path, run)
-        click.echo(f"wrote {json_path}")
+    report(run, json_path, lambda r: click.echo(summary_table(r)))
+    write_plots({run["label"]: run}, plots_dir)
+
+
+def write_plots(runs: dict[str, dict], plots_dir: str | None) -> None:
+    """PNG plots of the runs (by label) into ``plots_dir``, when given."""
     if plots_dir:
         from ferry.measure import plots
 
-        for p in plots.write_all({run["label"]: run}, plots_dir):
+        for p in plots.write_all(runs, plots_dir):
             click.echo(f"wrote {p}")

@@ -25,6 +25,7 @@ class Completion:
     token_times: list[float] = field(default_factory=list)  # perf_counter of each non-empty chunk
     final: dict | None = None  # the `ferry` object of the last chunk
     request_id: str | None = None
+    usage: dict | None = None  # with stream_options.include_usage: the usage chunk's
 
 
 async def stream_completion(http: httpx.AsyncClient, body: dict,
@@ -46,6 +47,8 @@ async def stream_completion(http: httpx.AsyncClient, body: dict,
                 c.text += chunk["choices"][0]["text"]
             if chunk.get("ferry"):
                 c.final = chunk["ferry"]
+            if chunk.get("usage"):
+                c.usage = chunk["usage"]
             if on_chunk is not None:
                 await on_chunk(c)
     return c

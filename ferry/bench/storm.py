@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import multiprocessing
 import random
-import tempfile
 import time
 
 import aiohttp
 import click
 import httpx
 
-from ferry.bench.harness import leaks
+from ferry.bench.harness import (bench_command, fmt, instance_arg_option, leaks, log_dir_for, running,
+                                 seed_option)
 from ferry.bench.retrying import stream_with_retries
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
+from ferry.cluster import ClusterSpec, free_port
 from ferry.measure.metrics import percentile as pct
 from services.frontend.service import raise_open_file_limit
 
@@ -143,46 +142,45 @@ async def run_storm(engine: str, instances: int, streams: int, leavers: int, slo
                     max_s: float, frontend_args: list[str], instance_args: list[str], log_dir: str | None,
                     seed: int) -> dict:
     raise_open_file_limit()
-    log_dir = log_dir or tempfile.mkdtemp(prefix="ferry-storm-")
+    log_dir = log_dir_for(log_dir, "storm")
     fake = engine == "fake"
     args = (["--token-delay-ms", "10"] if fake else []) + instance_args
-    cluster = LocalCluster(ClusterSpec(instances=instances, engine=engine, port=free_port(), instance_args=args,
-                                       frontend_args=["--client-timeout-s", "10", *frontend_args], log_dir=log_dir))
-    await asyncio.to_thread(cluster.start, 60 if fake else 600)
+    spec = ClusterSpec(instances=instances, engine=engine, port=free_port(), instance_args=args,
+                       frontend_args=["--client-timeout-s", "10", *frontend_args], log_dir=log_dir)
     rng = random.Random(seed)
     counts: collections.Counter = collections.Counter()
     closed_after: list[float] = []
-    ctx = multiprocessing.get_context("spawn")
-    started, stop = ctx.Event(), ctx.Event()
-    receive, send = ctx.Pipe(duplex=False)
-    watcher = ctx.Process(target=_watcher, args=(cluster.url, max_tokens, started, stop, send), daemon=True)
-    try:
-        watcher.start()
-        await asyncio.to_thread(started.wait, 300)
-        conn = aiohttp.TCPConnector(limit=0, force_close=True)
-        async with aiohttp.ClientSession(base_url=cluster.url, connector=conn,
-                                         timeout=aiohttp.ClientTimeout(total=max_s)) as http:
-            t0 = time.perf_counter()
-            port = int(cluster.url.rsplit(":", 1)[1])
-            work = [asyncio.create_task(_slowloris(port, 1.0, 60.0, closed_after)) for _ in range(slow)]
-            work += [asyncio.create_task(_stream(http, i, max_tokens, counts)) for i in range(streams)]
-            work += [asyncio.create_task(_leaver(http, i, rng, counts)) for i in range(leavers)]
-            _, unfinished = await asyncio.wait(work, timeout=max_s)
-            for t in unfinished:
-                t.cancel()
-            storm_s = time.perf_counter() - t0
-            await asyncio.gather(*unfinished, return_exceptions=True)
-        stop.set()
-        watched = await asyncio.to_thread(receive.recv)
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as side:
-            after = await stream_with_retries(side, {"prompt": "after the storm", "max_tokens": max_tokens},
-                                              retry_refused=False)
-        leaked, integrity_errors, live = await leaks(cluster, timeout_s=120)
-        dead = [c.name for c in cluster.children if not c.alive()]
-    finally:
-        stop.set()
-        watcher.join(30)
-        await asyncio.to_thread(cluster.stop)
+    async with running(spec, 60 if fake else 600) as cluster:
+        ctx = multiprocessing.get_context("spawn")
+        started, stop = ctx.Event(), ctx.Event()
+        receive, send = ctx.Pipe(duplex=False)
+        watcher = ctx.Process(target=_watcher, args=(cluster.url, max_tokens, started, stop, send), daemon=True)
+        try:
+            watcher.start()
+            await asyncio.to_thread(started.wait, 300)
+            conn = aiohttp.TCPConnector(limit=0, force_close=True)
+            async with aiohttp.ClientSession(base_url=cluster.url, connector=conn,
+                                             timeout=aiohttp.ClientTimeout(total=max_s)) as http:
+                t0 = time.perf_counter()
+                port = int(cluster.url.rsplit(":", 1)[1])
+                work = [asyncio.create_task(_slowloris(port, 1.0, 60.0, closed_after)) for _ in range(slow)]
+                work += [asyncio.create_task(_stream(http, i, max_tokens, counts)) for i in range(streams)]
+                work += [asyncio.create_task(_leaver(http, i, rng, counts)) for i in range(leavers)]
+                _, unfinished = await asyncio.wait(work, timeout=max_s)
+                for t in unfinished:
+                    t.cancel()
+                storm_s = time.perf_counter() - t0
+                await asyncio.gather(*unfinished, return_exceptions=True)
+            stop.set()
+            watched = await asyncio.to_thread(receive.recv)
+            async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as side:
+                after = await stream_with_retries(side, {"prompt": "after the storm", "max_tokens": max_tokens},
+                                                  retry_refused=False)
+            leaked, integrity_errors, live = await leaks(cluster, timeout_s=120)
+            dead = [c.name for c in cluster.children if not c.alive()]
+        finally:
+            stop.set()
+            watcher.join(30)
     base = [t * 1000 for o, t in watched["baseline"] if o == "answered" and t is not None]
     admitted = [t * 1000 for o, t in watched["probes"] if o == "answered" and t is not None]
     base_p50, health = pct(base, 50), watched["health_ms"]
@@ -202,26 +200,23 @@ async def run_storm(engine: str, instances: int, streams: int, leavers: int, slo
     }
 
 
-def _r(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
-
-
 def print_report(res: dict) -> None:
     print(f"\nstorm: {res['engine']}, {res['instances']} instances; {res['streams']} streams, {res['leavers']} "
           f"clients that leave, {res['slowloris']} slowloris sockets; {res['storm_s']}s")
     print(f"requests: {res['counts']}  unended {res['unended']}")
     print(f"dead processes {res['dead_processes']}  leaked blocks {res['leaked_blocks']}  "
           f"integrity errors {res['integrity_errors']}")
-    print(f"/health: {res['health_polls']} polls, max {_r(res['health_ms_max'])} ms, p99 {_r(res['health_ms_p99'])} "
+    print(f"/health: {res['health_polls']} polls, max {fmt(res['health_ms_max'])} ms, p99 {fmt(res['health_ms_p99'])} "
           f"ms, not 200: {res['health_not_200']}")
-    print(f"probe TTFT (ms): baseline p50 {_r(res['probe_ttft_ms_baseline_p50'])}; during the storm "
-          f"{res['probes_admitted']} of {res['probes']} admitted, p50 {_r(res['probe_ttft_ms_storm_p50'])} "
-          f"p99 {_r(res['probe_ttft_ms_storm_p99'])} (ratio p50 {res['probe_ttft_ratio_p50']})")
+    print(f"probe TTFT (ms): baseline p50 {fmt(res['probe_ttft_ms_baseline_p50'])}; during the storm "
+          f"{res['probes_admitted']} of {res['probes']} admitted, p50 {fmt(res['probe_ttft_ms_storm_p50'])} "
+          f"p99 {fmt(res['probe_ttft_ms_storm_p99'])} (ratio p50 {res['probe_ttft_ratio_p50']})")
     print(f"slowloris: {res['slowloris_closed']} of {res['slowloris']} closed by the frontend, p50 after "
-          f"{_r(res['slowloris_closed_after_s_p50'])}s; after the storm a probe was {res['after_storm_probe']}")
+          f"{fmt(res['slowloris_closed_after_s_p50'])}s; after the storm a probe was {res['after_storm_probe']}")
 
 
-@click.command("storm")
+@bench_command("storm", print_report, lambda res: res["dead_processes"] or res["leaked_blocks"] or res["unended"]
+               or res["health_ms_max"] > 1000)
 @click.option("--engine", type=click.Choice(["fake", "native"]), default="native", show_default=True)
 @click.option("--instances", type=int, default=2, show_default=True)
 @click.option("--streams", type=int, default=5000, show_default=True, help="concurrent streaming requests")
@@ -230,18 +225,9 @@ def print_report(res: dict) -> None:
 @click.option("--max-tokens", type=int, default=16, show_default=True)
 @click.option("--max-s", type=float, default=600.0, show_default=True, help="bound on the storm's duration")
 @click.option("--frontend-arg", "frontend_args", multiple=True, help="extra `ferry serve frontend` argument")
-@click.option("--instance-arg", "instance_args", multiple=True, help="extra `ferry serve instance` argument")
-@click.option("--seed", type=int, default=0, show_default=True)
+@instance_arg_option()
+@seed_option()
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="write results here")
-def storm(engine, instances, streams, leavers, slow, max_tokens, max_s, frontend_args, instance_args, seed, log_dir,
-          json_path) -> None:
+def storm(frontend_args, instance_args, **options) -> dict:
     """Thousands of streams, leaving clients and slowloris sockets: nothing dies, nothing leaks."""
-    res = asyncio.run(run_storm(engine, instances, streams, leavers, slow, max_tokens, max_s, list(frontend_args),
-                                list(instance_args), log_dir, seed))
-    print_report(res)
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(res, fh, indent=2)
-    if res["dead_processes"] or res["leaked_blocks"] or res["unended"] or res["health_ms_max"] > 1000:
-        raise SystemExit(1)
+    return asyncio.run(run_storm(frontend_args=list(frontend_args), instance_args=list(instance_args), **options))

@@ -19,8 +19,8 @@ import timeit
 
 import click
 
-from ferry.cluster import LocalCluster, free_port
-from ferry.machine import write_json
+from ferry.bench.harness import started
+from ferry.cluster import free_port
 
 # The tracing calls one request makes with tracing off, on its way through
 # the frontend (Router.dispatch and its DispatchRequest, the instance call's
@@ -109,7 +109,7 @@ def on_path_us(number: int = 5000) -> dict[str, float]:
             "otlp_encode_per_span": min(enc) * us}
 
 
-def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
+def run(spec, samples: int, ratio: float = 1.0) -> dict:
     from ferry.bench.overhead import added_ttft_ab
 
     port = free_port()
@@ -118,16 +118,12 @@ def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
                             stdout=subprocess.DEVNULL, stderr=log)
     endpoint = f"http://127.0.0.1:{port}"
     on = f"on ({ratio:.0%} sampled)"
-    clusters = {"off": LocalCluster(spec()), on: LocalCluster(spec(otlp_endpoint=endpoint)),
-                "off, again": LocalCluster(spec())}
+    labels = ("off", on, "off, again")
     try:
-        for c in clusters.values():
-            c.start(timeout_s=60)
-        res = asyncio.run(added_ttft_ab(clusters, samples))
-        time.sleep(6)  # the batch processors' last exports (every 5 s by default)
+        with started(spec(), spec(otlp_endpoint=endpoint), spec(), timeout_s=60) as clusters:
+            res = asyncio.run(added_ttft_ab(dict(zip(labels, clusters)), samples))
+            time.sleep(6)  # the batch processors' last exports (every 5 s by default)
     finally:
-        for c in clusters.values():
-            c.stop()
         sink.terminate()
         sink.wait(10)
     log.seek(0)
@@ -135,7 +131,7 @@ def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
     spans = int(counts[-1]) if counts else 0
     hooks = off_path_ns()
     on_path = on_path_us()
-    off, on, again = (res[k]["frontend_ttft_ms_p50"] for k in clusters)
+    off, on, again = (res[k]["frontend_ttft_ms_p50"] for k in labels)
     out = {"clusters": res, "samples": samples, "sample_ratio": ratio, "spans_exported": spans,
            "tracing_on_minus_off_ttft_ms_p50": on - off, "off_again_minus_off_ttft_ms_p50": again - off,
            "off_path_ns_per_call": hooks, "off_path_ns_per_request": sum(hooks.values()),
@@ -151,5 +147,4 @@ def run(spec, samples: int, json_path: str | None, ratio: float = 1.0) -> None:
                + f"; {sum(hooks.values()):.0f} ns per request")
     click.echo("tracing on, in process (µs per request): "
                + ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in on_path.items()))
-    if json_path:
-        write_json(json_path, out, indent=2)
+    return out

@@ -23,10 +23,10 @@ import click
 import httpx
 
 from ferry.bench import client
+from ferry.bench.harness import bench_command, fmt, seed_option, started
 from ferry.measure import metrics
 from ferry.measure import workload as wl
-from ferry.cluster import ClusterSpec, LocalCluster, free_port
-from ferry.machine import write_json
+from ferry.cluster import ClusterSpec, free_port
 
 
 def vllm_server(argv: list[str], served_name: str, log_path: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
@@ -58,9 +58,7 @@ def run_one(url: str, work: wl.Workload, model: str | None) -> dict:
 
 
 def table(runs: dict[str, dict]) -> str:
-    def f(v, d=1):
-        return "-" if v is None else f"{v:,.{d}f}"
-
+    f = fmt
     head = (f"{'':22}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'TPOT mean':>11}{'p50':>8}{'p99':>8}"
             f"{'req/s':>8}{'tok/s':>8}{'failed':>8}")
     lines = [head]
@@ -73,12 +71,12 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-@click.command("vllm")
+@bench_command("vllm")
 @click.option("--model", default="smollm2", show_default=True, help="Ferry model name or HF directory")
 @click.option("--rate", type=float, default=1.0, show_default=True, help="Poisson arrivals per second")
 @click.option("--lengths", default="fixed:256:64", show_default=True, help="as `ferry bench serving --lengths`")
 @click.option("--num-requests", "-n", type=click.IntRange(1), default=60, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@seed_option()
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--max-model-len", type=int, default=2048, show_default=True)
 @click.option("--num-blocks", type=int, default=512, show_default=True)
@@ -91,9 +89,8 @@ def table(runs: dict[str, dict]) -> str:
               help="the engine of Ferry's instances (native: ferry up's default serving)")
 @click.option("--only", type=click.Choice(["both", "ferry", "vllm"]), default="both", show_default=True)
 @click.option("--startup-timeout-s", type=float, default=900, show_default=True)
-@click.option("--json", "json_path", default=None, help="write results here")
 def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, num_blocks, max_num_seqs, instances,
-               vllm_args, ferry_engine, only, startup_timeout_s, json_path) -> None:
+               vllm_args, ferry_engine, only, startup_timeout_s) -> dict:
     """Ferry over vLLM vs vLLM's own OpenAI server, same model, same rate."""
     from services.instance.engine.base import EngineConfig
     from services.instance.engine.vllm.args import default_block_size, engine_argv, resolve_model
@@ -110,15 +107,12 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
                      "--max-num-seqs", str(max_num_seqs)]
         if ferry_engine == "vllm":
             inst_args.append(f"--vllm-args={' '.join(vllm_args)}")
-        c = LocalCluster(ClusterSpec(instances=instances, engine=ferry_engine, model=model, port=free_port(),
-                                     instance_args=inst_args, log_dir=logs, log_level="warning",
-                                     frontend_args=["--priority-api-key", client.BENCH_API_KEY]))
-        c.start(timeout_s=startup_timeout_s)
-        try:
+        spec = ClusterSpec(instances=instances, engine=ferry_engine, model=model, port=free_port(),
+                           instance_args=inst_args, log_dir=logs, log_level="warning",
+                           frontend_args=["--priority-api-key", client.BENCH_API_KEY])
+        with started(spec, timeout_s=startup_timeout_s) as c:
             run_one(c.url, wl.build("poisson:4", "fixed:16:4", 4, seed + 1), None)  # warm-up
             runs[f"ferry {ferry_engine} ({instances} inst.)"] = run_one(c.url, work, None)
-        finally:
-            c.stop()
     if only in ("both", "vllm"):
         proc, url = vllm_server(argv, model, os.path.join(logs, "vllm-server.log"), startup_timeout_s)
         try:
@@ -130,9 +124,6 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
     click.echo(f"workload: poisson:{rate} {lengths} x{num_requests} (seed {seed}); vLLM args: {' '.join(argv)}")
     click.echo(table(runs))
     click.echo(f"logs: {logs}")
-    if json_path:
-        out = {"command": " ".join(sys.argv), "workload": work.describe(), "vllm_argv": argv,
-               "ferry_engine": ferry_engine, "ferry_instances": instances, "loadavg": list(os.getloadavg()),
-               "runs": {k: {"summary": v["summary"]} for k, v in runs.items()}}
-        write_json(json_path, out)
-        click.echo(f"wrote {json_path}")
+    return {"command": " ".join(sys.argv), "workload": work.describe(), "vllm_argv": argv,
+            "ferry_engine": ferry_engine, "ferry_instances": instances, "loadavg": list(os.getloadavg()),
+            "runs": {k: {"summary": v["summary"]} for k, v in runs.items()}}
