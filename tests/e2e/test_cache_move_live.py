@@ -1,0 +1,86 @@
+"""A cache move between real instance processes over gRPC (issue 53, move
+instead of evict), fake engines (which compute from the KV they read back)
+behind the real frontend, scheduler and meta store: a program's first turn
+ends kept at its instance; a MigrateOut order with cache_blocks moves the
+kept blocks to the other instance (no request attached); the scheduler's
+prefix index follows the two caches' KV events, so llumnix-keep sends the
+program's next turn to where the blocks went; that turn's tokens are exact
+and its history is served from the moved blocks; no block leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import pytest
+
+from libs.pb import instance_pb2 as ipb
+from libs.pb import instance_pb2_grpc as ipb_grpc
+from tests.conftest import start_fake_cluster
+from tests.helpers import expected_fake_text, wait_idle_and_check
+
+ARGS = ["--token-delay-ms", "2", "--num-blocks", "256", "--program-keep", "0.5"]
+HISTORY = "You are a coding agent. The repository has three modules and a failing test. " * 4  # 320 tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_fake_cluster(tmp_path_factory, "cache-move", instances=2, instance_args=ARGS, dispatch="llumnix-keep")
+    yield c
+    c.stop()
+
+
+async def status(address: str) -> ipb.InstanceStatus:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=5)
+
+
+async def until(what: str, ok, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (got := await ok()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def test_a_programs_kept_blocks_move_and_its_next_turn_follows_them_exactly(cluster):
+    by_name = {i.name: i for i in cluster.instances()}
+    headers = {"x-session-id": "agent-7"}
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
+        r = await http.post("/v1/completions", json={"prompt": HISTORY, "max_tokens": 12}, headers=headers)
+        assert r.status_code == 200, r.text
+        first = r.json()
+        answer = first["choices"][0]["text"]
+        assert answer == expected_fake_text(HISTORY, 12)
+        src = by_name[first["ferry"]["instances"][0]]
+        dst = next(i for i in cluster.instances() if i is not src)
+        kept = (await until("the turn's blocks kept", lambda: _kept(src.address))).kept_blocks
+        assert kept == len(HISTORY) // 16  # its full blocks (the answer's partial block is not named)
+        async with grpc.aio.insecure_channel(src.address) as ch:
+            reply = await ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+                dest_instance_id=dst.name, dest_address=dst.address, cache_blocks=kept), timeout=30)
+        assert (reply.started, reply.committed) == (1, 1), reply
+        assert reply.results[0].request_id.startswith("program:") and reply.results[0].blocks == kept
+        assert (await status(src.address)).kept_blocks == 0
+        after_move = await status(dst.address)
+        assert after_move.kept_blocks == kept
+        await asyncio.sleep(1.0)  # the scheduler's index takes the KV events of both caches
+        turn = HISTORY + answer + " Now run the tests again."
+        r = await http.post("/v1/completions", json={"prompt": turn, "max_tokens": 12}, headers=headers)
+        assert r.status_code == 200, r.text
+        second = r.json()
+        assert second["ferry"]["instances"] == [dst.name]  # where its KV went
+        assert second["choices"][0]["text"] == expected_fake_text(turn, 12)
+        hits = (await status(dst.address)).prefix_cache.hits - after_move.prefix_cache.hits
+        assert hits >= kept * 16  # the moved history, not recomputed
+    for inst in cluster.instances():
+        check = wait_idle_and_check(inst.address, timeout_s=8)
+        assert check.ok, check.error
+        assert check.num_requests == 0 and check.num_reservations == 0
+
+
+async def _kept(address: str):
+    s = await status(address)
+    return s if s.kept_blocks > 0 else None
