@@ -89,6 +89,9 @@ def sim_options(f):
                      help="model: KV bytes per token for migration transfers (default: the profile's)"),
         click.option("--migration-bandwidth-gbps", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="model: migration link bandwidth (default: the profile's)"),
+        click.option("--capacity-bound", is_flag=True,
+                     help="also the programs' floor: their metrics with one cache of the cluster's every KV block "
+                          "and the optimal eviction (summary.programs_floor; slower)"),
         click.option("--no-progress", "no_progress", is_flag=True, help="no progress bar"),
         click.option("--no-records", "no_records", is_flag=True, help="leave per-request records out of the JSON"),
         click.option("--json", "json_path", default=None, help="write results here"),
@@ -113,7 +116,8 @@ def options_from(kw: dict, seed: int) -> SimOptions:
         profile=kw["profile"], sim_slowdown=kw["sim_slowdown"], instance_args=tuple(kw["instance_args"]),
         scheduler_args=tuple(kw["scheduler_args"]), delays=delays, kv_bytes_per_token=kw["kv_bytes_per_token"],
         migration_bandwidth_gbps=kw["migration_bandwidth_gbps"], progress=not kw["no_progress"],
-        pools=tuple(kw["pools"]), per_layer_threshold=kw["per_layer_threshold"])
+        pools=tuple(kw["pools"]), per_layer_threshold=kw["per_layer_threshold"],
+        capacity_bound=kw.get("capacity_bound", False))
 
 
 def _simulate_one(kw: dict, seed: int, name: str, keep: bool) -> dict:

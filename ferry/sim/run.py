@@ -96,6 +96,9 @@ class SimOptions(prefixes.WorkloadOptions):  # max_model_len None: the profile's
     per_layer_threshold: int = DEFAULT_PER_LAYER_THRESHOLD  # handoff_mode's (0: always serialized)
     fake_tokens: bool = False
     report_clip: bool = True  # say on stderr how many requests were clipped to the context
+    # The programs' floor: their metrics had every turn been served by one cache of the cluster's every KV
+    # block with the optimal eviction (hit_rate.capacity_bound), in summary["programs_floor"].
+    capacity_bound: bool = False
 
 
 def parse_config(cls: type, args: list[str]):
@@ -447,6 +450,26 @@ class Cluster:
             reqs = [(list(self.prompts[i]), self.answers.get(i, [])) for i in order]
         return hit_rate.summary(stats, reqs, self.profile.block_size)
 
+    def programs_floor(self) -> dict:
+        """The programs' summary (ferry/measure/programs.py) with each turn's
+        cached tokens those of hit_rate.capacity_bound over the cluster's
+        every KV block in one cache: what returning turns recompute at least,
+        whatever the placement and the eviction. The prompts are this run's
+        (the same for every policy: the sim model's answers are a function
+        of the prompt)."""
+        order = sorted(self.prompts, key=lambda i: (self.recorder.records[i].sent_at or 0.0, i))
+        capacity = sum(i.engine.pool.capacity for i in self.instances.values())
+        bs = self.profile.block_size
+        hits = hit_rate.capacity_bound([(list(self.prompts[i]), self.answers.get(i, [])) for i in order], bs,
+                                       capacity)
+        cached = dict(zip(order, hits))
+        records = [dataclasses.replace(r, cached_tokens=cached.get(i, 0) * bs)
+                   for i, r in enumerate(self.recorder.records)]
+        out = programs.summary(self.work.requests, records, bs)
+        return {"capacity_blocks": capacity, **{k: out[k] for k in (
+            "returning_prompt_tokens", "returning_computed_tokens", "returning_computed_fraction", "prefix_tokens",
+            "prefix_recomputed_tokens", "prefix_recomputed_fraction")}}
+
     def instance_table(self) -> dict:
         return {iid: {"role": i.role.value, "profile": i.profile.name, "prefill_tokens": i.executor.prefill_tokens,
                       "decode_tokens": i.executor.decode_tokens, "busy_s": i.executor.busy_s, "steps": i.steps}
@@ -502,6 +525,8 @@ def simulate(opts: SimOptions, policy: str, label: str | None = None,
     prog = programs.summary(work.requests, cluster.recorder.records, cluster.profile.block_size)
     if prog is not None:  # a workload of programs' turns (agentic, sessions)
         summary["programs"] = prog
+        if opts.capacity_bound:
+            summary["programs_floor"] = cluster.programs_floor()
     # Blocks sent by committed migrations, and those the destinations linked
     # instead (a prefix-blind migration of the same requests sends both).
     summary["migration_blocks"] = {"sent": cluster.scheduler.blocks_sent, "linked": cluster.scheduler.blocks_linked}

@@ -389,9 +389,10 @@ class MigrationHooks(abc.ABC):
         return None
 
     def end_export(self, program_id: str, moved: bool) -> None:
-        """The move ended: ``moved``, the blocks leave this cache (those no
-        other program keeps, named no more, plain free) and the program's
-        hold here ends; else they are kept here as before."""
+        """The move ended: ``moved``, the program's hold here ends and its
+        blocks are plain cache (evicted before any kept block, when room is
+        needed: until then a turn sent here still finds them); else they are
+        kept here as before."""
         raise EngineError(f"the {self.name} engine moves no cached blocks")
 
     def import_program(self, kv: ProgramKv, block_ids: list[int]) -> None:

@@ -3,13 +3,14 @@
 ``end_export`` / ``import_program``, the engine half of a cache move): the
 fake engine computes from the KV it reads back, so the next turn at the
 destination gives the tokens it gives with no cache at all only if the moved
-content is right; the source forgets the blocks (and says so in its KV
-events), the destination keeps them for the program, and both pools stay
-exact, whether the move commits or not."""
+content is right; the destination keeps the blocks for the program (and
+says so in its KV events), the source holds them as plain cache (evicted
+before any kept block), and both pools stay exact, whether the move commits
+or not."""
 
 from __future__ import annotations
 
-from libs.common.kv_events import BlockRemoved, BlockStored
+from libs.common.kv_events import BlockStored
 from libs.common.types import SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
 from services.instance.engine.fake import FakeEngine, fake_generate
@@ -56,20 +57,27 @@ def test_a_moved_programs_next_turn_hits_its_whole_history_there_with_exact_toke
     kept = a.pins.blocks_of("p")
     assert len(kept) == 4 and a.movable_programs() == [("p", 4)]
     a.pool.take_events(), b.pool.take_events()  # start recording
+    hashes = [a.pool.cache.hash_of(x) for x in kept]
     move(a, b, "p")
-    removed = [h for ev in a.pool.take_events() if isinstance(ev, BlockRemoved) for h in ev.block_hashes]
     stored = [h for ev in b.pool.take_events() if isinstance(ev, BlockStored) for h in ev.block_hashes]
-    assert len(removed) == 4 and stored == removed  # the index follows the blocks
-    assert a.pins.blocks_of("p") == [] and a.load().kept_blocks == 0 and len(a.pool.cache) == 0
-    assert a.pool.cache.stats.evictions == 0  # moved, not evicted
+    assert stored == hashes and a.pool.take_events() == []  # the index adds the destination's copy
+    # at the source: plain cache now, no longer kept (the first to go when room is needed)
+    assert a.pins.blocks_of("p") == [] and a.load().kept_blocks == 0 and len(a.pool.cache) == 4
+    assert a.pool.cache.num_kept == 0 and a.pool.num_evictable == 4
     assert len(b.pins.blocks_of("p")) == 4 and b.load().kept_blocks == 4
+    # the source's admission takes the moved copy before anything kept: a program kept there stays
+    run(a, "q0", range(300, 364), "q")
+    q = [a.pool.cache.hash_of(x) for x in a.pins.blocks_of("q")]
+    run(a, "big", range(400, 400 + 16 * 59))  # 60 blocks with its answer: all but the 4 kept ones of q
+    assert all(a.pool.cache.block_of(h) is not None for h in q)
+    assert not any(a.pool.cache.block_of(h) is not None for h in hashes)
     # the next turn: the history plus a new message, at the destination
     turn = prompt + first + list(range(200, 230))
     out = run(b, "t1", turn, "p")
     assert out == fake_generate(turn, 6)
     assert b.pool.cache.stats.hits == 64  # its 4 full blocks, none recomputed
     a.check_integrity(), b.check_integrity()
-    assert a.pool.num_free == a.pool.capacity and b.pool.num_free == b.pool.capacity
+    assert b.pool.num_free == b.pool.capacity
 
 
 def test_a_move_that_does_not_commit_leaves_everything_as_it_was():
@@ -90,9 +98,9 @@ def test_blocks_shared_with_another_programs_history_stay_at_the_source():
     run(a, "p0", system + list(range(300, 332)), "p")
     run(a, "q0", system + list(range(400, 432)), "q")
     move(a, b, "p")
-    # q still keeps the shared head: it stays cached (and kept) at the source
+    # q still keeps the shared head: kept at the source; p's own blocks are plain cache there
     assert [a.pool.cache.hash_of(x) is not None for x in a.pins.blocks_of("q")] == [True] * 4
-    assert len(a.pool.cache) == 4 and a.load().kept_blocks == 4
+    assert a.load().kept_blocks == 4 and a.pool.cache.num_kept == 4 and len(a.pool.cache) == 6
     a.check_integrity(), b.check_integrity()
 
 

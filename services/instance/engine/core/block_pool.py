@@ -121,30 +121,6 @@ class BlockPool:
             for b in reversed(parked):
                 self.cache.park(b)
 
-    def drop(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block, as ``free``; those reaching
-        zero that no program keeps lose their names too and go plain free
-        (their content went to another instance: a cache move). Those a
-        program still keeps wait as cached blocks."""
-        with self._lock:
-            parked = []
-            for b in block_ids:
-                if self._ref[b] <= 0:
-                    raise IntegrityError(f"double free of block {b}")
-                self._ref[b] -= 1
-                if self._ref[b] == 0:
-                    if self._to_retire:
-                        self.cache.forget(b)
-                        self._retired.add(b)
-                        self._to_retire -= 1
-                    elif self.cache.keepers_of(b):
-                        parked.append(b)
-                    else:
-                        self.cache.forget(b, moved=True)
-                        self._free.append(b)
-            for b in reversed(parked):
-                self.cache.park(b)
-
     def share(self, block_ids: list[int]) -> None:
         """Add a reference (a block used by a second owner, e.g. a prefix)."""
         with self._lock:

@@ -611,11 +611,9 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         blocks = self._exports.pop(program_id, None)
         if blocks is None:
             raise EngineError(f"program {program_id!r} has no cache move out under way")
-        if moved:
-            self.pins.release(program_id)  # no longer kept here
-            self.pool.drop(blocks)
-        else:
-            self.pool.free(blocks)
+        if moved:  # kept there now: here plain cache, the first to go when room is needed
+            self.pins.release(program_id)
+        self.pool.free(blocks)
 
     def import_program(self, kv: ProgramKv, block_ids: list[int]) -> None:
         if not self.pins.movable_holds:

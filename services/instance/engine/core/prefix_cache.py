@@ -200,13 +200,12 @@ class PrefixCache:
             return next(iter(self._kept))
         return self._victims.pop()
 
-    def forget(self, block_id: int, moved: bool = False) -> None:
-        """An in-use block leaves circulation (retired), or its content went
-        to another instance (``moved``: not counted as an eviction): drop its name."""
+    def forget(self, block_id: int) -> None:
+        """An in-use block leaves circulation (retired): drop its name."""
         if block_id in self._lru or block_id in self._kept:
             raise IntegrityError(f"forget of evictable block {block_id}")
         if block_id in self._hash:
-            self._forget(block_id, evicted=not moved)
+            self._forget(block_id)
 
     def clear(self) -> list[int]:
         """Forget every name; returns the evictable blocks (now plain free)."""
@@ -230,11 +229,11 @@ class PrefixCache:
         out, self.events = self.events, []
         return out
 
-    def _forget(self, block_id: int, evicted: bool = True) -> None:
+    def _forget(self, block_id: int) -> None:
         h = self._hash.pop(block_id)
         del self._block[h]
         self._keepers.pop(block_id, None)
-        self.stats.evictions += evicted
+        self.stats.evictions += 1
         if self.events is not None:
             last = self.events[-1] if self.events else None
             if isinstance(last, BlockRemoved):  # one event for a run of evictions
