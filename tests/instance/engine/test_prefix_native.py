@@ -148,3 +148,51 @@ def test_a_returning_turn_with_kept_blocks_gives_the_tokens_of_the_cache_off(mak
         assert exact(outs[0.5]) == exact(outs[None])
     else:
         assert_bounded_divergence(outs[None], outs[0.5], LOGPROB_NOISE["float32"])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_a_returning_turn_on_moved_blocks_gives_the_tokens_of_the_cache_off(make_engine, base, deterministic):
+    """A cache move (engine half: export_program, the KV gathered and
+    scattered into another engine's reserved blocks, import_program): the
+    program's next turn on the second engine starts at its whole history,
+    moved, with the tokens (and, in the deterministic mode, the logprobs) it
+    has on an engine with the prefix cache off; both pools stay exact."""
+    bs = 32 if deterministic else BS
+    if deterministic:
+        from services.instance.engine import vllm_kernels
+
+        if vllm_kernels.ops() is None:
+            pytest.skip("the deterministic mode needs vLLM's CPU kernels (the vllm extra)")
+    first = base[: 4 * bs + 1]
+    tail = [1000 + i * 37 for i in range(9)]
+
+    def engine(keep: float | None):
+        return deterministic_or_skip(lambda: make_engine(
+            "native", num_blocks=24, block_size=bs, prefix_caching=keep is not None, program_keep=keep or 0.0,
+            deterministic=deterministic))
+
+    a, b, off = engine(0.5), engine(0.5), engine(None)
+    a.add_request(dataclasses.replace(req("t1", first, max_tokens=4, min_tokens=4), program_id="p"))
+    out1 = run(a)["t1"]
+    second = first + out1 + tail
+    kv = a.export_program("p")
+    assert kv is not None and len(kv.block_ids) == 4
+    blocks = b.reserve_blocks(4)
+    b.scatter_kv(blocks, a.gather_kv(list(kv.block_ids)))
+    b.import_program(kv, blocks)
+    a.end_export("p", moved=True)
+    a.check_integrity()
+    outs = {}
+    for name, e in (("moved", b), ("off", off)):
+        e.add_request(dataclasses.replace(req("t2", second, max_tokens=N, min_tokens=N, logprobs=5), program_id="p"))
+        o: dict = {}
+        for out in e.step():
+            o.setdefault(out.request_id, []).append(out)
+        if name == "moved":
+            assert e.request_stats("t2")["prefix_hit_tokens"] == 4 * bs  # the moved history, not recomputed
+        outs[name] = collect(e, o)["t2"]
+        e.check_integrity()
+    if deterministic:
+        assert exact(outs["moved"]) == exact(outs["off"])
+    else:
+        assert_bounded_divergence(outs["off"], outs["moved"], LOGPROB_NOISE["float32"])
