@@ -86,3 +86,61 @@ async def test_a_programs_kept_blocks_move_and_its_next_turn_follows_them_exactl
 async def _kept(address: str):
     s = await status(address)
     return s if s.kept_blocks > 0 else None
+
+
+async def _first_turn_on_instance_0(c, http) -> tuple[str, str, dict]:
+    """A program's first turn that llumnix-keep placed on instance-0 (its tie-break: the lowest id)."""
+    for k in range(6):
+        headers = {"x-session-id": f"agent-chaos-{k}"}
+        r = await http.post("/v1/completions", json={"prompt": HISTORY, "max_tokens": 12}, headers=headers)
+        assert r.status_code == 200, r.text
+        if r.json()["ferry"]["instances"] == ["instance-0"]:
+            return headers["x-session-id"], r.json()["choices"][0]["text"], headers
+    pytest.fail("no first turn landed on instance-0")
+
+
+@pytest.mark.parametrize("killed", ["destination", "source"])
+async def test_an_instance_killed_mid_move_leaks_nothing_and_the_blocks_stay_somewhere(tmp_path_factory, killed):
+    """Chaos: the destination (or the source) process dies while the blocks
+    are on their way (failpoint *.crash_mid_transfer: os._exit). Destination
+    killed: the source keeps the program's blocks, aborts, stays exact, and
+    the program's next turn is served from them. Source killed: the
+    destination's reservation is freed by its deadline, every block back."""
+    fp = {"destination": {1: ["--failpoints", "dest.crash_mid_transfer"]},
+          "source": {0: ["--failpoints", "source.crash_mid_transfer"]}}[killed]
+    c = start_fake_cluster(tmp_path_factory, f"cache-move-{killed}", instances=2, instance_args=ARGS,
+                           dispatch="llumnix-keep", per_instance_args=fp)
+    try:
+        src, dst = c.child("instance-0"), c.child("instance-1")
+        async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
+            _, answer, headers = await _first_turn_on_instance_0(c, http)
+            kept = (await until("the turn's blocks kept", lambda: _kept(src.address))).kept_blocks
+            async with grpc.aio.insecure_channel(src.address) as ch:
+                call = ipb_grpc.InstanceStub(ch).MigrateOut(ipb.MigrateOutRequest(
+                    dest_instance_id=dst.name, dest_address=dst.address, cache_blocks=kept), timeout=30)
+                if killed == "destination":
+                    reply = await call
+                    assert (reply.started, reply.committed, reply.aborted) == (1, 0, 1), reply
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        await call
+            dead, alive = (dst, src) if killed == "destination" else (src, dst)
+            await until("the killed process gone", lambda: _dead(dead))
+            if killed == "destination":
+                assert (await status(src.address)).kept_blocks == kept  # still kept where it was
+                turn = HISTORY + answer + " Next step."
+                before = (await status(src.address)).prefix_cache.hits
+                r = await http.post("/v1/completions", json={"prompt": turn, "max_tokens": 12}, headers=headers)
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == expected_fake_text(turn, 12)
+                assert (await status(src.address)).prefix_cache.hits - before >= kept * 16
+        check = wait_idle_and_check(alive.address, timeout_s=10)
+        assert check.ok, check.error
+        assert (check.num_requests, check.num_reservations) == (0, 0), check
+        assert check.free_blocks == check.total_blocks  # kept blocks are free ones: nothing else holds any
+    finally:
+        c.stop()
+
+
+async def _dead(child) -> bool:
+    return not child.alive()
