@@ -4,8 +4,12 @@ the best baseline of each metric (the baseline with the best median: the lowest,
 highest),
 median [p10-p90] (ferry/sim/stats.spread). Prints markdown; --json writes the same numbers.
 
-    python docs/results/sim/agentic_keep.py docs/results/sim/agentic_keep.json \
+    python docs/results/sim/agentic_keep.py docs/results/sim/agentic_keep.json [MORE.json ...] \
         --candidate llumnix-keep --baselines llumnix-prefix,continuum [--json OUT]
+
+Several JSONs (runs of the same command with other --policies) are read as one: their per-seed results merged
+by policy name. A run with --capacity-bound adds the floor (summary.programs_floor: one cache of the cluster's
+every block, Belady's eviction) of its seeds' prefix recomputed fraction.
 """
 
 from __future__ import annotations
@@ -68,15 +72,24 @@ def markdown(res: dict, candidate: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("path")
+    ap.add_argument("paths", nargs="+")
     ap.add_argument("--candidate", default="llumnix-keep")
     ap.add_argument("--baselines", default="llumnix-prefix,continuum")
     ap.add_argument("--json")
     a = ap.parse_args()
-    with open(a.path) as f:
-        per_seed = json.load(f)["per_seed"]
+    per_seed: dict[str, list[dict]] = {}
+    for path in a.paths:
+        with open(path) as f:
+            per_seed.update(json.load(f)["per_seed"])
     res = analyse(per_seed, a.candidate, a.baselines.split(","))
+    floors = [s["programs_floor"]["prefix_recomputed_fraction"] for runs in per_seed.values() for s in runs
+              if "programs_floor" in s]
+    if floors:
+        res["floor_prefix_recomputed_fraction"] = spread(floors[: res["seeds"]])
     print(markdown(res, a.candidate))
+    if floors:
+        print(f"\nfloor of the prefix recomputed fraction (--capacity-bound): "
+              f"{fmt(res['floor_prefix_recomputed_fraction'], 4)}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

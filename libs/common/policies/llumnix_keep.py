@@ -71,9 +71,10 @@ ledger did not count the program's turns (program_turn -1: the frontend's
 bypass, whose returning turns take the rule above), and for requests of no
 program, the choice is llumnix-prefix's unchanged. Migration is
 llumnix-prefix's (pairs_by_move_cost): a turn placed at a tight home may be
-moved later, to where its blocks are cheapest to send. Not here yet: moving the KV with the
-turn to a roomier instance instead of recomputing (issue 53's "move instead
-of evict"), program-level admission, fairness.
+moved later, to where its blocks are cheapest to send. Moving kept KV to a
+roomier instance instead of evicting it (issue 53's "move instead of evict")
+is llumnix-move (llumnix_move.py). Not here yet: program-level admission,
+fairness.
 """
 
 from libs.common.policies import llumnix_prefix
