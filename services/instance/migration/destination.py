@@ -165,17 +165,26 @@ class Destination:
         self.engine.release_blocks(held)
         return len(held)
 
-    def _install(self, res: Reservation, state: RequestState) -> None:
-        """NOTE: the commit was validated; a failure here is a bug, and the
-        client's stream is ended rather than left hanging."""
+    def _close(self, res: Reservation) -> list[int] | None:
+        """At the commit's install: the reservation closes, its spare blocks go
+        back, and its blocks are the caller's to install; None if it closed
+        already (aborted between the commit and this step boundary)."""
         with res.lock:
-            if res.closed:  # aborted between the commit and this step boundary
-                return
+            if res.closed:
+                return None
             blocks, spare = res.blocks, res.spare
             res.closed = True
             res.peer_kv = None
         if spare:
             self.engine.release_blocks(spare)
+        return blocks
+
+    def _install(self, res: Reservation, state: RequestState) -> None:
+        """NOTE: the commit was validated; a failure here is a bug, and the
+        client's stream is ended rather than left hanging."""
+        blocks = self._close(res)
+        if blocks is None:
+            return
         try:
             self.engine.install_request(state, blocks)
         except Exception as e:  # noqa: BLE001
@@ -489,14 +498,9 @@ class Destination:
         self.host.changed()
 
     def _install_cache(self, res: Reservation, kv: ProgramKv) -> None:
-        with res.lock:
-            if res.closed:
-                raise Aborted("migration aborted during the commit")
-            blocks, spare = res.blocks, res.spare
-            res.closed = True
-            res.peer_kv = None
-        if spare:
-            self.engine.release_blocks(spare)
+        blocks = self._close(res)
+        if blocks is None:
+            raise Aborted("migration aborted during the commit")
         try:
             self.engine.import_program(kv, blocks)
         except Exception:

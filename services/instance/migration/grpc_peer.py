@@ -118,15 +118,12 @@ class GrpcPeer:
         if last is not None:
             req.has_last_stage, req.last_stage = True, last.stage
             req.last_src_blocks.extend(last.src_blocks)
-        try:
-            reply = await self.stub.Commit(req, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise PeerError(_reason(e)) from None
-        if not reply.ok:
-            raise PeerError(f"commit refused: {reply.reason}")
+        await self._commit(req)
 
     async def commit_cache(self, migration_id: str, kv: ProgramKv) -> None:
-        req = pb.CommitRequest(migration_id=migration_id, program_cache=program_cache_to_pb(kv))
+        await self._commit(pb.CommitRequest(migration_id=migration_id, program_cache=program_cache_to_pb(kv)))
+
+    async def _commit(self, req: pb.CommitRequest) -> None:
         try:
             reply = await self.stub.Commit(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
