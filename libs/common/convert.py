@@ -272,6 +272,7 @@ def state_to_pb(s: RequestState) -> ipb.RequestState:
         num_preemptions=s.num_preemptions, priority=int(s.priority),
         frontend_address=s.frontend_address, preemption_loss_ms=s.preemption_loss_ms,
         num_migrations=s.num_migrations, num_computed_tokens=s.num_computed_tokens, program_id=s.program_id,
+        cached_prompt_tokens=s.cached_prompt_tokens,
     )
 
 
@@ -283,6 +284,7 @@ def state_from_pb(m: ipb.RequestState) -> RequestState:
         first_token_time=m.first_token_time, num_preemptions=m.num_preemptions,
         preemption_loss_ms=m.preemption_loss_ms, num_migrations=m.num_migrations,
         num_computed_tokens=m.num_computed_tokens, frontend_address=m.frontend_address, program_id=m.program_id,
+        cached_prompt_tokens=m.cached_prompt_tokens,
     )
 
 
@@ -309,7 +311,8 @@ def stream_event_to_pb(e: StreamEvent) -> ipb.TokenEvent:
                        num_prompt_tokens=e.num_prompt_tokens, num_preemptions=e.num_preemptions,
                        preemption_loss_ms=e.preemption_loss_ms, num_migrations=e.num_migrations,
                        logprobs=[logprobs_to_pb(lp) for lp in e.logprobs],
-                       prompt_logprobs=[logprobs_to_pb(lp) for lp in e.prompt_logprobs])
+                       prompt_logprobs=[logprobs_to_pb(lp) for lp in e.prompt_logprobs],
+                       num_cached_tokens=e.num_cached_tokens)
     if e.moved is not None:
         m.moved.instance_id, m.moved.address = e.moved.instance_id, e.moved.address
         m.moved.next_index = e.moved.next_index
@@ -324,7 +327,7 @@ def stream_event_from_pb(m: ipb.TokenEvent) -> StreamEvent:
     return StreamEvent(m.index, tuple(m.token_ids), m.finish_reason, moved, error, m.num_prompt_tokens,
                        m.num_preemptions, m.preemption_loss_ms, m.num_migrations,
                        tuple(logprobs_from_pb(x) for x in m.logprobs),
-                       tuple(logprobs_from_pb(x) for x in m.prompt_logprobs))
+                       tuple(logprobs_from_pb(x) for x in m.prompt_logprobs), m.num_cached_tokens)
 
 
 # --- a migrate-out order and its result (the scheduler's MigrateOut RPC to an instance)

@@ -279,6 +279,8 @@ class RequestState:
     frontend_address: str = ""
     extra: dict = field(default_factory=dict)
     program_id: str = ""  # the program (agent session) it is a turn of (GenerateOrder.program_id)
+    # Prompt tokens served from a prefix cache at the admission that gave its first token (-1: not admitted yet).
+    cached_prompt_tokens: int = -1
     # W3C trace headers for the engine (EngineRequest.trace_headers): set by the destination from its
     # commit's trace context, for an engine that traces requests; not carried on the wire.
     trace_headers: dict[str, str] = field(default_factory=dict)
@@ -329,6 +331,8 @@ class StreamEvent:
     logprobs: tuple[Logprobs, ...] = ()
     # With SamplingParams.prompt_logprobs, once: one per prompt token (None for the first).
     prompt_logprobs: tuple[Logprobs | None, ...] = ()
+    # With the final event: prompt tokens a prefix cache served (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 # --- a migrate-out order (the scheduler's to an instance; services/instance/migration/manager.py runs it)

@@ -200,7 +200,7 @@ class MovedTo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., next_index: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("index", "token_ids", "finish_reason", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations", "error_code", "error_message", "logprobs", "prompt_logprobs")
+    __slots__ = ("index", "token_ids", "finish_reason", "moved", "num_prompt_tokens", "num_preemptions", "preemption_loss_ms", "num_migrations", "error_code", "error_message", "logprobs", "prompt_logprobs", "num_cached_tokens")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class TokenEvent(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -225,7 +226,8 @@ class TokenEvent(_message.Message):
     error_message: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., moved: _Optional[_Union[MovedTo, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("request_id", "from_index", "flush_interval_ms")
@@ -495,7 +497,7 @@ class TransferKvReply(_message.Message):
     def __init__(self, blocks_written: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RequestState(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "rng_state", "arrival_time", "first_token_time", "num_preemptions", "priority", "frontend_address", "preemption_loss_ms", "num_migrations", "num_computed_tokens", "next_event_index", "program_id")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "rng_state", "arrival_time", "first_token_time", "num_preemptions", "priority", "frontend_address", "preemption_loss_ms", "num_migrations", "num_computed_tokens", "next_event_index", "program_id", "cached_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -511,6 +513,7 @@ class RequestState(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_EVENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -526,7 +529,8 @@ class RequestState(_message.Message):
     num_computed_tokens: int
     next_event_index: int
     program_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ..., program_id: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., rng_state: _Optional[bytes] = ..., arrival_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., frontend_address: _Optional[str] = ..., preemption_loss_ms: _Optional[float] = ..., num_migrations: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., next_event_index: _Optional[int] = ..., program_id: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("migration_id", "state", "has_last_stage", "last_stage", "last_src_blocks", "program_cache")

@@ -364,8 +364,16 @@ async def text_stream(router: Router, tokenizer: Tokenizer, prep: Prepared, max_
         yield d.text
 
 
+def cached_tokens(prep: Prepared) -> int:
+    """Prompt tokens served from a prefix cache, once per prompt (its first
+    choice's, the one that computed it; 0 until that choice finished)."""
+    return sum(c.gen.cached_tokens for c in prep.choices if c.leader is None)
+
+
 def usage(prep: Prepared) -> dict:
-    """Prompt tokens once per prompt, completion tokens of every choice."""
+    """Prompt tokens once per prompt (of them, those a prefix cache served:
+    OpenAI's prompt_tokens_details.cached_tokens), completion tokens of every choice."""
     n_prompt = sum(len(p) for p in prep.prompts)
     n_out = sum(len(c.gen.delivered) for c in prep.choices)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(prep)}}

@@ -41,6 +41,7 @@ class Generation:
     num_preemptions: int = 0
     preemption_loss_ms: float = 0.0
     num_migrations: int = 0
+    cached_tokens: int = 0  # prompt tokens a prefix cache served (the final event's)
     num_resumes: int = 0
     recomputed_tokens: int = 0  # tokens instances computed again after a resume (prompt + delivered)
     arrival: float = field(default_factory=time.perf_counter)
@@ -148,6 +149,7 @@ async def run_generation(router: Router, gen: Generation, max_resumes: int = 1) 
                     gen.num_preemptions += ev.num_preemptions
                     gen.preemption_loss_ms += ev.preemption_loss_ms
                     gen.num_migrations = max(gen.num_migrations, ev.num_migrations)
+                    gen.cached_tokens = min(ev.num_cached_tokens, len(gen.prompt_ids))
                     return
                 if ev.moved is not None:
                     moved = ev.moved

@@ -22,7 +22,7 @@ from libs.pb import meta_store_pb2 as mpb
 from libs.pb import meta_store_pb2_grpc as mpb_grpc
 from libs.common import rpc
 from libs.common.errors import FerryError, InvalidArgument, NotFound, from_grpc
-from services.frontend.completions import Choice, Prepared, deltas, prepare
+from services.frontend.completions import Choice, Prepared, cached_tokens, deltas, prepare
 from services.frontend.schema import HONOURED, ChatCompletionRequest, Text, _Body, refused
 from services.frontend.tools import StreamedCalls, calls_of
 
@@ -264,7 +264,8 @@ class Responses:
     def usage(prep: Prepared) -> dict:
         n_in = sum(len(p) for p in prep.prompts)
         n_out = sum(len(c.gen.delivered) for c in prep.choices)
-        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached_tokens(prep)},
+                "output_tokens": n_out,
                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
 
     def output_items(self, prep: Prepared, text: str) -> list[dict]:

@@ -118,7 +118,8 @@ def flush_event(ev: Event, tokens: list[int], first_index: int, num_prompt_token
                        Moved(ev.moved_to[0], ev.moved_to[1], ev.index) if ev.moved_to is not None else None,
                        ev.error, num_prompt_tokens, int(stats.get("num_preemptions", 0)),
                        float(stats.get("preemption_loss_ms", 0.0)), int(stats.get("num_migrations", 0)),
-                       tuple(logprobs or ()), tuple(prompt_logprobs or ()))
+                       tuple(logprobs or ()), tuple(prompt_logprobs or ()),
+                       max(0, int(stats.get("cached_prompt_tokens", 0))))
 
 
 async def serve_stream(streams: StreamTable, stream: RequestStream, from_index: int, num_prompt_tokens: int,

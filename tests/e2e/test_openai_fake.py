@@ -142,3 +142,32 @@ async def test_client_disconnect_aborts_and_frees_blocks(fake_cluster):
         rep = wait_idle_and_check(inst.address, timeout_s=3)
         assert rep.ok, rep.error
         assert rep.num_requests == 0 and rep.free_blocks == rep.total_blocks
+
+
+def test_usage_says_how_many_prompt_tokens_a_prefix_cache_served(client):
+    """usage.prompt_tokens_details.cached_tokens (completions, chat, and the
+    streamed usage) and the Responses API's input_tokens_details: 0 for a
+    prompt no cache has seen, its full blocks but the last token's once the
+    instance it lands on has computed it (two instances: by the third try
+    both have)."""
+    prompt = "a prompt the prefix cache will see again " * 8
+    first = client.completions.create(model="fake", prompt=prompt, max_tokens=4)
+    n = first.usage.prompt_tokens
+    full = (n - 1) // 16 * 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and full >= 16 * 20
+    again = [client.completions.create(model="fake", prompt=prompt, max_tokens=4).usage for _ in range(4)]
+    hits = [u.prompt_tokens_details.cached_tokens for u in again]
+    assert set(hits) <= {0, full} and hits[-1] == full, hits
+    stream = client.completions.create(model="fake", prompt=prompt, max_tokens=4, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens == full
+    chat = [{"role": "user", "content": prompt}]
+    for _ in range(3):
+        r = client.chat.completions.create(model="fake", messages=chat, max_tokens=4)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached == (r.usage.prompt_tokens - 1) // 16 * 16 > 0
+    for _ in range(3):
+        resp = client.responses.create(model="fake", input=prompt + " (responses)", max_output_tokens=4)
+    got = resp.usage.input_tokens_details.cached_tokens
+    assert 0 < got <= (resp.usage.input_tokens - 1) // 16 * 16 and got % 16 == 0

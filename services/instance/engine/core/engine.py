@@ -203,7 +203,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
     def _final_stats(req: Request) -> dict:
         return {"num_preemptions": req.num_preemptions, "preemption_loss_ms": req.preemption_loss_ms,
                 "num_migrations": req.num_migrations, "prefix_hit_tokens": req.prefix_hit_tokens,
-                "program_id": req.program_id}
+                "program_id": req.program_id, "cached_prompt_tokens": req.cached_prompt_tokens}
 
     # --- one request's failure fails that request only ----------------------------------
     def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
@@ -555,6 +555,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
             num_computed_tokens=r.num_computed_tokens,
             extra=dict(r.extra),
             program_id=r.program_id,
+            cached_prompt_tokens=r.cached_prompt_tokens,
         )
 
     def install_request(self, state: RequestState, block_ids: list[int]) -> None:
@@ -580,6 +581,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         r.num_migrations = state.num_migrations
         r.extra = dict(state.extra)
         r.program_id = state.program_id
+        r.cached_prompt_tokens = state.cached_prompt_tokens
         self.executor.init_request(r)
         if state.rng_state:
             self.executor.set_rng_state(r, state.rng_state)

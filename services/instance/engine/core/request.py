@@ -46,6 +46,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.num_cached_blocks = 0
         self.prefix_hit_tokens = 0
+        # of the prompt, served from cache at the admission that gave its first token (-1: none yet)
+        self.cached_prompt_tokens = -1
         self.program_id = ""  # the program (agent session) it is a turn of (EngineRequest.program_id)
         # The parent of its first block: prefix_hash.chain_root(salt) of
         # whatever else changes the KV (none today: one root for all).

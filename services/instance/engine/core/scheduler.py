@@ -124,6 +124,8 @@ class Scheduler:
                 stats.queries += req.num_tokens
                 stats.hits += len(hit) * self.block_size
         req.prefix_hit_tokens = len(hit) * self.block_size
+        if req.cached_prompt_tokens < 0 or not req.output_token_ids:  # until its first token: this admission's
+            req.cached_prompt_tokens = min(req.prefix_hit_tokens, len(req.prompt_token_ids))
         if hit:
             self.pool.touch(hit)
             req.block_ids = list(hit)

@@ -67,6 +67,7 @@ class _Req:
     num_migrations: int = 0
     extra: dict = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
+    cached: int = -1  # prompt tokens vLLM's prefix cache served for its first token (-1: none yet)
 
 
 class VllmEngine(Engine, MigrationHooks):
@@ -280,6 +281,8 @@ class VllmEngine(Engine, MigrationHooks):
                 r.output.append(int(tok))
                 if not r.first_token_time:
                     r.first_token_time = now
+                if r.cached < 0 and o.num_cached_tokens is not None:
+                    r.cached = min(int(o.num_cached_tokens), len(r.prompt))
                 last = i == len(new) - 1
                 stats = self._final_stats(r) if last and reason else None
                 lp = (vargs.logprobs_of(int(tok), c.logprobs[i], sp.logprobs)
@@ -296,7 +299,8 @@ class VllmEngine(Engine, MigrationHooks):
 
     def _final_stats(self, r: _Req) -> dict:
         return {"num_preemptions": r.preemptions + self._vreq_preemptions(r),
-                "preemption_loss_ms": r.preemption_loss_ms, "num_migrations": r.num_migrations}
+                "preemption_loss_ms": r.preemption_loss_ms, "num_migrations": r.num_migrations,
+                "cached_prompt_tokens": r.cached}
 
     def _vreq(self, r: _Req):
         return self.scheduler.requests.get(r.iid)
@@ -483,7 +487,7 @@ class VllmEngine(Engine, MigrationHooks):
             sampling=r.sampling, priority=r.priority, rng_state=b"", arrival_time=r.arrival_time,
             first_token_time=r.first_token_time, num_preemptions=r.preemptions,
             preemption_loss_ms=r.preemption_loss_ms, num_migrations=r.num_migrations,
-            num_computed_tokens=r.computed, extra=dict(r.extra))
+            num_computed_tokens=r.computed, extra=dict(r.extra), cached_prompt_tokens=r.cached)
 
     def install_request(self, state: RequestState, block_ids: list[int]) -> None:
         from services.instance.engine.vllm.connector import PendingLoad
@@ -503,7 +507,7 @@ class VllmEngine(Engine, MigrationHooks):
                  state.arrival_time, output=list(state.output_token_ids), first_token_time=state.first_token_time,
                  preemptions=state.num_preemptions, preemption_loss_ms=state.preemption_loss_ms,
                  num_migrations=state.num_migrations, extra=dict(state.extra),
-                 trace_headers=dict(state.trace_headers))
+                 trace_headers=dict(state.trace_headers), cached=state.cached_prompt_tokens)
         staging = [self.sconn.reserved[b] for b in block_ids]
         self._submit(r, PendingLoad(list(block_ids), state.num_computed_tokens, reserved=staging))
 
