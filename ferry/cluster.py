@@ -136,6 +136,24 @@ class ClusterSpec:
         if self.decode and not (self.prefill or mixed):
             raise ValueError("decode instances need a prefill or mixed instance to take new requests")
 
+    def policy_instance_args(self) -> list[str]:
+        """What the dispatch policy needs of every instance, unless the
+        instance arguments say it: engines that hold programs' blocks between
+        turns (Policy.program_keep, program_ttl_s; the simulator sets them on
+        its engines). Without this, ``--dispatch llumnix-keep`` would run
+        its dispatch over instances that keep nothing."""
+        from libs.common.policies import POLICIES
+
+        p = POLICIES.get(self.dispatch)
+        given = {a.split("=", 1)[0] for a in [*self.instance_args, *(a for v in self.per_instance_args.values()
+                                                                        for a in v)]}
+        out = []
+        if p is not None and p.program_keep and "--program-keep" not in given:
+            out += ["--program-keep", f"{p.program_keep:g}"]
+        if p is not None and p.program_ttl_s and "--program-ttl-s" not in given:
+            out += ["--program-ttl-s", f"{p.program_ttl_s:g}"]
+        return out
+
     def instance_threads(self) -> int | None:
         """The --torch-threads this cluster gives its instances, or None."""
         if not engine_spec(self.engine).torch_threads or any(a.startswith("--torch-threads") for a in self.instance_args):
@@ -249,7 +267,7 @@ class LocalCluster:
         """The arguments every instance of this cluster gets (less port, id
         and meta store), shell-quoted: the scheduler launcher's template."""
         return shlex.join(["--engine", self.spec.engine, "--model", self.spec.model,
-                           *self.spec.instance_args, *self._common()])
+                           *self.spec.policy_instance_args(), *self.spec.instance_args, *self._common()])
 
     def scheduler_child(self, index: int = 0) -> Child:
         launch = []
@@ -279,7 +297,7 @@ class LocalCluster:
                       *(["--torch-threads", str(t)] if (t := self.spec.instance_threads()) else []),
                       *(["--cpus", c] if (c := self.spec.instance_cpus(i)) else []),
                       *(["--role", r] if (r := self.spec.role_of(i)) != "mixed" else []),
-                      *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
+                      *self.spec.policy_instance_args(), *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
     def frontend_child(self, port: int | None = None, name: str = "frontend") -> Child:
         model = self.spec.model if engine_spec(self.spec.engine).real_model else "fake"

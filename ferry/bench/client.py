@@ -65,6 +65,9 @@ def _final(rec: RequestRecord, obj: dict) -> None:
         return
     if obj.get("usage"):
         rec.tokens = int(obj["usage"].get("completion_tokens", rec.tokens))
+        details = obj["usage"].get("prompt_tokens_details")
+        if details and details.get("cached_tokens") is not None:  # a server that says (the programs' recompute)
+            rec.cached_tokens = int(details["cached_tokens"])
     for ch in obj.get("choices") or ():
         if ch.get("finish_reason"):
             rec.finish_reason = ch["finish_reason"]

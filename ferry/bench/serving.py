@@ -254,7 +254,7 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
     summary = metrics.summarize(records, opts.scale)
     summary["wall_s"] = wall
     summary["dead_processes"] = dead
-    prog = programs.summary(work.requests, records, 16, opts.scale)  # live: no per-turn cache hits (None)
+    prog = programs.summary(work.requests, records, 16, opts.scale)  # per-turn hits from usage.cached_tokens
     if prog is not None:
         summary["programs"] = prog
     # NOTE: the sampler may add a sample after the prefix one (it stops a
