@@ -11,9 +11,11 @@ programs' kept blocks, the programs worth least first (those its keep would
 evict first), to the instance with the most room, on the migration
 protocol with no request attached (services/instance/migration/
 cache_move.py: pre-allocate, the blocks, commit; the destination links what
-it holds already). The blocks leave the source's cache and join the
-destination's, kept for the program; the prefix index follows both caches'
-events, and the program's next turn goes where its blocks are (llumnix-keep's
+it holds already). The blocks join the destination's cache, kept for the
+program; at the source they become plain cache, the first evicted there
+(freeing them at once made returning turns recompute more: docs/results/sim/
+agentic.md). The prefix index takes the destination's events, and the
+program's next turn goes to an instance holding its history (llumnix-keep's
 home rule). Not here: a host-memory tier as a second destination."""
 
 from dataclasses import replace
