@@ -12,7 +12,8 @@ DONE (here the program's hold ends, ``end_export``: its blocks are plain
 cache, the first to be evicted when room is needed, and a turn sent here
 meanwhile still finds them). The blocks are free and full, and nothing
 writes them while they are pinned: one stage is the whole copy, and nothing
-is suspended.
+is suspended (so it is not a ``last`` stage: the destination holds no step
+boundary for it, and expects no request's context).
 
 NOTE: the source's copy stays until its room is needed, rather than being
 freed at once: in the simulator (agentic workload, 120 programs, seed 0)
@@ -68,7 +69,7 @@ class CacheMove(SourceMigration):
         share = self.engine.kv_share() if self.config.shared_kv else None
         a = await self.peer.pre_allocate(PreAllocate(
             self.id, self.request_id, 0, n, self.engine.kv_layout, self.deadline_ms, self.host.instance_id,
-            last=True, kv_share=share, block_hashes=kv.block_hashes, link=self.config.link_cached,
+            kv_share=share, block_hashes=kv.block_hashes, link=self.config.link_cached,
             program_id=self.program_id))
         if not a.accepted:
             self.dest_failed = True

@@ -284,7 +284,8 @@ class Destination:
             return False, f"{p.num_blocks + p.spare_blocks} blocks do not fit above the watermark"
         res.machine.to(DestState.RESERVED, stage=p.stage, blocks=len(res.stages[p.stage]), spare=len(res.spare),
                        total_blocks=len(res.blocks), linked=len(res.linked))
-        if p.stage == 0:  # the request's context is about this long: its first step here need not be slow
+        if p.stage == 0 and not p.program_id:
+            # the request's context is about this long: its first step here need not be slow (a cache move has none)
             self.engine.expect_context(len(res.held) * self.engine.block_size)
         if p.last and not p.handoff and self.join_hold_s > 0:
             # The commit is a small copy and a round trip away: keep the boundary open for it. Not for a

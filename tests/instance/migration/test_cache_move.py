@@ -135,3 +135,19 @@ async def test_what_the_destination_caches_already_is_linked_not_sent(cluster):
     assert await turn(c, "t1", "b", nxt, "p") == fake_generate(nxt, 8)
     await a.check_clean()
     await b.check_clean()
+
+
+async def test_a_cache_move_holds_no_step_boundary_at_the_destination(cluster):
+    """No request joins the destination's batch: it keeps stepping (no join
+    hold, which a migration's last stage takes), and expects no context."""
+    c = cluster
+    a, b = c.add("a", fake()), c.add("b", fake())
+    assert b.manager.dest.join_hold_s > 0
+    held, expected = [], []
+    b.runner.hold = lambda key, seconds: held.append(key)
+    b.engine.expect_context = lambda n: expected.append(n)
+    await turn(c, "t0", "a", HISTORY, "p")
+    res = await a.manager.migrate_out(order("b", cache_blocks=4))
+    assert res.committed == 1 and held == [] and expected == []
+    await a.check_clean()
+    await b.check_clean()
