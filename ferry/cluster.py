@@ -136,17 +136,17 @@ class ClusterSpec:
         if self.decode and not (self.prefill or mixed):
             raise ValueError("decode instances need a prefill or mixed instance to take new requests")
 
-    def policy_instance_args(self) -> list[str]:
-        """What the dispatch policy needs of every instance, unless the
-        instance arguments say it: engines that hold programs' blocks between
-        turns (Policy.program_keep, program_ttl_s; the simulator sets them on
-        its engines). Without this, ``--dispatch llumnix-keep`` would run
-        its dispatch over instances that keep nothing."""
+    def policy_instance_args(self, index: int | None = None) -> list[str]:
+        """What the dispatch policy needs of an instance (``index``; None: one
+        the scheduler launches), unless its arguments say it: engines that hold
+        programs' blocks between turns (Policy.program_keep, program_ttl_s;
+        the simulator sets them on its engines). Without this, ``--dispatch
+        llumnix-keep`` would run its dispatch over instances that keep nothing."""
         from libs.common.policies import POLICIES
 
         p = POLICIES.get(self.dispatch)
-        given = {a.split("=", 1)[0] for a in [*self.instance_args, *(a for v in self.per_instance_args.values()
-                                                                        for a in v)]}
+        own = self.per_instance_args.get(index, []) if index is not None else []
+        given = {a.split("=", 1)[0] for a in [*self.instance_args, *own]}
         out = []
         if p is not None and p.program_keep and "--program-keep" not in given:
             out += ["--program-keep", f"{p.program_keep:g}"]
@@ -297,7 +297,8 @@ class LocalCluster:
                       *(["--torch-threads", str(t)] if (t := self.spec.instance_threads()) else []),
                       *(["--cpus", c] if (c := self.spec.instance_cpus(i)) else []),
                       *(["--role", r] if (r := self.spec.role_of(i)) != "mixed" else []),
-                      *self.spec.policy_instance_args(), *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
+                      *self.spec.policy_instance_args(i),
+                      *self.spec.instance_args, *self.spec.per_instance_args.get(i, []), *(extra or [])], port)
 
     def frontend_child(self, port: int | None = None, name: str = "frontend") -> Child:
         model = self.spec.model if engine_spec(self.spec.engine).real_model else "fake"

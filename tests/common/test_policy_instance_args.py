@@ -27,5 +27,8 @@ def test_the_instance_arguments_win_and_the_launch_template_has_it():
     assert "--program-keep" not in a and "--program-keep=0.25" in a
     a = args(dispatch="llumnix-keep", per_instance_args={0: ["--program-keep", "0.1"]})
     assert a.count("--program-keep") == 1 and a[a.index("--program-keep") + 1] == "0.1"
+    # another instance's own argument is not this one's
+    a = args(dispatch="llumnix-keep", per_instance_args={1: ["--program-keep", "0.1"]})
+    assert a[a.index("--program-keep") + 1] == f"{get('llumnix-keep').program_keep:g}"
     launch = LocalCluster(ClusterSpec(engine="fake", dispatch="llumnix-move")).instance_launch_args()
     assert "--program-keep 0.75" in launch
