@@ -96,42 +96,49 @@ class Rescheduler:
         return pairs
 
     async def _move_cache(self, move: CacheMovePair) -> None:
-        src, dst = self.view.address(move.source), self.view.address(move.destination)
-        try:
-            if src is None or dst is None:
-                return
-            result = await self.clients(move.source, src).migrate_out(MigrateOutOrder(
-                move.destination, dst, cache_blocks=move.blocks))
+        result = await self._send(move.source, move.destination, metrics.CACHE_MOVE_ORDERS, "cache move",
+                                  lambda dst: MigrateOutOrder(move.destination, dst, cache_blocks=move.blocks))
+        if result is not None:
             metrics.CACHE_MOVE_ORDERS.labels("done").inc()
-            self.on_result(result)
             log.info("cache move done", source=move.source, destination=move.destination, asked=move.blocks,
                      committed=result.committed, aborted=result.aborted)
-        except FerryError as e:
-            metrics.CACHE_MOVE_ORDERS.labels("failed").inc()
-            log.debug("cache move order failed", source=move.source, error=e.code.name, details=str(e))
-        finally:
-            self._busy.pop(move.source, None)
 
     async def _order(self, pair: MigrationPair, link: dict[str, int] | None = None) -> None:
-        view = self.view
-        src, dst = view.address(pair.source), view.address(pair.destination)
-        try:
-            if src is None or dst is None:
-                return
+        def sent() -> None:
             self.on_order()
             log.debug("migrate-out order", source=pair.source, destination=pair.destination,
                       source_freeness=round(pair.source_freeness, 2),
                       destination_freeness=round(pair.destination_freeness, 2))
-            result = await self.clients(pair.source, src).migrate_out(MigrateOutOrder(
-                pair.destination, dst, self.config.out_threshold, use_priorities=self.policy.uses_priorities,
-                linkable=link or {}, max_requests=self.policy.order_max_requests, pick=self.policy.order_pick))
+
+        result = await self._send(pair.source, pair.destination, metrics.ORDERS, "migrate-out", lambda dst: (
+            MigrateOutOrder(pair.destination, dst, self.config.out_threshold,
+                            use_priorities=self.policy.uses_priorities, linkable=link or {},
+                            max_requests=self.policy.order_max_requests, pick=self.policy.order_pick)), sent)
+        if result is not None:
             metrics.order_done(result)
-            self.on_result(result)
             if result.started:
                 log.info("migrate-out done", source=pair.source, destination=pair.destination,
                          committed=result.committed, aborted=result.aborted)
+
+    async def _send(self, source: str, destination: str, failed, what: str,
+                    order: Callable[[str], MigrateOutOrder], sent: Callable[[], None] = lambda: None
+                    ) -> OrderResult | None:
+        """One order to ``source``, built with the destination's address, and
+        its result (to ``on_result`` as well); None when either instance left
+        the view or the call failed (counted in ``failed``, labelled by
+        outcome). ``sent``: called just before the call. The source is busy
+        until this returns."""
+        src, dst = self.view.address(source), self.view.address(destination)
+        try:
+            if src is None or dst is None:
+                return None
+            sent()
+            result = await self.clients(source, src).migrate_out(order(dst))
+            self.on_result(result)
+            return result
         except FerryError as e:
-            metrics.ORDERS.labels("failed").inc()
-            log.debug("migrate-out order failed", source=pair.source, error=e.code.name, details=str(e))
+            failed.labels("failed").inc()
+            log.debug(f"{what} order failed", source=source, error=e.code.name, details=str(e))
+            return None
         finally:
-            self._busy.pop(pair.source, None)
+            self._busy.pop(source, None)
