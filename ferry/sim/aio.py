@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ferry.sim.kernel import Kernel, Wait
-from services.instance.migration.host import MigrationHost
 from services.instance.streams import StreamTable
 
 
@@ -159,8 +158,13 @@ class SimRunner:
     def last_step_s(self) -> float:
         return self.inst._last_step_s
 
+    @property
+    def steps(self) -> int:
+        return self.inst.steps
 
-async def _inline(fn: Callable, *args: Any) -> Any:
+
+async def inline(fn: Callable, *args: Any) -> Any:
+    """MigrationHost.offload on the simulated clock: the copy runs at once."""
     return fn(*args)
 
 
@@ -172,15 +176,6 @@ class FollowedStreams(StreamTable):
         s = super().open(request_id, next_index)
         s.attached = True
         return s
-
-
-def sim_host(inst, loop: SimLoop):
-    """The MigrationHost of a simulated instance: its engine through a
-    SimRunner, the virtual clock, copies inline."""
-    return MigrationHost(inst.instance_id, SimRunner(inst, loop), FollowedStreams(),
-                         is_terminating=lambda: inst.terminating, load=inst.engine.load, headroom=inst.headroom,
-                         changed=inst.poke, decodes=lambda: inst.role.decodes, clock=lambda: inst.k.now,
-                         offload=_inline)
 
 
 class DelayedPeer:

@@ -1,10 +1,13 @@
-"""One simulated instance: the engine core (CoreEngine: block pool,
-scheduler, preemption, migration hooks) stepped on the virtual clock, the
-engine-thread contract of services/instance/runner.py (calls run between
-steps), and the status reporter of services/instance/reporter.py (a report
-after a step that changes blocks, queue or states, at most every
-report_interval_s, and a heartbeat), each report computed by the live
-agent's own ``instance_status``.
+"""One simulated instance: the live agent (services/instance/agent.py
+``Agent``: its streams, step delivery, migration manager, Splitwise
+handoffs, role, terminating mark and status) on the simulator's ports. The
+engine core (CoreEngine: block pool, scheduler, preemption, migration hooks)
+is stepped on the virtual clock; the engine-thread contract of
+services/instance/runner.py (calls run between steps) is ``submit`` and
+ferry/sim/aio.py's SimRunner; the status reporter's timing of
+services/instance/reporter.py (a report after a step that changes blocks,
+queue or states, at most every report_interval_s, and a heartbeat) is
+``poke``, each report the agent's own ``status``.
 
 A step's duration is SimProfile.step_ms over the step's chunks (chunk_cost),
 as the live sim engine sleeps; the executor emits a non-EOS token per
@@ -30,13 +33,14 @@ from typing import Any
 
 from ferry.sim.kernel import Kernel, Wait
 from libs.common.types import InstanceStatus, Priority, Role, TokenOutput
+from services.instance.agent import Agent
+from services.instance.config import InstanceConfig
 from services.instance.engine.base import EngineConfig, EngineLoad, KvLayout
 from services.instance.engine.core.engine import CoreEngine
 from services.instance.engine.core.executor import Executor, tapped_chunks
 from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.fake import TokenKvExecutor
 from services.instance.engine.sim import SimProfile, chunk_cost
-from services.instance.status import instance_status
 
 SAMPLED_TOKEN = 97  # any id that is not EOS (the executor has no EOS)
 TAP_LAYERS = 16  # a per-layer handoff's taps per step, at most (StepTimeExecutor)
@@ -184,16 +188,29 @@ class EngineCall(Wait):
         self.inst.submit(self.fn, *self.args, done=done)
 
 
+class Everyone:
+    """Who the simulated meta store knows: every instance, at its id (the
+    simulator's addresses)."""
+
+    async def check(self, instance_id: str, address: str, what: str = "") -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
 class SimInstance:
     def __init__(self, kernel: Kernel, instance_id: str, profile: SimProfile, engine_config: EngineConfig,
                  headroom: dict[Priority, int], report_interval_s: float, heartbeat_s: float, hop_s: float,
-                 on_step: Callable[[SimInstance, list[TokenOutput]], None],
+                 on_step: Callable[[SimInstance, list[TokenOutput]], None] | None,
                  on_report: Callable[[SimInstance, InstanceStatus], None], role: Role = Role.MIXED,
-                 fake_tokens: bool = False):
+                 fake_tokens: bool = False, config: InstanceConfig | None = None):
+        """``config``: the agent's (a live instance's flags; default: the
+        defaults with no queue bound); ``on_step(inst, outputs)``: follows the
+        agent's step delivery (one of its observers)."""
         self.k = kernel
         self.instance_id = instance_id
         self.profile = profile
-        self.role = role
         self.clock = EngineClock()
         num_blocks = engine_config.num_blocks or profile.num_blocks
         self.executor = (FakeTokenExecutor(profile, self.clock, num_blocks) if fake_tokens
@@ -206,14 +223,9 @@ class SimInstance:
         self.report_interval_s = report_interval_s
         self.heartbeat_s = heartbeat_s
         self.hop_s = hop_s
-        self.on_step = on_step
         self.at_boundary: Callable | None = None
         self.on_report = on_report
-        # Agent state read by status reports and by the migration model.
-        self.terminating = False
         self.orders = 0  # migrate-out orders running here (they read the status)
-        # The live MigrationManager (ferry/sim/run.py), on the cluster's SimLoop: migrations and Splitwise handoffs.
-        self.manager = None
         self.stopped = False
         # Engine thread.
         self._cmds: list[tuple[Callable, tuple, Callable | None]] = []
@@ -232,7 +244,45 @@ class SimInstance:
         self._late = False
         self.reports = 0
         self.late_reports = 0
+        from ferry.sim.aio import FollowedStreams
+
+        config = config or InstanceConfig(max_queued_tokens=0)
+        config = replace(config, instance_id=instance_id, role=role.value)
+        self.agent = Agent(config, registered=Everyone(), engine=self.engine, streams=FollowedStreams(),
+                           headroom=headroom, published_load=self.published_load, clock=lambda: kernel.now)
+        self.agent.reporter = self
+        if on_step is not None:
+            self.agent.observers.append(_StepFollower(self, on_step))
+        self.runner = None  # serve(): ferry/sim/aio.py's SimRunner
         self._publish()
+
+    def serve(self, loop, migration_config, peers, fault, expire_interval_s: float) -> None:
+        """The agent's migration manager, handoffs and pipeline host on the
+        cluster's SimLoop (``Agent.attach_ports``): the engine through a
+        SimRunner, the virtual clock, copies inline; ``peers(address)``: a
+        destination's migration peer."""
+        from ferry.sim.aio import SimRunner, inline
+
+        self.runner = SimRunner(self, loop)
+        self.agent._migration_peers = peers
+        with loop.running():
+            self.agent.attach_ports(self.runner, migration_config=migration_config, load=self.engine.load,
+                                    clock=lambda: self.k.now, offload=inline, fault=fault,
+                                    expire_interval_s=expire_interval_s)
+
+    # --- the agent's state ----------------------------------------------------------------
+    @property
+    def role(self) -> Role:
+        return self.agent.role
+
+    @property
+    def terminating(self) -> bool:
+        return self.agent.terminating
+
+    @property
+    def manager(self):
+        """The agent's live MigrationManager (None before ``serve``)."""
+        return self.agent.migration
 
     # --- the engine thread (runner.py) --------------------------------------------------
     def call(self, fn: Callable, *args: Any) -> EngineCall:
@@ -311,7 +361,7 @@ class SimInstance:
         if outputs:
             if self.at_boundary is not None:  # runner.EngineRunner.at_boundary
                 self.at_boundary(outputs)
-            self.on_step(self, outputs)
+            self.agent.deliver(outputs)  # the load is published lazily (below)
         self._publish()
         self._boundary()
 
@@ -353,15 +403,8 @@ class SimInstance:
         return self._pub_load
 
     def status(self) -> InstanceStatus | None:
-        """InstanceService.status(): the published load and the agent's marks."""
-        load = self.published_load()
-        if load is None:
-            return None
-        self.seq += 1
-        m = self.manager
-        st = instance_status(self.instance_id, self.seq, self.k.now, load, self.headroom, self.terminating,
-                             m.migrating_in if m else 0, m.migrating_out if m else 0, engine_steps=self.steps)
-        return st if self.role is Role.MIXED else replace(st, role=self.role)
+        """The agent's status: its published load (None while it cannot be read) and marks."""
+        return self.agent.status()
 
     def migrations_under_way(self) -> int:
         """Migrations and handoffs in and out now (the live manager's)."""
@@ -395,9 +438,27 @@ class SimInstance:
         self._schedule_report(self.k.now + self.heartbeat_s)
 
     def set_terminating(self, value: bool) -> None:
-        self.terminating = value
-        self.poke()
+        self.agent.set_terminating(value)
 
     def stop(self) -> None:
         self.stopped = True
         self._report_gen += 1
+
+
+class _StepFollower:
+    """An agent observer that hands each step's outputs to ``on_step(inst, outputs)``."""
+
+    def __init__(self, inst: SimInstance, on_step: Callable[[SimInstance, list[TokenOutput]], None]):
+        self.inst, self.on_step_fn = inst, on_step
+
+    def arrived(self, request_id: str, num_prompt_tokens: int, num_resumed: int) -> None:
+        pass
+
+    def on_step(self, outputs: list[TokenOutput], load) -> None:
+        self.on_step_fn(self.inst, outputs)
+
+    def committed_in(self, state) -> None:
+        pass
+
+    def left(self, request_id: str) -> None:
+        pass

@@ -39,7 +39,7 @@ import structlog
 from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
 from ferry.bench.serving import slowed_intervals
-from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
+from ferry.sim.aio import DelayedPeer, SimLoop
 from ferry.sim.control import SimClients, SimLauncher
 from ferry.sim.handoff import HandoffLog
 from ferry.sim.instance import SimInstance
@@ -53,12 +53,11 @@ from libs.common.config import click_options, from_options
 from libs.common.logging import setup_logging
 from libs.common.policies import get as get_policy
 from libs.common.policies.phases import DEFAULT_PER_LAYER_THRESHOLD, needs_handoff
-from libs.common.types import Priority, Role, SamplingParams, TokenOutput
-from services.instance.engine.base import EngineError, EngineRequest
+from libs.common.errors import InvalidArgument
+from libs.common.types import GenerateOrder, Priority, Role, SamplingParams, TokenOutput
 from services.instance.engine.sim import SimProfile
 from services.instance.engine.fake import VOCAB_HI, VOCAB_LO
 from services.instance.config import InstanceConfig
-from services.instance.migration.manager import MigrationManager
 from services.instance.migration.peer import InProcessPeer
 from services.instance.status import high_priority_headroom
 from services.scheduler.autoscaler import (
@@ -119,8 +118,12 @@ def configs(opts: SimOptions, policy: str) -> tuple[InstanceConfig, SchedulerCon
     if pol.program_keep > 0:
         gap = InstanceConfig.program_gap_s  # the default, in model seconds
         pin += ["--program-keep", f"{pol.program_keep!r}", "--program-gap-s", f"{gap / opts.sim_slowdown!r}"]
+    # No queue bound at the instances: a refused request's retry elsewhere is the frontend's, not simulated.
     icfg = parse_config(InstanceConfig, ["--engine", "sim", "--profile", opts.profile, *inst_slow, *pin,
-                                         *opts.instance_args])
+                                         "--max-queued-tokens", "0", *opts.instance_args])
+    if icfg.max_queued_tokens:
+        raise click.UsageError("--max-queued-tokens: the simulator does not model the frontend's retry of a "
+                               "request an instance's full queue refused; leave it at 0")
     scfg = parse_config(SchedulerConfig, ["--dispatch", policy, *sched_slow, *opts.scheduler_args])
     return icfg, scfg
 
@@ -231,11 +234,9 @@ class Cluster:
                            high_priority_headroom(self.icfg.headroom_high, profile, self.engine_config.num_blocks),
                            self.icfg.report_interval_s * self.wall, self.icfg.heartbeat_s * self.wall,
                            self.delays.hop_s, self._on_step, self._on_report, role=role,
-                           fake_tokens=self.opts.fake_tokens)
-        with self.loop.running():
-            inst.manager = MigrationManager(sim_host(inst, self.loop), self.migration.config,
-                                            peers=lambda address, src=inst: self._peer(src, address),
-                                            fault=_no_fault, expire_interval_s=EXPIRE_S)
+                           fake_tokens=self.opts.fake_tokens, config=self.icfg)
+        inst.serve(self.loop, self.migration.config, lambda address, src=inst: self._peer(src, address),
+                   fault=_no_fault, expire_interval_s=EXPIRE_S)
         if needs_handoff(role):
             self.handoff.watch(inst)
         self.instances[iid] = inst
@@ -309,13 +310,10 @@ class Cluster:
                 if o.index != len(toks):
                     raise RuntimeError(f"{o.request_id}: token index {o.index} after {len(toks)} tokens")
                 toks.append(o.token_id)
-        handoffs = inst.manager.handoffs
         if needs_handoff(inst.role):
             for o in outputs:
                 if o.index == 0:
                     self.handoff.on_first_token(o.request_id, self.k.now)
-                if handoffs.plans:  # the agent's step delivery: a serialized handoff starts at the first token
-                    handoffs.on_output(o)
 
     def _on_report(self, inst: SimInstance, status) -> None:
         self.k.after(self.delays.report_s, self.scheduler.deliver, status)
@@ -357,37 +355,27 @@ class Cluster:
         self.k.after(self.delays.generate_s, self._generate, i, placed.prefill, run_priority, placed.decode)
 
     def _generate(self, i: int, iid: str, priority: Priority, decode: str | None = None) -> None:
+        """The frontend's Generate at the chosen instance: the agent's own
+        (``Agent.admit``: the checks, the engine, a Splitwise handoff's plan);
+        the simulated client follows the request by the step delivery (``_on_step``)."""
         req = self.work.requests[i]
         inst = self.instances[iid]
         sp = SamplingParams(max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
         prompt = self.prompt(i)
         if self.keep_tokens:
             self.prompts[i] = prompt
-        ereq = EngineRequest(f"req-{i}", prompt, sp, priority, arrival_time=self.k.now, program_id=wl.program_id(req))
-        self.prompt_lens[ereq.request_id] = len(prompt)
-        if decode is not None:
-            self.loop.create_task(self._enter(i, inst, ereq, decode))
-            return
-        if needs_handoff(inst.role):
-            self.handoff.in_place(inst, ereq.request_id, len(prompt))
+        rid = f"req-{i}"
+        self.prompt_lens[rid] = len(prompt)
+        if decode is None and needs_handoff(inst.role):
+            self.handoff.in_place(inst, rid, len(prompt))
+        order = GenerateOrder(rid, prompt, sp, priority, handoff=None if decode is None else (decode, decode),
+                              program_id=wl.program_id(req))
+        self.loop.create_task(self._admit(i, inst, order))
 
-        def added(_result, exc: BaseException | None) -> None:
-            if isinstance(exc, EngineError):
-                self.recorder.fail(i, self.k.now, f"HTTP 400: {exc}")
-            elif exc is not None:
-                raise exc
-
-        inst.submit(inst.engine.add_request, ereq, done=added)
-
-    async def _enter(self, i: int, inst: SimInstance, ereq: EngineRequest, decode: str) -> None:
-        """Into a prefill instance with the plan of its handoff to ``decode``
-        (the agent's ``_enter``: planned before the engine sees the request)."""
-        handoffs = inst.manager.handoffs
-        plan = handoffs.plan(ereq.request_id, decode, decode, len(ereq.prompt_token_ids))
+    async def _admit(self, i: int, inst: SimInstance, order: GenerateOrder) -> None:
         try:
-            await handoffs.add(ereq, plan)  # a per-layer handoff starts with it
-        except EngineError as e:
-            handoffs.forget(ereq.request_id)
+            await inst.agent.admit(order)
+        except InvalidArgument as e:
             self.recorder.fail(i, self.k.now, f"HTTP 400: {e}")
 
     # --- cluster samples (serving.sample_cluster) --------------------------------------------

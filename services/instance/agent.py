@@ -1,14 +1,22 @@
 """The instance agent ("llumlet") without its transport: engine runner,
 token streams, migration manager, role, status report and the step
 callback, with plain methods (generate, attach, abort, set_role,
-check_integrity, ...). services/instance/service.py serves it over gRPC."""
+check_integrity, ...). services/instance/service.py serves it over gRPC.
+
+What it runs on are its ports. ``start`` makes a process's: the engine
+from the config, the engine thread (runner.py), the meta store's status
+reporter and registry, metrics and the hang monitor. The simulator gives
+its own (ferry/sim/instance.py): the engine core on the virtual clock, a
+runner that calls between simulated steps, the reporter's timing on that
+clock; then ``attach`` wires the rest as it does for a process (streams,
+migration manager, KunServe's pipeline host, the step callback)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from libs.common import failpoints, tracing
@@ -63,23 +71,33 @@ class Agent(Service):
     name = "instance"
     service_names = ("ferry.v1.Instance",)
 
-    def __init__(self, config: InstanceConfig, migration_peers=None, registered=None):
+    def __init__(self, config: InstanceConfig, migration_peers=None, registered=None, *, engine=None,
+                 streams: StreamTable | None = None, headroom: dict | None = None,
+                 published_load: Callable[[], EngineLoad | None] | None = None,
+                 clock: Callable[[], float] = time.time):
         """``migration_peers``: address -> migration peer (default: gRPC;
         agents in one process: services.instance.migration.peer.InProcessPeer);
         ``registered``: who says which instances the meta store knows, and at
-        which address (default: the meta store)."""
+        which address (default: the meta store). The simulator's ports
+        (module doc): ``engine`` (default: the config's), ``streams``,
+        ``headroom`` (default: from the engine's profile), the load a status
+        reads (``published_load``, None while it cannot be read; default:
+        the engine thread's latest) and the ``clock`` of statuses and
+        arrivals."""
         self.config = config
         self._migration_peers = migration_peers
         if config.failpoints:  # first: the engine and its thread read theirs when they start
             failpoints.configure(config.failpoints)
         self.instance_id = config.instance_id or f"inst-{uuid.uuid4().hex[:8]}"
-        self.engine = create_engine(config.engine_config())
+        self.engine = engine if engine is not None else create_engine(config.engine_config())
         if Role.parse(config.role) is Role.PREFILL and self.engine.no_migration:
             raise ValueError(f"--role prefill needs live migration to hand requests over, and this "
                              f"{self.engine.name} engine cannot migrate: {self.engine.no_migration}")
-        self.streams = StreamTable()
-        self.headroom = high_priority_headroom(config.headroom_high, getattr(self.engine, "profile", None),
-                                               self.engine.load().total_blocks)
+        self.streams = streams if streams is not None else StreamTable()
+        self.clock = clock
+        self._published_load = published_load or (lambda: self.load)
+        self.headroom = headroom if headroom is not None else high_priority_headroom(
+            config.headroom_high, getattr(self.engine, "profile", None), self.engine.load().total_blocks)
         self.terminating = False
         self.role = Role.parse(config.role)
         self.dead = False  # the engine thread died: this instance is stopping
@@ -108,34 +126,24 @@ class Agent(Service):
         self.info = InstanceInfo(self.instance_id, address, e.name, e.model_name, e.block_size,
                                  e.num_total_blocks, e.max_model_len, int(time.time() * 1000), e.vocab_size,
                                  no_migration=e.no_migration)
-        self.runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step,
-                                   on_kv_events=self.kv_events.publish)
-        self.runner.start()
-        from services.instance.migration import MigrationHost, MigrationManager
-        from services.instance.migration.servicer import MigrationRpcs
-
+        runner = EngineRunner(self.engine, asyncio.get_running_loop(), self._on_step,
+                              on_kv_events=self.kv_events.publish)
+        runner.start()
+        serving = None
         if self.config.metrics_port >= 0:
             from services.instance.serving_metrics import ServingMetrics
 
             serving = ServingMetrics(e.model_name, self.instance_id)
             self.observers.append(serving)
-        trace_context = MigrationHost.trace_context
+        trace_context = None
         if tracing.enabled():
             from services.instance.request_traces import RequestTraces
 
             traces = RequestTraces(self.instance_id)
             self.observers.append(traces)
             trace_context = traces.context_of
-        host = MigrationHost(self.instance_id, self.runner, self.streams, is_terminating=lambda: self.terminating,
-                             load=lambda: self.load, headroom=self.headroom, changed=self._poke,
-                             decodes=lambda: self.role.decodes, committed_in=self._committed_in,
-                             trace_context=trace_context)
-        self.migration = MigrationManager(host, self.config.migration_config(), peers=self._migration_peers)
-        self.migration_rpcs = MigrationRpcs(self.migration)
-        from services.instance.kunserve import PipelineHost
-
-        self.pipeline = PipelineHost(self.engine, self.runner)
-        if self.config.metrics_port >= 0:
+        self.attach_ports(runner, trace_context=trace_context)
+        if serving is not None:
             from libs.common.metrics_server import serve_metrics
 
             serving.export(lambda: self.load, lambda: (self.migration.migrating_in, self.migration.migrating_out))
@@ -149,6 +157,34 @@ class Agent(Service):
         self.hang.start()
         log.info("instance ready", instance_id=self.instance_id, address=address, engine=e.name,
                  blocks=e.num_total_blocks, block_size=e.block_size)
+
+    def attach_ports(self, runner, *, reporter=None, migration_config=None, trace_context=None,
+                     load: Callable[[], EngineLoad] | None = None, clock: Callable[[], float] | None = None,
+                     offload=None, fault=None, expire_interval_s: float | None = None) -> None:
+        """What every agent has, on its engine's ``runner`` (an EngineRunner, or
+        the simulator's): the migration manager (``migration_config``, default
+        the config's) with its host, RPCs and Splitwise handoffs, and KunServe's
+        pipeline host. The simulator also gives its ``reporter`` (``poke()``),
+        the ``load`` its migrations read, their ``clock``, ``offload``,
+        ``fault`` and ``expire_interval_s``."""
+        from services.instance.kunserve import PipelineHost
+        from services.instance.migration import MigrationHost, MigrationManager
+        from services.instance.migration.servicer import MigrationRpcs
+
+        self.runner = runner
+        if reporter is not None:
+            self.reporter = reporter
+        host_ports = {k: v for k, v in (("trace_context", trace_context), ("clock", clock), ("offload", offload))
+                      if v is not None}
+        host = MigrationHost(self.instance_id, runner, self.streams, is_terminating=lambda: self.terminating,
+                             load=load or (lambda: self.load), headroom=self.headroom, changed=self._poke,
+                             decodes=lambda: self.role.decodes, committed_in=self._committed_in, **host_ports)
+        manager_ports = {k: v for k, v in (("fault", fault), ("expire_interval_s", expire_interval_s))
+                         if v is not None}
+        self.migration = MigrationManager(host, migration_config or self.config.migration_config(),
+                                          peers=self._migration_peers, **manager_ports)
+        self.migration_rpcs = MigrationRpcs(self.migration)
+        self.pipeline = PipelineHost(self.engine, runner)
 
     async def stop(self) -> None:
         if self.migration and not self.dead and self.exit_code == 0 and self.config.drain_timeout_s > 0:
@@ -208,13 +244,9 @@ class Agent(Service):
 
     # --- engine outputs (on the event loop) -----------------------------------------
     def _on_step(self, outputs: list[TokenOutput], load: EngineLoad | None) -> None:
-        for out in outputs:
-            if out.error is not None:
-                log.warning("request failed; the engine goes on", request_id=out.request_id, code=out.error[0],
-                            error=out.error[1])
-        self.streams.deliver(outputs, self.migration.handoffs.on_output if self.migration is not None else None)
-        for o in self.observers:
-            o.on_step(outputs, load)
+        """The engine thread's step callback: the step's outputs delivered,
+        then its load published (None: the engine died)."""
+        self.deliver(outputs, load)
         if load is None:
             self._engine_died()
             return
@@ -225,6 +257,18 @@ class Agent(Service):
             self._load_key = key
             if self.reporter:
                 self.reporter.poke()
+
+    def deliver(self, outputs: list[TokenOutput], load: EngineLoad | None = None) -> None:
+        """A step's outputs to their streams (a Splitwise handoff starts at its
+        request's first token) and to the observers. The simulator calls it
+        at each simulated step's end and publishes the load itself."""
+        for out in outputs:
+            if out.error is not None:
+                log.warning("request failed; the engine goes on", request_id=out.request_id, code=out.error[0],
+                            error=out.error[1])
+        self.streams.deliver(outputs, self.migration.handoffs.on_output if self.migration is not None else None)
+        for o in self.observers:
+            o.on_step(outputs, load)
 
     def _engine_died(self) -> None:
         """NOTE: a dead engine is a dead instance. Every stream ends with
@@ -250,6 +294,19 @@ class Agent(Service):
     async def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]:
         """Run a request here and stream what it produces (StreamEvents);
         a bad order, a full queue or a dead engine raise FerryErrors."""
+        stream = await self.admit(order)
+        rid, resume = stream.request_id, order.resume_token_ids
+        try:
+            async for f in serve_stream(self.streams, stream, len(resume), len(order.prompt_token_ids),
+                                        order.flush_interval_ms, self._client_gone):
+                yield f
+        finally:
+            self._left(rid)
+
+    async def admit(self, order: GenerateOrder):
+        """Generate up to its stream: the order checked, admitted and in the
+        engine, its stream open (returned). The simulator's client follows
+        the stream by the step delivery's observers instead of reading it."""
         if self.dead:
             raise Unavailable(f"the engine of instance {self.instance_id} is not running")
         rid = order.request_id or uuid.uuid4().hex
@@ -274,7 +331,7 @@ class Agent(Service):
         refused = self.queue.admit(self.load, n_tokens, resumed=bool(resume))
         if refused:
             raise ResourceExhausted(refused)
-        ereq = EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority, time.time(), resume,
+        ereq = EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority, self.clock(), resume,
                              program_id=order.program_id,
                              trace_headers=tracing.headers() if self.engine.traces_requests else {})
         stream = self.streams.open(rid, next_index=len(resume))
@@ -287,12 +344,7 @@ class Agent(Service):
         self.queue.added(n_tokens)
         for o in self.observers:
             o.arrived(rid, len(order.prompt_token_ids), len(resume))
-        try:
-            async for f in serve_stream(self.streams, stream, len(resume), len(order.prompt_token_ids),
-                                        order.flush_interval_ms, self._client_gone):
-                yield f
-        finally:
-            self._left(rid)
+        return stream
 
     async def _enter(self, ereq: EngineRequest, handoff: tuple[str, str] | None, n_tokens: int) -> None:
         """Into the engine: directly, or (Splitwise) with the plan of its
@@ -424,10 +476,14 @@ class Agent(Service):
         return self.pipeline
 
     # --- status --------------------------------------------------------------
-    def status(self) -> InstanceStatus:
+    def status(self) -> InstanceStatus | None:
+        """This instance's status report (None only in the simulator, while the load cannot be read)."""
+        load = self._published_load()
+        if load is None:
+            return None
         self.seq += 1
         m = self.migration
-        return instance_status(self.instance_id, self.seq, time.time(), self.load, self.headroom,
+        return instance_status(self.instance_id, self.seq, self.clock(), load, self.headroom,
                                self.terminating, m.migrating_in if m else 0, m.migrating_out if m else 0,
                                engine_steps=self.runner.steps if self.runner else 0, role=self.role,
                                unschedulable=self.hang is not None and self.hang.health is not Health.STEPPING)

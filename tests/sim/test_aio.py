@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 
-from ferry.sim.aio import DelayedPeer, SimLoop, sim_host
+from ferry.sim.aio import DelayedPeer, SimLoop
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Delay, Kernel
-from libs.common.types import MigrateOutOrder, Priority, SamplingParams
-from services.instance.engine.base import EngineConfig, EngineRequest
+from libs.common.types import GenerateOrder, MigrateOutOrder, SamplingParams
+from services.instance.engine.base import EngineConfig
 from services.instance.engine.fake import fake_generate
 from services.instance.engine.sim import SimProfile
-from services.instance.migration.manager import MigrationManager
 from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.peer import InProcessPeer
 
@@ -78,18 +77,16 @@ def test_the_live_migration_protocol_moves_a_request_between_simulated_instances
     result = {}
 
     async def main():
-        hosts = {i.instance_id: sim_host(i, loop) for i in (a, b)}
-        managers = {}
+        insts = {i.instance_id: i for i in (a, b)}
 
         def peer(address):
-            return DelayedPeer(InProcessPeer(managers[address].dest), rpc_s, lambda n: n * per_block_s)
+            return DelayedPeer(InProcessPeer(insts[address].manager.dest), rpc_s, lambda n: n * per_block_s)
 
         config = MigrationConfig(max_stages=4, last_stage_max_blocks=2, join_notice=False, shared_kv=False)
-        for iid, h in hosts.items():
-            managers[iid] = MigrationManager(h, config, peers=peer, expire_interval_s=0.05)
-        hosts["a"].streams.open("r")
-        a.submit(a.engine.add_request, EngineRequest("r", tuple(PROMPT), SamplingParams(max_tokens=N, ignore_eos=True),
-                                                     Priority.NORMAL, 0.0))
+        for inst in insts.values():
+            inst.serve(loop, config, peer, fault=lambda point: None, expire_interval_s=0.05)
+        managers = {iid: inst.manager for iid, inst in insts.items()}
+        await a.agent.admit(GenerateOrder("r", tuple(PROMPT), SamplingParams(max_tokens=N, ignore_eos=True)))
         while len(tokens.get("r", ())) < 10:
             await asyncio.sleep(0.01)
         t0 = loop.time()

@@ -8,14 +8,13 @@ run the same code: tests/sim/test_splitwise.py.)"""
 
 import pytest
 
-from ferry.sim.aio import DelayedPeer, SimLoop, TaskDone, sim_host
+from ferry.sim.aio import DelayedPeer, SimLoop, TaskDone
 from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import START, Kernel
 from ferry.sim.params import Delays, TransferModel
 from libs.common.types import MigrateOutOrder, SamplingParams
 from services.instance.engine.base import EngineConfig, EngineRequest
 from services.instance.engine.sim import SimProfile
-from services.instance.migration.manager import MigrationManager
 from services.instance.migration.peer import InProcessPeer
 from services.instance.migration.source import MigrationConfig
 
@@ -44,11 +43,10 @@ def live(k, src, dst, config=None):
     loop = SimLoop(k)
     k.loop = loop
     insts = {i.instance_id: i for i in (src, dst)}
-    with loop.running():
-        for inst in insts.values():
-            inst.manager = MigrationManager(
-                sim_host(inst, loop), config or MigrationConfig(), fault=lambda point: None,
-                peers=lambda a: DelayedPeer(InProcessPeer(insts[a].manager.dest), DELAYS.rpc_s, TRANSFER.seconds))
+    for inst in insts.values():
+        inst.serve(loop, config or MigrationConfig(),
+                   lambda a: DelayedPeer(InProcessPeer(insts[a].manager.dest), DELAYS.rpc_s, TRANSFER.seconds),
+                   fault=lambda point: None, expire_interval_s=0.05)
     return loop
 
 
