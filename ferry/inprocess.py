@@ -1,7 +1,6 @@
-"""An in-process cluster of instances: each an engine on its own runner
-thread, a stream table and a MigrationManager; peers call each other's
-Destination directly (InProcessPeer). Each node serves Generate and Attach as
-the agent does (streams.serve_stream), and a Client reads its request with
+"""An in-process cluster of instances: each a real instance ``Agent`` with
+its engine on its own runner thread; peers call each other's Destination
+directly (InProcessPeer). A Client reads its request with
 the frontend's own loop (services/frontend/generation.py: run_generation
 over InProcessPeers), following ``moved`` events, with a strict check of
 exactly-once, in-order delivery. The protocol tests and ``ferry bench
@@ -12,76 +11,51 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from types import SimpleNamespace
 
-from libs.common.types import GenerateOrder, Priority, SamplingParams, StreamEvent
+from libs.common.types import GenerateOrder, Priority, SamplingParams
 from services.frontend.generation import Generation, run_generation
 from services.frontend.peers import InProcessPeers, InstanceCall
 from services.frontend.router import Dispatched
-from services.instance.engine.base import Engine, EngineRequest
-from services.instance.migration.host import MigrationHost
-from services.instance.migration.manager import MigrationManager
+from services.instance.agent import Agent
+from services.instance.config import InstanceConfig
+from services.instance.engine.base import Engine
 from services.instance.migration.messages import MigrationConfig
 from services.instance.migration.peer import InProcessPeer
+from services.instance.registered import Everyone
 from services.instance.runner import EngineRunner
-from services.instance.streams import StreamTable, serve_attached, serve_stream
 
 
-class Node:
+class Node(Agent):
+    """An instance agent in this process: a real ``Agent`` on an engine
+    thread (EngineRunner), with peers that call each other's Destination
+    directly, no queue bound and no meta store (every instance known), and
+    the tests' hooks: ``faults`` (fault point -> action), ``check_clean``."""
+
     def __init__(self, name: str, engine: Engine, cluster: Cluster, config: MigrationConfig | None = None):
-        config = config or MigrationConfig()
+        super().__init__(InstanceConfig(instance_id=name, max_queued_tokens=0, drain_timeout_s=0),
+                         registered=Everyone(), engine=engine)
         self.name = name
-        self.engine = engine
-        self.streams = StreamTable()
-        self.load = engine.load()
         self.faults: dict[str, Callable[[], None]] = {}  # fault point -> action
-        self.runner = EngineRunner(engine, asyncio.get_running_loop(), self._on_step, idle_wait_s=0.01)
-        self.host = MigrationHost(name, self.runner, self.streams, load=lambda: self.load)
-        self.runner.start()
-        self.manager = MigrationManager(self.host, config, peers=cluster.peer, fault=self._fault,
-                                        expire_interval_s=0.02)
+        runner = EngineRunner(engine, asyncio.get_running_loop(), self._on_step, idle_wait_s=0.01)
+        runner.start()
+        self.attach_ports(runner, migration_config=config or MigrationConfig(), fault=self._fault,
+                          expire_interval_s=0.02, peers=cluster.peer)
+
+    @property
+    def manager(self):
+        """The agent's MigrationManager."""
+        return self.migration
+
+    @property
+    def host(self):
+        return self.migration.host
 
     def _fault(self, point: str) -> None:
         action = self.faults.get(point)
         if action is not None:
             action()
-
-    def _on_step(self, outputs, load) -> None:  # the agent's step callback, without its status and health
-        self.streams.deliver(outputs, self.manager.handoffs.on_output)
-        if load is not None:
-            self.load = load
-
-    async def generate(self, order: GenerateOrder) -> AsyncIterator[StreamEvent]:
-        """Generate as the agent serves it, without its checks, admission
-        and registry: the request enters the engine with the plan of its
-        handoff if it has one (Splitwise: Handoffs.plan, Handoffs.add, the
-        mode by this node's threshold), and its stream is served."""
-        rid = order.request_id
-        stream = self.streams.open(rid, next_index=len(order.resume_token_ids))
-        n_tokens = len(order.prompt_token_ids) + len(order.resume_token_ids)
-        plan = None if order.handoff is None else self.manager.handoffs.plan(rid, *order.handoff, n_tokens)
-        try:
-            await self.manager.handoffs.add(EngineRequest(rid, order.prompt_token_ids, order.sampling, order.priority,
-                                                          time.time(), order.resume_token_ids,
-                                                          program_id=order.program_id), plan)
-        except BaseException:
-            self.manager.handoffs.forget(rid)
-            self.streams.close(rid)
-            raise
-        async for f in serve_stream(self.streams, stream, len(order.resume_token_ids), len(order.prompt_token_ids),
-                                    order.flush_interval_ms, self._client_gone):
-            yield f
-
-    async def attach(self, request_id: str, from_index: int, flush_interval_ms: int = 0) -> AsyncIterator[StreamEvent]:
-        """The stream of a request that migrated in (or entered here by the
-        test's own hand), from ``from_index``, as the agent's Attach."""
-        async for f in serve_attached(self.streams, request_id, from_index, flush_interval_ms, self._client_gone):
-            yield f
-
-    def _client_gone(self, request_id: str) -> None:
-        self.manager.handoffs.forget(request_id)
-        self.runner.submit(self.engine.abort_request, request_id)
 
     async def check_clean(self, timeout_s: float = 5.0) -> None:
         """Idle, no reservation, every block free, check_integrity passes."""
@@ -97,10 +71,6 @@ class Node:
                 f"free={free}/{self.engine.num_total_blocks} outgoing={list(self.manager.outgoing)}")
             await asyncio.sleep(0.02)
         await self.runner.call(self.engine.check_integrity)
-
-    async def stop(self) -> None:
-        await self.manager.close()
-        self.runner.stop()
 
 
 class Cluster:

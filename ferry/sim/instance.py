@@ -41,6 +41,7 @@ from services.instance.engine.core.executor import Executor, tapped_chunks
 from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.fake import TokenKvExecutor
 from services.instance.engine.sim import SimProfile, chunk_cost
+from services.instance.registered import Everyone
 
 SAMPLED_TOKEN = 97  # any id that is not EOS (the executor has no EOS)
 TAP_LAYERS = 16  # a per-layer handoff's taps per step, at most (StepTimeExecutor)
@@ -188,17 +189,6 @@ class EngineCall(Wait):
         self.inst.submit(self.fn, *self.args, done=done)
 
 
-class Everyone:
-    """Who the simulated meta store knows: every instance, at its id (the
-    simulator's addresses)."""
-
-    async def check(self, instance_id: str, address: str, what: str = "") -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-
 class SimInstance:
     def __init__(self, kernel: Kernel, instance_id: str, profile: SimProfile, engine_config: EngineConfig,
                  headroom: dict[Priority, int], report_interval_s: float, heartbeat_s: float, hop_s: float,
@@ -264,11 +254,10 @@ class SimInstance:
         from ferry.sim.aio import SimRunner, inline
 
         self.runner = SimRunner(self, loop)
-        self.agent._migration_peers = peers
         with loop.running():
             self.agent.attach_ports(self.runner, migration_config=migration_config, load=self.engine.load,
                                     clock=lambda: self.k.now, offload=inline, fault=fault,
-                                    expire_interval_s=expire_interval_s)
+                                    expire_interval_s=expire_interval_s, peers=peers)
 
     # --- the agent's state ----------------------------------------------------------------
     @property

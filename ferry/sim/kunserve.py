@@ -13,7 +13,7 @@ the instance side of KunServe (services/instance/kunserve.py ``PipelineHost``):
 
 - **drop_layers** (§4.1, §4.3): the member's KV pool grows by the dropped
   layers' parameter memory at its next step boundary (``grow_blocks``
-  through the engine-call mechanism, ``SimRunner``). ``prepare`` does
+  through the instance's engine runner, ``SimRunner``). ``prepare`` does
   nothing; ``hold`` is not modelled (the member steps on until it enters).
 - **set_pipeline, entering** (§4.2): the member's steps run as a pipeline
   stage. Its micro-batches pass through all k stages; ideally a group of k
@@ -62,7 +62,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, dataclass
 
-from ferry.sim.aio import SimRunner
 from ferry.sim.control import SimClient
 from ferry.sim.instance import SimInstance
 from libs.common.policies.kunserve import buddy_group
@@ -118,7 +117,7 @@ class SimPipeline(SimClient):
     def __init__(self, ks: "KunServe", inst: SimInstance):
         super().__init__(ks.c, inst.instance_id)
         self.ks, self.inst = ks, inst
-        self.runner = SimRunner(inst, ks.c.loop)
+        self.runner = inst.runner  # the agent's (SimInstance.serve)
         self.size = 1  # the group's members, this one included (1: alone)
         self.exchange_until = 0.0
 

@@ -160,18 +160,21 @@ class Agent(Service):
 
     def attach_ports(self, runner, *, reporter=None, migration_config=None, trace_context=None,
                      load: Callable[[], EngineLoad] | None = None, clock: Callable[[], float] | None = None,
-                     offload=None, fault=None, expire_interval_s: float | None = None) -> None:
+                     offload=None, fault=None, expire_interval_s: float | None = None, peers=None) -> None:
         """What every agent has, on its engine's ``runner`` (an EngineRunner, or
         the simulator's): the migration manager (``migration_config``, default
         the config's) with its host, RPCs and Splitwise handoffs, and KunServe's
         pipeline host. The simulator also gives its ``reporter`` (``poke()``),
         the ``load`` its migrations read, their ``clock``, ``offload``,
-        ``fault`` and ``expire_interval_s``."""
+        ``fault`` and ``expire_interval_s``; ``peers`` (address -> migration
+        peer) replaces the constructor's ``migration_peers``."""
         from services.instance.kunserve import PipelineHost
         from services.instance.migration import MigrationHost, MigrationManager
         from services.instance.migration.servicer import MigrationRpcs
 
         self.runner = runner
+        if peers is not None:
+            self._migration_peers = peers
         if reporter is not None:
             self.reporter = reporter
         host_ports = {k: v for k, v in (("trace_context", trace_context), ("clock", clock), ("offload", offload))
