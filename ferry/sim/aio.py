@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ferry.sim.kernel import Kernel, Wait
-from services.instance.streams import StreamTable
+from services.instance.streams import RequestStream, StreamTable
 
 
 class SimLoop(asyncio.BaseEventLoop):
@@ -168,13 +168,33 @@ async def inline(fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
+class _Unread:
+    """The queue of a stream nobody reads (``_FollowedStream``)."""
+
+    @staticmethod
+    def put_nowait(ev) -> None:
+        pass
+
+
+class _FollowedStream(RequestStream):
+    """A stream nobody reads: its indexes and its end as the live one keeps
+    them, its events dropped (the recorder reads the engines' outputs as
+    the agent's observer)."""
+
+    def __init__(self, request_id: str, next_index: int = 0):
+        self.request_id, self.next_index = request_id, next_index
+        self.queue = _Unread()
+        self.closed = False
+        self.attached = True
+
+
 class FollowedStreams(StreamTable):
     """A simulated client follows every request (the recorder reads the
     engines' outputs): a stream is attached as it opens."""
 
     def open(self, request_id: str, next_index: int = 0):
-        s = super().open(request_id, next_index)
-        s.attached = True
+        s = _FollowedStream(request_id, next_index)
+        self._streams[request_id] = s
         return s
 
 

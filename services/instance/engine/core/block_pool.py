@@ -32,6 +32,7 @@ class BlockPool:
         self.cache = PrefixCache()
         self._free: deque[int] = deque(range(num_blocks))  # free blocks with no name
         self._ref = [0] * num_blocks
+        self._shared: set[int] = set()  # blocks with more than one reference (the load's shared split)
         self._reserved: set[int] = set()
         # Cached blocks an incoming migration linked instead of copying
         # (``link``): block -> how many reservations hold it (one reference each).
@@ -85,6 +86,12 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
+    def shared_of(self, block_ids: list[int]) -> list[int]:
+        """Those of these blocks that have more than one reference (a prefix
+        hit, a link): kept as a set, so a load with no sharing costs nothing."""
+        shared = self._shared
+        return [b for b in block_ids if b in shared] if shared else []
+
     # --- actions --------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """Take n blocks (refcount 1): plain free ones first, then the least
@@ -109,7 +116,9 @@ class BlockPool:
                 if self._ref[b] <= 0:
                     raise IntegrityError(f"double free of block {b}")
                 self._ref[b] -= 1
-                if self._ref[b] == 0:
+                if self._ref[b] == 1:
+                    self._shared.discard(b)
+                elif self._ref[b] == 0:
                     if self._to_retire:
                         self.cache.forget(b)
                         self._retired.add(b)
@@ -128,6 +137,8 @@ class BlockPool:
                 if self._ref[b] <= 0:
                     raise IntegrityError(f"share of free block {b}")
                 self._ref[b] += 1
+                if self._ref[b] == 2:
+                    self._shared.add(b)
 
     # --- the prefix cache ---------------------------------------------------------
     def lookup(self, hashes) -> list[int]:
@@ -147,6 +158,8 @@ class BlockPool:
                 if self._ref[b] == 0:
                     self.cache.unpark(b)
                 self._ref[b] += 1
+                if self._ref[b] == 2:
+                    self._shared.add(b)
 
     def keep(self, program: str, block_ids: list[int]) -> None:
         """A program keeps these cached blocks between its turns (pins.ProgramKeep):
@@ -250,6 +263,8 @@ class BlockPool:
                 if self._ref[b] == 0:
                     self.cache.unpark(b)
                 self._ref[b] += 1
+                if self._ref[b] == 2:
+                    self._shared.add(b)
                 self._linked[b] = self._linked.get(b, 0) + 1
             return ids
 
@@ -304,6 +319,8 @@ class BlockPool:
             for b in range(self.num_blocks):
                 if self._ref[b] != counts[b]:
                     raise IntegrityError(f"block {b}: refcount {self._ref[b]} but {counts[b]} owners")
+            if self._shared != {b for b in range(self.num_blocks) if counts[b] > 1}:
+                raise IntegrityError("the set of shared blocks does not match their refcounts")
             if self._retired & ({b for b in range(self.num_blocks) if counts[b]} | set(free)):
                 raise IntegrityError("a retired block is in use or on the free list")
             if set(free) != {b for b in range(self.num_blocks) if counts[b] == 0} - self._retired:

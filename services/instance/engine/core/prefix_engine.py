@@ -32,12 +32,9 @@ class PrefixCaching:
         """The blocks a request holds alone; those it shares go to ``shared``.
         NOTE: only named blocks are ever shared (a hit), and a request's named
         blocks are its first ``num_cached_blocks``."""
-        n = len(r.block_ids)
-        for b in r.block_ids[: r.num_cached_blocks]:
-            if self.pool.ref_count(b) > 1:
-                shared.add(b)
-                n -= 1
-        return n
+        here = self.pool.shared_of(r.block_ids[: r.num_cached_blocks])
+        shared.update(here)
+        return len(r.block_ids) - len(here)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         st = self.pool.cache.stats
