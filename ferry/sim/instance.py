@@ -4,10 +4,10 @@ handoffs, role, terminating mark and status) on the simulator's ports. The
 engine core (CoreEngine: block pool, scheduler, preemption, migration hooks)
 is stepped on the virtual clock; the engine-thread contract of
 services/instance/runner.py (calls run between steps) is ``submit`` and
-ferry/sim/aio.py's SimRunner; the status reporter's timing of
-services/instance/reporter.py (a report after a step that changes blocks,
-queue or states, at most every report_interval_s, and a heartbeat) is
-``poke``, each report the agent's own ``status``.
+ferry/sim/aio.py's SimRunner; its reports go when the live reporter's
+``ReportTimer`` (services/instance/reporter.py: after a step that changes
+blocks, queue or states, at most every report_interval_s, and a heartbeat)
+says, on the virtual clock, each report the agent's own ``status``.
 
 A step's duration is SimProfile.step_ms over the step's chunks (chunk_cost),
 as the live sim engine sleeps; the executor emits a non-EOS token per
@@ -42,6 +42,7 @@ from services.instance.engine.core.scheduler import ScheduledChunk
 from services.instance.engine.fake import TokenKvExecutor
 from services.instance.engine.sim import SimProfile, chunk_cost
 from services.instance.registered import Everyone
+from services.instance.reporter import ReportTimer
 
 SAMPLED_TOKEN = 97  # any id that is not EOS (the executor has no EOS)
 TAP_LAYERS = 16  # a per-layer handoff's taps per step, at most (StepTimeExecutor)
@@ -210,11 +211,8 @@ class SimInstance:
                                  engine_config.max_model_len or profile.max_model_len, model_name=profile.name,
                                  clock=self.clock)
         self.headroom = headroom
-        self.report_interval_s = report_interval_s
-        self.heartbeat_s = heartbeat_s
         self.hop_s = hop_s
         self.at_boundary: Callable | None = None
-        self.on_report = on_report
         self.orders = 0  # migrate-out orders running here (they read the status)
         self.stopped = False
         # Engine thread.
@@ -228,12 +226,8 @@ class SimInstance:
         self._mutated = False  # the engine changed since the last publish
         self._key: tuple = ()
         self.seq = 0
-        self._last_report = float("-inf")
-        self._report_at: float | None = None
-        self._report_gen = 0
-        self._late = False
-        self.reports = 0
-        self.late_reports = 0
+        self.timer = ReportTimer(self.status, lambda status: on_report(self, status), report_interval_s,
+                                 heartbeat_s, lambda: kernel.now, kernel.at)
         from ferry.sim.aio import FollowedStreams
 
         config = config or InstanceConfig(max_queued_tokens=0)
@@ -373,16 +367,15 @@ class SimInstance:
         if key != self._key:
             self._key = key
             self.poke()
-        if self._late:  # a report could not read the load it was due: send it now
-            self._late = False
-            self._report(self._report_gen)
+        self.timer.readable()  # a report that could not read the load it was due goes now
 
     def _before_change(self) -> None:
         """The engine is about to change: keep the published load if a report
         or an order may read it before the next publish."""
         if self._pub_load is None and not self._mutated:
             horizon = self.k.now + 1.5 * self._last_step_s + self.hop_s
-            if self.orders or (self._report_at is not None and self._report_at <= horizon):
+            due = self.timer.due
+            if self.orders or (due is not None and due <= horizon):
                 self._pub_load = self.engine.load()
         self._mutated = True
 
@@ -401,37 +394,23 @@ class SimInstance:
         return m.migrating_in + m.migrating_out if m is not None else 0
 
     def poke(self) -> None:
-        """The load changed: report soon (at most every report_interval_s)."""
-        if self.stopped:
-            return
-        at = max(self._last_report + self.report_interval_s, self.k.now)
-        if self._report_at is None or at < self._report_at:
-            self._schedule_report(at)
+        """The load changed: report soon (the agent's reporter port)."""
+        self.timer.poke()
 
-    def _schedule_report(self, at: float) -> None:
-        self._report_gen += 1
-        self._report_at = at
-        self.k.at(at, self._report, self._report_gen)
+    @property
+    def reports(self) -> int:
+        return self.timer.reports
 
-    def _report(self, gen: int) -> None:
-        if gen != self._report_gen or self.stopped:
-            return
-        status = self.status()
-        if status is None:
-            self._late = True
-            self.late_reports += 1
-            return
-        self.reports += 1
-        self._last_report = self.k.now
-        self.on_report(self, status)
-        self._schedule_report(self.k.now + self.heartbeat_s)
+    @property
+    def late_reports(self) -> int:
+        return self.timer.late_reports
 
     def set_terminating(self, value: bool) -> None:
         self.agent.set_terminating(value)
 
     def stop(self) -> None:
         self.stopped = True
-        self._report_gen += 1
+        self.timer.stop()
 
 
 class _StepFollower:

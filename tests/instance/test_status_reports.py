@@ -51,3 +51,53 @@ def test_token_only_change_keeps_the_key_and_a_new_request_changes_it():
     assert _step(svc) == 0  # token 5 of block 1
     svc.engine.add_request(EngineRequest("b", (1, 2, 3), SamplingParams(max_tokens=5), Priority.HIGH))
     assert _step(svc) == 1  # b is running now
+
+
+class _Clock:
+    """A virtual clock with a queue of timed calls (what ReportTimer runs on)."""
+
+    def __init__(self):
+        self.now, self.queue = 0.0, []
+
+    def call_at(self, when, fn, *args):
+        self.queue.append((when, len(self.queue), fn, args))
+
+    def run_until(self, t):
+        while True:
+            due = sorted(q for q in self.queue if q[0] <= t)
+            if not due:
+                break
+            self.queue.remove(due[0])
+            self.now = max(self.now, due[0][0])
+            due[0][2](*due[0][3])
+        self.now = t
+
+
+def test_report_timer_rate_limits_pokes_heartbeats_and_sends_late_reports_when_readable():
+    from services.instance.reporter import ReportTimer
+
+    clock, sent, readable = _Clock(), [], [True]
+    timer = ReportTimer(lambda: ("status", clock.now) if readable[0] else None, lambda s: sent.append(s[1]),
+                        min_interval_s=0.05, heartbeat_s=0.5, clock=lambda: clock.now, call_at=clock.call_at)
+    timer.poke()
+    clock.run_until(0.0)
+    assert sent == [0.0]
+    for t in (0.01, 0.02, 0.03):  # pokes within the interval: one report at its end
+        clock.run_until(t)
+        timer.poke()
+    clock.run_until(0.2)
+    assert sent == [0.0, 0.05]
+    clock.run_until(0.56)  # no poke: the heartbeat
+    assert sent == [0.0, 0.05, 0.55]
+    readable[0] = False
+    timer.poke()
+    clock.run_until(0.7)
+    assert sent == [0.0, 0.05, 0.55] and timer.late_reports == 1
+    readable[0] = True
+    clock.now = 0.71
+    timer.readable()  # the late report goes now
+    assert sent[-1] == 0.71 and timer.reports == 4
+    timer.stop()
+    timer.poke()
+    clock.run_until(5.0)
+    assert sent[-1] == 0.71
