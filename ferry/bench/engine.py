@@ -24,7 +24,6 @@ transformers' for 5 prompts x 64 tokens (fp32 on both sides, run on the spot).
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import click
@@ -300,7 +299,7 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
         """One side's rounds into ``into``: tok/s of each and their median, CPU ms per token, the phases."""
         tok_s = [r["tok_s"] for r in runs[name]]
         into.setdefault(prefix + "runs", {})[key] = [round(x, 2) for x in tok_s]
-        into.setdefault(prefix + "tok_s", {})[key] = round(statistics.median(tok_s), 2)
+        into.setdefault(prefix + "tok_s", {})[key] = round(median(tok_s), 2)
         into.setdefault(prefix + "cpu_ms_per_token", {})[key] = _cpu_ms(runs[name])
         into.setdefault(prefix + "phases", {})[key] = _phases(runs[name], output_len)
         return tok_s
@@ -310,7 +309,7 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
         d = result["deterministic"]
         mine = side("deterministic", d)
         d["over_default_rounds"][key] = [round(m / n, 3) for m, n in zip(mine, native)]
-        d["over_default"][key] = round(statistics.median(d["over_default_rounds"][key]), 3)
+        d["over_default"][key] = round(median(d["over_default_rounds"][key]), 3)
     if vl is None:
         return
     v = result["vllm"] = result["vllm"] or {
@@ -320,7 +319,7 @@ def _measure(eng, vl, bs: int, prompts_of, output_len: int, repeats: int, result
     other = side("vllm", v)
     rounds = [n / o for n, o in zip(native, other)]
     v["native_over_vllm_rounds"][key] = [round(x, 3) for x in rounds]
-    v["native_over_vllm"][key] = round(statistics.median(rounds), 3)
+    v["native_over_vllm"][key] = round(median(rounds), 3)
 
 
 def _phases(runs: list[dict], output_len: int) -> dict:
@@ -331,8 +330,8 @@ def _phases(runs: list[dict], output_len: int) -> dict:
 
 
 def _cpu_ms(runs: list[dict]) -> float | None:
-    vals = [1000 * r["cpu_s"] / r["tokens"] for r in runs if r.get("cpu_s") is not None and r["tokens"]]
-    return round(statistics.median(vals), 2) if vals else None
+    m = median(1000 * r["cpu_s"] / r["tokens"] for r in runs if r.get("cpu_s") is not None and r["tokens"])
+    return None if m is None else round(m, 2)
 
 
 def _print_table(r: dict, bss: list[int], hf_bss: list[int]) -> None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 
 import click
 
-from ferry.bench.harness import bench_command, instance_status, random_prompts, started
+from ferry.bench.harness import bench_command, instance_status, median, random_prompts, started
 from ferry.bench.sse import stream_completion
 
 STRING_SCHEMA = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
@@ -96,7 +95,6 @@ async def _n_rounds(url: str, prompt_len: int, repeats: int, instance) -> dict:
 
 
 def _print(result: dict) -> None:
-    med = statistics.median
     g = result["grammar"]
     click.echo("model {model} dtype {dtype} batch {batch} prompt {prompt_len} output {output_len} "
                "repeats {repeats}".format(**result))
@@ -107,7 +105,7 @@ def _print(result: dict) -> None:
     if "n" in result:
         r = result["n"]
         click.echo(f"{'TTFT n=4 / n=1':<34} {r['ttft_ratio']:>10}  {r['ttft_ratio_rounds']}")
-        click.echo(f"{'siblings prefix-cache hit tokens':<34} {med(r['sibling_hit_tokens']):>10}  "
+        click.echo(f"{'siblings prefix-cache hit tokens':<34} {median(r['sibling_hit_tokens']):>10}  "
                    f"{r['sibling_hit_tokens']} (prompts of {r['prompt_tokens']} tokens)")
 
 
@@ -124,14 +122,14 @@ def features(model, dtype, batch, prompt_len, output_len, repeats, no_n) -> dict
     result: dict = {"model": model, "dtype": dtype, "batch": batch, "prompt_len": prompt_len,
                     "output_len": output_len, "repeats": repeats}
     eng = _engine_rounds(model, dtype, batch, prompt_len, output_len, repeats)
-    med = statistics.median
     result["grammar"] = {"decode_tok_s_plain": [round(x, 2) for x in eng["decode"]["plain"]],
                          "decode_tok_s_grammar": [round(x, 2) for x in eng["decode"]["grammar"]],
                          "decode_ratio_rounds": [round(x, 3) for x in eng["decode"]["ratio"]],
-                         "decode_ratio": round(med(eng["decode"]["ratio"]), 3),
+                         "decode_ratio": round(median(eng["decode"]["ratio"]), 3),
                          "ttft_ms_plain": [round(x, 2) for x in eng["ttft_ms"]["plain"]],
                          "ttft_ms_cached_grammar": [round(x, 2) for x in eng["ttft_ms"]["grammar"]],
-                         "ttft_added_ms": round(med(eng["ttft_ms"]["grammar"]) - med(eng["ttft_ms"]["plain"]), 2)}
+                         "ttft_added_ms": round(median(eng["ttft_ms"]["grammar"])
+                                                - median(eng["ttft_ms"]["plain"]), 2)}
     if not no_n:
         import tempfile
 
@@ -142,5 +140,6 @@ def features(model, dtype, batch, prompt_len, output_len, repeats, no_n) -> dict
                      timeout_s=300) as c:
             n = asyncio.run(_n_rounds(c.url, prompt_len, repeats, c.instances()[0]))
         ratio = [a / b for a, b in zip(n["ttft_ms"]["4"], n["ttft_ms"]["1"])]
-        result["n"] = {**n, "ttft_ratio_rounds": [round(x, 3) for x in ratio], "ttft_ratio": round(med(ratio), 3)}
+        result["n"] = {**n, "ttft_ratio_rounds": [round(x, 3) for x in ratio],
+                       "ttft_ratio": round(median(ratio), 3)}
     return result

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import statistics
 import time
 
 import click
 import httpx
 
-from ferry.bench.harness import bench_command, cells, instance_arg_option, int_list, median, started
+from ferry.bench.harness import (bench_command, cells, instance_arg_option, int_list, median, median_of,
+                                 started)
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 
@@ -43,7 +43,7 @@ async def _measure(url: str, lens: list[int], reps: int, max_tokens: int, vocab:
                 t = c.token_times
                 gaps = [(b - a) * 1000 for a, b in itertools.pairwise(t[1:])]
                 rows.append({"ttft_ms": (t[0] - t0) * 1000, "second_ms": (t[1] - t[0]) * 1000,
-                             "tbt_ms": statistics.median(gaps) if gaps else None, "text": c.text,
+                             "tbt_ms": median(gaps), "text": c.text,
                              "instances": c.final["instances"] if c.final else None})
             out[n] = rows
     return out
@@ -52,10 +52,6 @@ async def _measure(url: str, lens: list[int], reps: int, max_tokens: int, vocab:
 def _run_cluster(spec: ClusterSpec, lens, reps, max_tokens, vocab) -> dict[int, list[dict]]:
     with started(spec, timeout_s=600) as cluster:
         return asyncio.run(_measure(cluster.url, lens, reps, max_tokens, vocab))
-
-
-def _med(rows: list[dict], key: str) -> float | None:
-    return median(r[key] for r in rows)
 
 
 @bench_command()
@@ -85,9 +81,10 @@ def handoff(lengths, reps, max_tokens, engine, model, torch_threads, num_blocks,
         c, s = colo[n], split[n]
         same = all(a["text"] == b["text"] for a, b in zip(c, s))
         handed = all(r["instances"] == ["instance-0", "instance-1"] for r in s)
-        row = {"ttft_colocated_ms": _med(c, "ttft_ms"), "ttft_split_ms": _med(s, "ttft_ms"),
-               "second_token_colocated_ms": _med(c, "second_ms"), "second_token_split_ms": _med(s, "second_ms"),
-               "tbt_colocated_ms": _med(c, "tbt_ms"), "tbt_split_ms": _med(s, "tbt_ms"),
+        row = {"ttft_colocated_ms": median_of(c, "ttft_ms"), "ttft_split_ms": median_of(s, "ttft_ms"),
+               "second_token_colocated_ms": median_of(c, "second_ms"),
+               "second_token_split_ms": median_of(s, "second_ms"),
+               "tbt_colocated_ms": median_of(c, "tbt_ms"), "tbt_split_ms": median_of(s, "tbt_ms"),
                "same_tokens": same, "every_request_handed_off": handed}
         row["handoff_added_ms"] = row["second_token_split_ms"] - row["second_token_colocated_ms"]
         summary["lengths"][n] = row

@@ -23,13 +23,13 @@ serialized: the threshold for libs.common.policies.phases.handoff_mode.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
-import statistics
 import time
 
 import click
 
-from ferry.bench.harness import bench_command, int_list
+from ferry.bench.harness import bench_command, int_list, median, median_of
 
 MODES = ("colocated", "serialized", "per_layer")
 
@@ -164,24 +164,21 @@ def summarize(runs: dict[int, dict[str, list[dict]]], threads: int) -> list[dict
     rows = []
     for n, by_mode in sorted(runs.items()):
         colo = by_mode["colocated"]
-        row = {"prompt_tokens": n, "colocated_ttft_ms": statistics.median(r["ttft_s"] for r in colo) * 1000,
-               "colocated_t2_ms": statistics.median(r["t2_s"] for r in colo) * 1000,
+        row = {"prompt_tokens": n, "colocated_ttft_ms": median_of(colo, "ttft_s") * 1000,
+               "colocated_t2_ms": median_of(colo, "t2_s") * 1000,
                "tokens_match": all(r["tokens"] == colo[i]["tokens"] for m in MODES for i, r in enumerate(by_mode[m]))}
         for mode in MODES[1:]:
             rs = by_mode[mode]
             added = [(r["t2_s"] - c["t2_s"]) * 1000 for r, c in zip(rs, colo)]
-            post = statistics.median((r["t2_s"] - r["ttft_s"]) - (c["t2_s"] - c["ttft_s"]) for r, c in zip(rs, colo))
-
-            def med(key, rs=rs):
-                return statistics.median(r[key] for r in rs)
-
-            loop_extra = max(0.0, med("loop_cpu_ms") - statistics.median(c["loop_cpu_ms"] for c in colo))
+            post = median((r["t2_s"] - r["ttft_s"]) - (c["t2_s"] - c["ttft_s"]) for r, c in zip(rs, colo))
+            med = functools.partial(median_of, rs)
+            loop_extra = max(0.0, med("loop_cpu_ms") - median_of(colo, "loop_cpu_ms"))
             # The prompt's slowdown: the tap's copies (on its thread) and, for
             # per-layer, the scatters and chunk copies spread over the threads.
             # Serialized moves nothing during the prompt: its cost is all downtime.
             during = med("emit_ms") + ((med("scatter_ms") + loop_extra) / threads if mode == "per_layer" else 0)
-            row[mode] = {"added_ms": statistics.median(added), "added_ms_all": [round(x, 2) for x in added],
-                         "pct_of_ttft": statistics.median(added) / row["colocated_ttft_ms"] * 100,
+            row[mode] = {"added_ms": median(added), "added_ms_all": [round(x, 2) for x in added],
+                         "pct_of_ttft": median(added) / row["colocated_ttft_ms"] * 100,
                          "post_ms": post * 1000, "downtime_ms": med("downtime_ms"), "exposed_ms": med("exposed_ms"),
                          "emit_ms": med("emit_ms"), "scatter_ms": med("scatter_ms"),
                          "loop_cpu_extra_ms": loop_extra, "during_prompt_ms": during,

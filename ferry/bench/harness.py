@@ -139,6 +139,11 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def median_of(rows: Iterable[dict], key: str) -> float | None:
+    """``median`` of the rows' ``key`` values."""
+    return median(r[key] for r in rows)
+
+
 def int_list(text: str, allow_empty: bool = False) -> list[int]:
     """Comma-separated positive integers (a click option's value)."""
     try:

@@ -7,9 +7,9 @@ blocking copy (suspend, then copy everything) and recompute (re-prefill prompt
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
-import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,7 +20,7 @@ import httpx
 
 from ferry.bench import harness
 from ferry.bench.harness import (cells, first_token_s, instance_arg_option, instance_status, int_list,
-                                 json_option, median, migrate_out, started)
+                                 json_option, median, median_of, migrate_out, started)
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 from ferry.machine import write_json
@@ -118,7 +118,7 @@ def client_stall(times: list[float], t0: float, t1: float, through: float = 0.0)
     outside = [g for g, b in gaps if not t0 <= b <= end]
     if not inside or not outside:
         return None, None
-    itl = statistics.median(outside)
+    itl = median(outside)
     return max(inside) - itl, itl
 
 
@@ -215,11 +215,8 @@ async def _measure_length(cluster, http, bgs, length, runs, out_tokens, at_token
         recompute_ms = 1000 * await first_token_s(ipb_grpc.InstanceStub(ch), f"recompute-{uuid.uuid4().hex[:8]}",
                                                   prompt + [100] * at_token, 1, ignore_eos=True)
     ok = [r for r in rows if r["committed"]]
-    itl = median(r["itl_ms"] for r in ok)
-
-    def med(key):
-        return median(r[key] for r in ok)
-
+    itl = median_of(ok, "itl_ms")
+    med = functools.partial(median_of, ok)
     during, outside = med("step_ms_during"), baseline_step
     parts = [r["breakdown"] for r in ok if r["breakdown"]]
     keys = {k for p in parts for k in p} - {"switch_token", "largest_gap_token"}

@@ -34,7 +34,7 @@ import time
 import click
 
 from ferry.bench import harness
-from ferry.bench.harness import cells, int_list, json_option, median
+from ferry.bench.harness import cells, int_list, json_option, median_of
 from ferry.bench.migration import client_stall, switch_point
 from ferry.machine import write_json
 
@@ -126,11 +126,11 @@ async def _length(cluster, bgs, length, runs, out_tokens, at_token, vocab, modes
             blk = await _one(cluster, bgs, prompt, out_tokens, at_token, f"blk-{length}-{mode}", blocking=True)
             blk["tokens_match"] = blk.pop("tokens") == want
         ok = [r for r in rows[mode] if r["committed"]]
-        during = median(r["step_ms_during"] for r in ok)
+        during = median_of(ok, "step_ms_during")
         out["by_transfer"][mode] = {
-            **{k: median(r[k] for r in ok) for k in ("downtime_ms", "commit_ack_ms", "stall_ms", "itl_ms", "total_ms",
+            **{k: median_of(ok, k) for k in ("downtime_ms", "commit_ack_ms", "stall_ms", "itl_ms", "total_ms",
                                                       "copy_gbps", "bytes", "stages")},
-            "step_ms_during": during, "dest_step_ms": median(r["dest_step_ms"] for r in ok),
+            "step_ms_during": during, "dest_step_ms": median_of(ok, "dest_step_ms"),
             "slowdown": (during / baseline - 1) if during and baseline else None,
             "tokens_match": bool(rows[mode]) and all(r["tokens_match"] for r in rows[mode]),
             "committed": len(ok), "runs": len(rows[mode]),

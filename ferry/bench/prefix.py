@@ -18,12 +18,11 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import click
 
-from ferry.bench.harness import bench_command, int_list, seed_option
+from ferry.bench.harness import bench_command, int_list, median, median_of, seed_option
 
 
 def _tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -74,9 +73,9 @@ def measure_ttft(engine, prefix_lens: list[int], new_tokens: int, repeats: int, 
                            "cached_hit_tokens": res["cached"][1], "uncached_hit_tokens": res["uncached"][1]})
             click.echo(f"prefix {L}: round {rep + 1}: cached {rounds[-1]['cached_ms']:.1f} ms "
                        f"(hit {res['cached'][1]}), uncached {rounds[-1]['uncached_ms']:.1f} ms", err=True)
-        med = {k: statistics.median(r[k] for r in rounds) for k in ("cached_ms", "uncached_ms")}
+        med = {k: median_of(rounds, k) for k in ("cached_ms", "uncached_ms")}
         ratios = [r["cached_ms"] / r["uncached_ms"] for r in rounds]
-        out[str(L)] = {**{k: round(v, 2) for k, v in med.items()}, "ratio": round(statistics.median(ratios), 4),
+        out[str(L)] = {**{k: round(v, 2) for k, v in med.items()}, "ratio": round(median(ratios), 4),
                        "ratio_rounds": [round(x, 4) for x in ratios],
                        "hit_tokens": [r["cached_hit_tokens"] for r in rounds], "rounds": rounds}
     return out
