@@ -22,8 +22,8 @@ import click
 import grpc
 import httpx
 
-from ferry.bench.harness import (bench_command, expected_fake_text, instance_status, leaks, log_dir_for,
-                                 log_dir_option, migrate_out, running, scheduler_view, seed_option)
+from ferry.bench.harness import (bench_command, expected_fake_text, leaks, log_dir_for, log_dir_option,
+                                 migrate_out, running, running_ids, scheduler_view, seed_option)
 from ferry.bench.sse import Completion, StreamError, stream_completion
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from libs.pb import meta_store_pb2 as mpb
@@ -225,11 +225,7 @@ class Chaos:
             await asyncio.sleep(0.02)
         live = self._live_static()
         for src in live:
-            try:
-                st = await instance_status(src.address)
-            except grpc.RpcError:
-                continue
-            if not ids or not any(r.request_id == ids[0] and r.state == 1 for r in st.requests):
+            if not ids or ids[0] not in await running_ids(src):
                 continue
             dst = self.rng.choice([i for i in live if i is not src])
             task = asyncio.create_task(migrate_out(src, ids[0], dst, timeout=30))
@@ -258,11 +254,7 @@ class Chaos:
             if len(live) < 2:
                 continue
             src = self.rng.choice(live)
-            try:
-                st = await instance_status(src.address)
-            except grpc.RpcError:
-                continue
-            running = [r.request_id for r in st.requests if r.state == 1]
+            running = await running_ids(src)
             if not running:
                 continue
             dst = self.rng.choice([i for i in live if i is not src])

@@ -196,6 +196,15 @@ async def instance_status(address: str, timeout: float = 1.0) -> ipb.InstanceSta
         return await ipb_grpc.InstanceStub(ch).GetStatus(ipb.GetStatusRequest(), timeout=timeout)
 
 
+async def running_ids(inst, timeout: float | None = 1.0) -> list[str]:
+    """The requests decoding on instance ``inst`` (a cluster child); none where it does not answer."""
+    try:
+        st = await instance_status(inst.address, timeout)
+    except grpc.RpcError:
+        return []
+    return [r.request_id for r in st.requests if r.state == cpb.RequestLoad.RUNNING]
+
+
 async def migrate_out(src, rid: str, dst, timeout: float, blocking: bool = False) -> ipb.MigrateOutReply:
     """Order the migration of request ``rid`` from instance ``src`` to ``dst`` (cluster children)."""
     async with rpc.channel(src.address) as ch:

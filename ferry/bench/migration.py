@@ -19,8 +19,8 @@ import grpc
 import httpx
 
 from ferry.bench import harness
-from ferry.bench.harness import (cells, first_token_s, instance_arg_option, instance_status, int_list,
-                                 json_option, median, median_of, migrate_out, started)
+from ferry.bench.harness import (cells, first_token_s, instance_arg_option, int_list, json_option, median,
+                                 median_of, migrate_out, running_ids, started)
 from ferry.bench.sse import stream_completion
 from ferry.cluster import ClusterSpec, free_port
 from ferry.machine import write_json
@@ -90,8 +90,7 @@ async def _stream_with(http, body, at_token: int, action: Callable[[str], Awaita
 async def _holder(cluster, rid):
     for _ in range(200):
         for inst in cluster.instances():
-            st = await instance_status(inst.address, timeout=None)
-            if any(r.request_id == rid and r.state == cpb.RequestLoad.RUNNING for r in st.requests):
+            if rid in await running_ids(inst, timeout=None):
                 return inst
         await asyncio.sleep(0.01)
     raise RuntimeError(f"request {rid} not running anywhere")
