@@ -19,6 +19,7 @@ Results say which K they used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,14 +29,18 @@ import time
 from dataclasses import dataclass
 
 import click
+import grpc
 import httpx
 
 from ferry.bench import client
 from ferry.bench.harness import fmt, instance_status, json_option, report, scheduler_view
+from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure import hit_rate, metrics, prefixes, programs
 from ferry.measure import workload as wl
-from libs.common import rpc
+from libs.common import convert, rpc
 from libs.common.policies import POLICY_NAMES
+from libs.pb import scheduler_pb2 as spb
+from libs.pb import scheduler_pb2_grpc as spb_grpc
 
 POLICIES = POLICY_NAMES  # libs/common/policies: the one registry
 LAG_WARN_MS = 100.0  # send lag (wall) above this: the client could not keep up
@@ -114,9 +119,6 @@ def slowed_intervals(factor: float) -> tuple[list[str], list[str]]:
 
 
 def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
-    from ferry.bench.client import BENCH_API_KEY
-    from ferry.cluster import ClusterSpec, LocalCluster, free_port
-
     args, sched_args = list(opts.instance_args), list(opts.scheduler_args)
     if opts.engine == "sim":
         profile = opts.profile if opts.sim_slowdown == 1 else scaled_profile(opts.profile, opts.sim_slowdown, log_dir)
@@ -128,7 +130,7 @@ def start_cluster(opts: ServingOptions, dispatch: str, log_dir: str):
                        port=free_port(), dispatch=dispatch,
                        instance_args=args, scheduler_args=sched_args, log_dir=log_dir,
                        log_level=opts.log_level, pin_cores=opts.pin_cores,
-                       frontend_args=["--priority-api-key", BENCH_API_KEY])
+                       frontend_args=["--priority-api-key", client.BENCH_API_KEY])
     cluster = LocalCluster(spec)
     cluster.start(timeout_s=opts.startup_timeout_s)
     return cluster
@@ -146,16 +148,11 @@ def frontend_max_model_len(url: str) -> int | None:
 
 async def sample_cluster(address: str, interval_s: float, out: list[dict], stop: asyncio.Event) -> None:
     """Append a compact GetClusterView snapshot every interval until stopped."""
-    import grpc
-
-    from libs.pb import scheduler_pb2 as pb
-    from libs.pb import scheduler_pb2_grpc as pb_grpc
-
     async with rpc.channel(address) as ch:  # one channel for the run: the client's CPU is the cluster's too
-        stub = pb_grpc.SchedulerStub(ch)
+        stub = spb_grpc.SchedulerStub(ch)
         while not stop.is_set():
             try:
-                v = await stub.GetClusterView(pb.ClusterViewRequest(), timeout=2.0)
+                v = await stub.GetClusterView(spb.ClusterViewRequest(), timeout=2.0)
                 out.append({"t": time.perf_counter(), "migrations_ordered": v.migrations_ordered, "instances": {
                     r.info.instance_id: {"freeness": r.status.freeness, "num_running": r.status.num_running,
                                          "num_waiting": r.status.num_waiting, "free_blocks": r.status.free_blocks,
@@ -172,10 +169,6 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
 async def prefix_stats(scheduler: str) -> tuple[dict, int | None]:
     """Every instance's prefix-cache stats, asked of the instances themselves
     (fresher than the view's last report), and the cluster's block size."""
-    import grpc
-
-    from libs.common import convert
-
     out, block = {}, None
     try:
         for r in (await scheduler_view(scheduler, timeout=5.0)).instances:
@@ -228,15 +221,12 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
     run dict: options, workload, summary, per-request records, samples."""
     label = label or dispatch
     log_dir = opts.log_dir and os.path.join(opts.log_dir, label.replace("+", "p"))
-    tmp = tempfile.TemporaryDirectory(prefix="ferry-bench-") if not log_dir else None
-    log_dir = log_dir or tmp.name
-    cluster = None
-    try:
-        if opts.url:
-            url, scheduler = opts.url.rstrip("/"), opts.scheduler
-        else:
-            cluster = start_cluster(opts, dispatch, log_dir)
-            url, scheduler = cluster.url, cluster.scheduler
+    with contextlib.ExitStack() as stack:  # the cluster stops, then its temporary logs go
+        log_dir = log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ferry-bench-"))
+        cluster = None if opts.url else start_cluster(opts, dispatch, log_dir)
+        if cluster:
+            stack.callback(cluster.stop)
+        url, scheduler = (cluster.url, cluster.scheduler) if cluster else (opts.url.rstrip("/"), opts.scheduler)
         max_len = opts.max_model_len or frontend_max_model_len(url)
         work = opts.workload(opts.scale, max_len)
         if work.clip and work.clip.clipped:
@@ -246,11 +236,6 @@ def run_serving(opts: ServingOptions, dispatch: str = "llumnix", label: str | No
         records = asyncio.run(_drive(url, work, opts, scheduler, samples, label))
         wall = time.perf_counter() - t0
         dead = [c.name for c in cluster.children if not c.alive()] if cluster else []
-    finally:
-        if cluster:
-            cluster.stop()
-        if tmp:
-            tmp.cleanup()
     summary = metrics.summarize(records, opts.scale)
     summary["wall_s"] = wall
     summary["dead_processes"] = dead
