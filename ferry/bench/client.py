@@ -83,26 +83,21 @@ def _final(rec: RequestRecord, obj: dict) -> None:
             rec.output_ids = [int(t) for t in extras["token_ids"]]
 
 
-async def send_unary(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
+async def _unary(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> None:
     """Non-streaming: half the CPU per token on both ends. TTFT is the
     frontend's (``ferry.ttft_ms``, from its arrival), the last token is the
     response time."""
-    rec.sent_at = time.perf_counter()
-    try:
-        resp = await client.post(f"{url}/v1/completions", json=body)
-        rec.finished_at = time.perf_counter()
-        if resp.status_code != 200:
-            rec.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
-            return rec
-        _final(rec, resp.json())
-        if rec.server_ttft_ms is None:
-            rec.error = "response without ferry.ttft_ms"
-            return rec
-        rec.first_token_at = rec.sent_at + rec.server_ttft_ms / 1000.0
-        rec.last_token_at = rec.finished_at
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        rec.error = f"{type(e).__name__}: {e}"
-    return rec
+    resp = await client.post(f"{url}/v1/completions", json=body)
+    rec.finished_at = time.perf_counter()
+    if resp.status_code != 200:
+        rec.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+        return
+    _final(rec, resp.json())
+    if rec.server_ttft_ms is None:
+        rec.error = "response without ferry.ttft_ms"
+        return
+    rec.first_token_at = rec.sent_at + rec.server_ttft_ms / 1000.0
+    rec.last_token_at = rec.finished_at
 
 
 def _gap(rec: RequestRecord, now: float) -> None:
@@ -112,46 +107,48 @@ def _gap(rec: RequestRecord, now: float) -> None:
         rec.max_gap_s, rec.max_gap_end = gap, time.time()
 
 
-async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
-    if not body.get("stream"):
-        return await send_unary(client, url, rec, body)
-    rec.sent_at = time.perf_counter()
+async def _stream(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> None:
     chunks = 0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                rec.error = f"HTTP {resp.status_code}: {text[:300]}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter()
-                data = line[5:].strip()
-                if _TOKEN_CHUNK in data and '"text": ""' not in data:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            now = time.perf_counter()
+            data = line[5:].strip()
+            if _TOKEN_CHUNK in data and '"text": ""' not in data:
+                chunks += 1
+                if rec.first_token_at is None:
+                    rec.first_token_at = now
+                else:
+                    _gap(rec, now)
+                rec.last_token_at = now
+                continue
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            for ch in obj.get("choices") or ():
+                if ch.get("text"):
                     chunks += 1
-                    if rec.first_token_at is None:
-                        rec.first_token_at = now
-                    else:
+                    if rec.last_token_at is not None:
                         _gap(rec, now)
+                    rec.first_token_at = rec.first_token_at or now
                     rec.last_token_at = now
-                    continue
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                for ch in obj.get("choices") or ():
-                    if ch.get("text"):
-                        chunks += 1
-                        if rec.last_token_at is not None:
-                            _gap(rec, now)
-                        rec.first_token_at = rec.first_token_at or now
-                        rec.last_token_at = now
-                _final(rec, obj)
-        rec.finished_at = time.perf_counter()
-        if rec.error is None and rec.finish_reason is None:
-            rec.error = "stream ended without a finish_reason"
-        if rec.tokens == 0:
-            rec.tokens = chunks  # no usage chunk: count the text chunks
+            _final(rec, obj)
+    rec.finished_at = time.perf_counter()
+    if rec.error is None and rec.finish_reason is None:
+        rec.error = "stream ended without a finish_reason"
+    if rec.tokens == 0:
+        rec.tokens = chunks  # no usage chunk: count the text chunks
+
+
+async def send_one(client: httpx.AsyncClient, url: str, rec: RequestRecord, body: dict) -> RequestRecord:
+    rec.sent_at = time.perf_counter()
+    try:
+        await (_stream if body.get("stream") else _unary)(client, url, rec, body)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
     return rec
