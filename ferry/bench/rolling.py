@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import click
 import httpx
 
-from ferry.bench.harness import (bench_command, expected_fake_text, fmt, leaks, log_dir_for, running,
-                                 seed_option)
+from ferry.bench.harness import (bench_command, expected_fake_text, fmt, leaks, log_dir_for, log_dir_option,
+                                 running, seed_option)
 from ferry.bench.retrying import Attempted, Outcome, stream_with_retries
 from ferry.cluster import ClusterSpec, LocalCluster, free_port
 from ferry.measure.metrics import percentile as pct
@@ -154,7 +154,7 @@ def print_report(res: dict) -> None:
               help="seconds of load before the first restart")
 @click.option("--settle", "settle_s", type=float, default=3.0, show_default=True, help="seconds between restarts")
 @seed_option()
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None)
+@log_dir_option(None)
 def rolling_restart(**options) -> dict:
     """Restart every process one by one under load: nothing lost, cut or recomputed."""
     return asyncio.run(run_rolling(**options))

@@ -27,8 +27,8 @@ import aiohttp
 import click
 import httpx
 
-from ferry.bench.harness import (bench_command, fmt, instance_arg_option, leaks, log_dir_for, running,
-                                 seed_option)
+from ferry.bench.harness import (bench_command, fmt, instance_arg_option, leaks, log_dir_for, log_dir_option,
+                                 running, seed_option)
 from ferry.bench.retrying import stream_with_retries
 from ferry.cluster import ClusterSpec, free_port
 from ferry.measure.metrics import percentile as pct
@@ -227,7 +227,7 @@ def print_report(res: dict) -> None:
 @click.option("--frontend-arg", "frontend_args", multiple=True, help="extra `ferry serve frontend` argument")
 @instance_arg_option()
 @seed_option()
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None)
+@log_dir_option(None)
 def storm(frontend_args, instance_args, **options) -> dict:
     """Thousands of streams, leaving clients and slowloris sockets: nothing dies, nothing leaks."""
     return asyncio.run(run_storm(frontend_args=list(frontend_args), instance_args=list(instance_args), **options))
