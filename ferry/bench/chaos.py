@@ -159,6 +159,13 @@ class Chaos:
     def t0(self, t: float) -> None:
         self.stats.t0 = t
 
+    async def bounce(self, name: str, killed: bool = False) -> None:
+        """Kill process ``name`` (unless ``killed`` already) and start it again ``down_s`` later."""
+        if not killed:
+            await asyncio.to_thread(self.c.kill, name)
+        await asyncio.sleep(self.down_s)
+        await asyncio.to_thread(self.c.restart, name)
+
     def _live_static(self):
         return [i for i in self.c.instances() if i.alive()]
 
@@ -179,22 +186,13 @@ class Chaos:
         t = time.monotonic()
         f = Fault(kind, "", round(t - self.t0, 2))
         if kind == "instance":
-            victim = self.rng.choice(self._live_static())
-            f.target = victim.name
-            await asyncio.to_thread(self.c.kill, victim.name)
-            await asyncio.sleep(self.down_s)
-            await asyncio.to_thread(self.c.restart, victim.name)
+            f.target = self.rng.choice(self._live_static()).name
         elif kind in ("scheduler", "meta_store"):
-            name = "scheduler" if kind == "scheduler" else "meta-store"
-            f.target = name
-            await asyncio.to_thread(self.c.kill, name)
-            await asyncio.sleep(self.down_s)
-            await asyncio.to_thread(self.c.restart, name)
-        else:
+            f.target = "scheduler" if kind == "scheduler" else "meta-store"
+        else:  # the peer is killed mid-transfer
             f.target, f.note = await self._kill_migration_peer(kind == "migration_dest", http)
-            if f.target:
-                await asyncio.sleep(self.down_s)
-                await asyncio.to_thread(self.c.restart, f.target)
+        if f.target:
+            await self.bounce(f.target, killed=kind.startswith("migration_"))
         while not await self.healthy(http):
             if time.monotonic() - t > self.recover_timeout_s:
                 # A cluster that does not come back (a restarted process that

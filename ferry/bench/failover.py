@@ -75,7 +75,7 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
         keys = etcdlib.Keys()
         stats = Stats()
         stop = asyncio.Event()
-        chaos = Chaos(cluster, instances, seed, stats=stats)
+        chaos = Chaos(cluster, instances, seed, down_s=down_s, stats=stats)
         takeovers: list[dict] = []
         meta_kills: list[dict] = []
         # The first leader launches the extra instance before the faults begin.
@@ -101,15 +101,12 @@ async def run_failover(duration_s: float = 120.0, leader_every_s: float = 20.0, 
                           flush=True)
                     takeovers.append({"at_s": round(killed - chaos.t0, 2), "killed": old, "new": new,
                                       "takeover_s": round(took, 3), "orders_of_killed_term": orders_before})
-                    await asyncio.sleep(down_s)
-                    await asyncio.to_thread(cluster.restart, old)
+                    await chaos.bounce(old, killed=True)
 
                 async def kill_meta_store() -> None:
                     name = "meta-store" if len(meta_kills) % 2 == 0 else "meta-store-1"  # in turns
                     at = time.monotonic()
-                    await asyncio.to_thread(cluster.kill, name)
-                    await asyncio.sleep(down_s)
-                    await asyncio.to_thread(cluster.restart, name)
+                    await chaos.bounce(name)
                     meta_kills.append({"at_s": round(at - chaos.t0, 2), "killed": name,
                                        "back_s": round(time.monotonic() - at, 2)})
                     print(f"  {name} killed at {at - chaos.t0:6.1f}s, back after {time.monotonic() - at:.2f}s",
