@@ -51,8 +51,10 @@ def vllm_server(argv: list[str], served_name: str, log_path: str, timeout_s: flo
     raise click.ClickException(f"vLLM's server not ready after {timeout_s:.0f}s (log: {log_path})")
 
 
-def run_one(url: str, work: wl.Workload, model: str | None) -> dict:
-    records = asyncio.run(client.replay(url, work, (1000, 32000), model=model, ferry_priority=model is None))
+def run_one(url: str, work: wl.Workload, model: str | None, seed: int) -> dict:
+    """The workload after a warm-up of four short requests."""
+    for w in (wl.build("poisson:4", "fixed:16:4", 4, seed + 1), work):
+        records = asyncio.run(client.replay(url, w, (1000, 32000), model=model, ferry_priority=model is None))
     s = metrics.summarize(records)
     return {"summary": s, "requests": [r.to_dict() for r in records]}
 
@@ -111,13 +113,11 @@ def vllm_bench(model, rate, lengths, num_requests, seed, dtype, max_model_len, n
                            instance_args=inst_args, log_dir=logs, log_level="warning",
                            frontend_args=["--priority-api-key", client.BENCH_API_KEY])
         with started(spec, timeout_s=startup_timeout_s) as c:
-            run_one(c.url, wl.build("poisson:4", "fixed:16:4", 4, seed + 1), None)  # warm-up
-            runs[f"ferry {ferry_engine} ({instances} inst.)"] = run_one(c.url, work, None)
+            runs[f"ferry {ferry_engine} ({instances} inst.)"] = run_one(c.url, work, None, seed)
     if only in ("both", "vllm"):
         proc, url = vllm_server(argv, model, os.path.join(logs, "vllm-server.log"), startup_timeout_s)
         try:
-            run_one(url, wl.build("poisson:4", "fixed:16:4", 4, seed + 1), model)  # warm-up
-            runs["vllm serve"] = run_one(url, work, model)
+            runs["vllm serve"] = run_one(url, work, model, seed)
         finally:
             proc.terminate()
             proc.wait(60)
