@@ -3,8 +3,7 @@ load clients (client.py, sse.py, retrying.py): a started cluster for the
 length of a block, the options every bench takes alike, the report (a
 table, the JSON with the machine it ran on: ferry/machine.write_json), the
 scheduler's and an instance's view (its running requests), a migration
-order, the leak check after a run, an engine in this process and a request
-added to it, random prompts of token ids, medians. Percentiles come from
+order, the leak check after a run, random prompts of token ids, medians. Percentiles come from
 ferry/measure/metrics.py. A bench imports these, never another bench's
 private helpers (tests/test_layers.py)."""
 
