@@ -24,7 +24,7 @@ from ferry.sim.instance import SimInstance
 from ferry.sim.kernel import Kernel
 from ferry.sim.migration import MigrationModel
 from libs.common.pending import PendingDispatches
-from libs.common.policies.phases import Placement, count_placed, place
+from libs.common.policies.phases import Placement, count_placed, place, uncounted
 from libs.common.prefix_hash import block_hashes
 from libs.common.programs import ProgramLedger
 from libs.common.types import InstanceStatus, OrderResult, Priority
@@ -108,9 +108,10 @@ class SimScheduler:
             return None
         now = self.k.now
         # prefix_hits lists only instances of the size it hashed at: a hit is at the instance's own size
+        add = ((lambda iid, rid, blocks: self.pending.add(iid, rid, blocks, now)) if self.config.dispatch_pending
+               else uncounted)
         hit = count_placed(placed, req, lambda iid: self.statuses[iid].block_size,
-                           self.statuses[placed.prefill].block_size,
-                           lambda iid, rid, blocks: self.pending.add(iid, rid, blocks, now))
+                           self.statuses[placed.prefill].block_size, add)
         if program_id:
             cached = ProgramLedger.cached_tokens(num_tokens, hit, self.statuses[placed.prefill].block_size)
             self.programs.record(program_id, num_tokens, cached, now)

@@ -32,6 +32,10 @@ class InstanceConfig(CommonConfig):
                                  min=1)
     max_num_seqs: int = opt(256, "most requests in a running batch", min=1)
     max_num_batched_tokens: int = opt(2048, "token budget per step (chunked prefill)", min=1)
+    prefill_first: bool = opt(False, "vLLM 0.4's scheduling instead of chunked prefill: a step admits waiting "
+                                     "requests with their whole prompts and decodes nothing; only a step that admits "
+                                     "none decodes (native, fake and sim engines; set --max-num-batched-tokens to "
+                                     "the context length, as vLLM 0.4 did)")
     max_model_len: int | None = opt(None, "context length (default: the model's)", min=16)
     device: str = opt("cpu", "torch device (native engine)")
     dtype: str = opt("auto", "weights/KV dtype (native; auto = bf16 where the CPU or GPU has it, else fp32)",
@@ -153,7 +157,8 @@ class InstanceConfig(CommonConfig):
             device=self.device, dtype=self.dtype, token_delay_ms=self.token_delay_ms, profile=self.profile,
             seed=self.seed, share_kv=self.migration_shared_kv, prefix_caching=self.prefix_caching,
             program_ttl_s=self.program_ttl_s, program_keep=self.program_keep,
-            program_gap_s=self.program_gap_s, deterministic=self.deterministic, extra=self._engine_extra(),
+            program_gap_s=self.program_gap_s, deterministic=self.deterministic, prefill_first=self.prefill_first,
+            extra=self._engine_extra(),
         )
 
     def _engine_extra(self) -> dict:

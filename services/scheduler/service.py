@@ -27,7 +27,7 @@ from libs.common.policies import POLICY_NAMES, Dispatcher, DispatchRequest, Poli
 from libs.common.policies.index import DispatchIndex
 from libs.common.instance_client import GrpcInstanceClients
 from libs.common.policies.base import affine
-from libs.common.policies.phases import Placement, count_placed, place
+from libs.common.policies.phases import Placement, count_placed, place, uncounted
 from libs.common.programs import ProgramLedger
 from libs.common.server import Service
 from libs.common.types import Priority, Role
@@ -52,6 +52,9 @@ class SchedulerConfig(CommonConfig):
     migrate_in_threshold: float | None = opt(None, "instances with freeness above this are destinations "
                                                    "(default: the policy's, 20)")
     migration: bool = opt(True, "run the rescheduling loop (for policies that migrate)")
+    dispatch_pending: bool = opt(True, "count a dispatched request against its instance until a status report "
+                                       "lists it (off: dispatch reads the reports alone, as Llumnix's first "
+                                       "release did; a sensitivity flag)")
     metrics_port: int = opt(-1, "Prometheus /metrics port (-1 = off, 0 = any)", min=-1)
     prefix_index: bool = opt(True, "keep the cluster-wide prefix index: follow every instance's KV events "
                                    "(which instance holds which block hash)")
@@ -201,7 +204,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if placed is None:
             raise Unavailable("no live instance to dispatch to")
         hit = count_placed(placed, req, lambda iid: view.records[iid].info.block_size, request.block_size,
-                           view.add_pending)
+                           view.add_pending if self.svc.config.dispatch_pending else uncounted)
         rec = view.records[placed.prefill]
         if request.program_id:
             cached = ProgramLedger.cached_tokens(request.num_prompt_tokens, hit, rec.info.block_size)

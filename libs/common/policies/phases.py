@@ -115,6 +115,11 @@ def place(dispatcher: Dispatcher, views: list[InstanceView], req: DispatchReques
     return Placement(first, dispatcher.choose(decoders, then))
 
 
+def uncounted(instance_id: str, request_id: str, blocks: int) -> None:
+    """``count_placed``'s ``add_pending`` where placements are not counted
+    (the scheduler's --no-dispatch-pending: dispatch reads the reports alone)."""
+
+
 def count_placed(placed: Placement, req: DispatchRequest, block_size_of: Callable[[str], int], hashed_at: int,
                  add_pending: Callable[[str, str, int], None]) -> int:
     """What a placement takes until its instances report the request, the one

@@ -448,4 +448,6 @@ class EngineConfig:
     # A request's tokens (and logprobs) bit for bit independent of its batch, cache hits,
     # chunking and recompute (native: native/batch_invariant.py; vllm: its batch-invariant mode).
     deterministic: bool = False
+    # vLLM 0.4's scheduling (core/scheduler.py Scheduler): prefill-only steps of whole prompts first, then decodes.
+    prefill_first: bool = False
     extra: dict = field(default_factory=dict)

@@ -235,3 +235,31 @@ def test_a_refusal_of_the_mode_on_this_cpu_skips_and_any_other_error_fails():
     with pytest.raises(EngineError):
         deterministic_or_skip(broken)
     assert deterministic_or_skip(lambda: 7) == 7
+
+
+def test_prefill_first_scheduling_gives_what_the_request_gives_alone(engines):
+    """vLLM 0.4's scheduling (--prefill-first: whole prompts in prefill-only
+    steps, decodes only when nobody is admitted) changes which steps a
+    request runs in and beside whom, never its tokens or logprobs."""
+    dt, ref = engines["dtype"], engines["ref"]
+    e = _engine(dt, 64, prefill_first=True, max_num_batched_tokens=1024)
+    rng = random.Random(7)
+    prompt = [rng.randrange(100, VOCAB) for _ in range(90)]
+    s = Scenario(seed=7, prompt_len=90, max_tokens=8, sampling={"seed": 3, "temperature": 0.8}, budget_a=0,
+                 budget_b=0, warm_blocks=0, warm_running=False)
+    ref.add_request(_target(s, prompt))
+    alone = []
+    while ref.has_work():
+        alone += ref.step()
+    e.add_request(_target(s, prompt))
+    got, step = [], 0
+    while e.has_work():
+        if step in (1, 3):  # prompts arrive while the target decodes: its next steps are prefill-only
+            e.add_request(EngineRequest(f"o{step}", tuple(rng.randrange(100, VOCAB) for _ in range(60)),
+                                        SamplingParams(max_tokens=5)))
+        out = e.step()
+        assert not (step in (1, 3) and any(o.request_id == "target" for o in out)), "a decode in a prefill step"
+        got += [o for o in out if o.request_id == "target"]
+        step += 1
+    assert _outputs(got) == _outputs(alone)
+    e.check_integrity()

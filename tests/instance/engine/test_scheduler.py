@@ -95,3 +95,39 @@ def test_preemption_takes_lowest_priority_then_latest_arrival():
     assert all(q.status is RequestStatus.WAITING and q.num_computed_tokens == 0 for q in reqs[1::2])
     assert [c.request.request_id for c in out.chunks] == ["h_old", "h_new"]
     assert reqs[1].num_preemptions == 1 and s.num_preemptions == 2
+
+
+def _prefill_first(num_blocks=32, block_size=4, budget=16):
+    pool = BlockPool(num_blocks)
+    return pool, Scheduler(pool, block_size, 8, budget, prefill_first=True)
+
+
+def test_prefill_first_runs_whole_prompts_alone_then_decodes():
+    _, s = _prefill_first(budget=16)
+    s.add_waiting(r("a", 6, arrival=1))
+    out = s.schedule()
+    assert [(c.request.request_id, c.start, c.num_new) for c in out.chunks] == [("a", 0, 6)]
+    finish_step(out)
+    s.add_waiting(r("b", 7, arrival=2))
+    s.add_waiting(r("c", 10, arrival=3))  # 7 + 10 > 16: c waits for the next prefill step
+    out = s.schedule()  # a step of prompts: "a" does not decode in it
+    assert [(c.request.request_id, c.start, c.num_new) for c in out.chunks] == [("b", 0, 7)]
+    finish_step(out)
+    out = s.schedule()
+    assert [(c.request.request_id, c.num_new) for c in out.chunks] == [("c", 10)]
+    finish_step(out)
+    out = s.schedule()  # nobody waits: every running request decodes
+    assert sorted((c.request.request_id, c.num_new) for c in out.chunks) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+def test_prefill_first_decodes_while_the_head_does_not_fit_and_chunks_a_prompt_over_the_budget():
+    pool, s = _prefill_first(num_blocks=6, block_size=4, budget=8)
+    s.add_waiting(r("a", 8, arrival=1))
+    finish_step(s.schedule())
+    s.add_waiting(r("big", 20, arrival=2))  # 5 blocks: only 4 are free
+    out = s.schedule()
+    assert [(c.request.request_id, c.num_new) for c in out.chunks] == [("a", 1)]
+    _, s = _prefill_first(num_blocks=16, block_size=4, budget=8)
+    s.add_waiting(r("long", 20, arrival=1))  # longer than the budget: in chunks, as without the mode
+    out = s.schedule()
+    assert [(c.request.request_id, c.start, c.num_new) for c in out.chunks] == [("long", 0, 8)]

@@ -80,7 +80,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         watermark = int(config.watermark * num_blocks)
         self.pool = BlockPool(num_blocks, watermark_blocks=watermark, caching=config.prefix_caching)
         self.scheduler = Scheduler(self.pool, self._block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens, clock=clock)
+                                   config.max_num_batched_tokens, clock=clock, prefill_first=config.prefill_first)
         self.requests: dict[str, Request] = {}  # every live request, any status
         # A pipeline peer's requests whose layers run here (KunServe): their blocks only.
         self.guests: dict[str, Request] = {}

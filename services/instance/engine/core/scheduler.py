@@ -60,8 +60,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, prefill_first: bool = False):
+        """``prefill_first``: vLLM 0.4's scheduling (``_schedule_prefills``
+        before ``_schedule_running`` in its Scheduler._schedule_default): a
+        step admits waiting requests with their whole prompts and runs no
+        decode; only a step that admits nobody decodes. Otherwise (vLLM's
+        chunked prefill) the running requests go first and prompts fill the
+        rest of the budget in chunks."""
         self.pool = pool
+        self.prefill_first = prefill_first
         self.clock = clock
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -146,6 +153,12 @@ class Scheduler:
         self.add_waiting(req)
 
     def schedule(self) -> SchedulerOutput:
+        chunk_prompts = not self.prefill_first
+        if self.prefill_first:
+            out, too_long = self._schedule_prompts()
+            if out.chunks:
+                return out
+            chunk_prompts = too_long
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledChunk] = {}
@@ -173,7 +186,7 @@ class Scheduler:
             scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
             budget -= n
 
-        if not out.preempted:
+        if not out.preempted and chunk_prompts:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 hit = self.prefix_hit(req)
@@ -189,3 +202,30 @@ class Scheduler:
 
         out.chunks = list(scheduled.values())
         return out
+
+    def _schedule_prompts(self) -> tuple[SchedulerOutput, bool]:
+        """A prefill-only step (``prefill_first``): the head of the queue and
+        those after it while their whole prompts (net of a cached prefix) fit
+        the token budget, the blocks (with the watermark) and the batch.
+        Returns it, and whether the head's prompt alone is longer than the
+        budget: that one is computed in chunks beside the decodes, as without
+        the mode (vLLM 0.4 refused it; its budget was at least the context
+        length)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.prefix_hit(req)
+            n = req.num_tokens - max(req.num_computed_tokens, len(hit) * self.block_size)
+            if n > budget:
+                return out, not out.chunks
+            if not self.pool.can_allocate(self.demand_blocks(req, hit), keep_watermark=True):
+                break
+            self.waiting.pop(0)
+            self._start_from_cache(req, hit)
+            req.block_ids += self.pool.allocate(self.blocks_needed(req, req.num_tokens))
+            self.add_running(req)
+            n = req.num_tokens - req.num_computed_tokens
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return out, False

@@ -34,6 +34,9 @@ def engine_argv(config: EngineConfig, model: str) -> list[str]:
     """Ferry's engine flags as vLLM command-line flags (what an instance
     starts vLLM with, before the user's own; the benchmark gives the same to
     vLLM's OpenAI server)."""
+    if config.prefill_first:
+        raise EngineError("--prefill-first is the scheduling of Ferry's own engines (native, fake, sim); vLLM's "
+                          "scheduler is vLLM's: give it its own flags (--vllm-args)")
     argv = ["--model", model, "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens), "--seed", str(config.seed)]
     if config.block_size:
