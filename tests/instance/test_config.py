@@ -54,3 +54,20 @@ def test_engine_block_size_default_and_vllm_args():
     assert InstanceConfig(engine="native", block_size=8).engine_config().block_size == 8
     cfg = InstanceConfig(engine="vllm", block_size=32, vllm_args="--enforce-eager").engine_config()
     assert cfg.extra == {"vllm_args": "--enforce-eager"} and cfg.block_size == 32
+
+
+def test_prefill_first_reaches_the_core_engines_and_is_refused_for_vllm():
+    """--prefill-first is the scheduling of Ferry's own engines; a vLLM
+    instance refuses it at start rather than ignore it."""
+    import pytest
+
+    from services.instance.engine.base import EngineError
+    from services.instance.engine.vllm.args import engine_argv
+
+    from services.instance.engine import create_engine
+
+    cfg = InstanceConfig(engine="fake", prefill_first=True, num_blocks=8).engine_config()
+    assert create_engine(cfg).scheduler.prefill_first
+    with pytest.raises(EngineError, match="prefill-first"):
+        engine_argv(InstanceConfig(engine="vllm", prefill_first=True).engine_config(), "m")
+    assert "--model" in engine_argv(InstanceConfig(engine="vllm").engine_config(), "m")
