@@ -3,7 +3,8 @@
 `ferry sim kunserve --modes kunserve --seeds S` (bursts_merges_seedS.json)
 and the baselines' per-seed results of the earlier runs of the same command
 (bursts_base4.5.json, 2026-11-24, all modes; bursts_seed0_live_loop.json,
-2026-11-28, seed 0, the code the baselines still run), and writes
+2026-11-28, seed 0; and where present bursts_migration_rerun_seedS.json, the
+migration baseline re-run on 2026-12-03 with `--modes migration`), and writes
 bursts_merges.json: per seed, KunServe's P99 TTFT, P50 TBT, preemptions,
 merges, and the ratios against migration; the median over seeds [p10-p90].
 
@@ -38,6 +39,9 @@ def main() -> None:
         i = old["seeds"].index(seed)
         bases = {"migration_2026-11-24": old["per_seed"]["migration"][i],
                  "kunserve_own_controller_2026-11-24": old["per_seed"]["kunserve"][i]}
+        rerun = HERE / f"bursts_migration_rerun_seed{seed}.json"
+        if rerun.exists():  # the baseline re-run on the code of today (2026-12-03)
+            bases["migration_rerun"] = json.loads(rerun.read_text())["per_seed"]["migration"][0]
         if seed == live0["seeds"][0]:
             bases["migration_2026-11-28"] = live0["per_seed"]["migration"][0]
             bases["kunserve_live_loop_no_merges_2026-11-28"] = live0["per_seed"]["kunserve"][0]
@@ -63,6 +67,15 @@ def main() -> None:
            "against_migration_2026-11-24": {
                "p99_ttft_over_kunserve": spread([m["p99_ttft_over_kunserve"] for m in mig]),
                "kunserve_p50_tbt_over": spread([m["kunserve_p50_tbt_over"] for m in mig])}}
+    rerun = [r for r in rows if "migration_rerun" in r["baselines"]]
+    if rerun:
+        out["against_migration_rerun"] = {
+            "seeds": [r["seed"] for r in rerun],
+            **{key: spread([r["baselines"]["migration_rerun"][key] for r in rerun])
+               for key in ("p99_ttft_over_kunserve", "kunserve_p50_tbt_over")},
+            "same_seeds_against_2026-11-24": {
+                key: spread([r["baselines"]["migration_2026-11-24"][key] for r in rerun])
+                for key in ("p99_ttft_over_kunserve", "kunserve_p50_tbt_over")}}
     (HERE / "bursts_merges.json").write_text(json.dumps(out, indent=1) + "\n")
     for r in rows:
         m = r["baselines"]["migration_2026-11-24"]
@@ -73,6 +86,16 @@ def main() -> None:
     a = out["against_migration_2026-11-24"]
     print("median [p10-p90]: P99 TTFT ratio {median:.1f}x [{p10:.1f}-{p90:.1f}]".format(**a["p99_ttft_over_kunserve"]),
           "P50 TBT ratio {median:.2f}x [{p10:.2f}-{p90:.2f}]".format(**a["kunserve_p50_tbt_over"]))
+    if rerun:
+        a, b = out["against_migration_rerun"], out["against_migration_rerun"]["same_seeds_against_2026-11-24"]
+        for r in rerun:
+            m = r["baselines"]["migration_rerun"]
+            print(f"seed {r['seed']}, migration re-run: P99 TTFT {m['p99_ttft_ms'] / 1e3:.2f} s "
+                  f"({m['p99_ttft_over_kunserve']:.1f}x), P50 TBT {m['p50_tbt_ms']:.1f} ms "
+                  f"({m['kunserve_p50_tbt_over']:.2f}x), preemptions {m['preemptions']}")
+        print(f"re-run seeds {a['seeds']}: P99 TTFT ratio {a['p99_ttft_over_kunserve']['median']:.1f}x "
+              f"(the same seeds against 2026-11-24: {b['p99_ttft_over_kunserve']['median']:.1f}x), P50 TBT ratio "
+              f"{a['kunserve_p50_tbt_over']['median']:.2f}x ({b['kunserve_p50_tbt_over']['median']:.2f}x)")
 
 
 if __name__ == "__main__":
