@@ -37,8 +37,10 @@ the release has it:
   (libs/common/policies/migration.py).
 
 Dispatch is llumnix_base's (freeness over all queued demand, no priorities;
-the release had no priorities either). Not reproduced: the release's
-dispatch counted no pending dispatches; it skipped a pair whose destination
+the release had no priorities either). The release's dispatch counted no
+pending dispatches: the scheduler's ``--no-dispatch-pending`` does the same
+(a sensitivity flag, docs/results/sim/policies.md), as the instances'
+``--prefill-first`` runs vLLM 0.4's scheduling. Not reproduced: it skipped a pair whose destination
 was still migrating (Ferry leaves out busy sources and lets a destination
 refuse); a destination with a queue refuses in Ferry (the instance's own
 guard, libs/common/policies/migration.accepts_migration)."""
