@@ -131,3 +131,13 @@ def test_prefill_first_decodes_while_the_head_does_not_fit_and_chunks_a_prompt_o
     s.add_waiting(r("long", 20, arrival=1))  # longer than the budget: in chunks, as without the mode
     out = s.schedule()
     assert [(c.request.request_id, c.start, c.num_new) for c in out.chunks] == [("long", 0, 8)]
+
+
+def test_a_chunk_cap_splits_a_prompt_under_the_budget():
+    # the native engine's deterministic mode caps a request's prompt tokens per step (batch_invariant.ATTENTION_CHUNK)
+    _, s = make(num_blocks=16, block_size=4, budget=64)
+    s.max_chunk_tokens = 8
+    s.add_waiting(r("a", 20, arrival=1))
+    s.add_waiting(r("b", 5, arrival=2))
+    out = s.schedule()
+    assert [(c.request.request_id, c.start, c.num_new) for c in out.chunks] == [("a", 0, 8), ("b", 0, 5)]

@@ -69,6 +69,9 @@ class Scheduler:
         rest of the budget in chunks."""
         self.pool = pool
         self.prefill_first = prefill_first
+        # Most prompt tokens of one request in one step (0: the budget alone). The native engine's
+        # deterministic mode sets it: its attention kernel is row-invariant only up to a chunk length.
+        self.max_chunk_tokens = 0
         self.clock = clock
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -166,7 +169,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens or budget)
             if n <= 0:
                 continue
             need = self.blocks_needed(req, req.num_computed_tokens + n)
@@ -196,7 +199,7 @@ class Scheduler:
                 self._start_from_cache(req, hit)
                 req.block_ids += self.pool.allocate(self.blocks_needed(req, req.num_tokens))
                 self.add_running(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens or budget)
                 scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
                 budget -= n
 
@@ -217,7 +220,7 @@ class Scheduler:
             req = self.waiting[0]
             hit = self.prefix_hit(req)
             n = req.num_tokens - max(req.num_computed_tokens, len(hit) * self.block_size)
-            if n > budget:
+            if n > min(budget, self.max_chunk_tokens or budget):
                 return out, not out.chunks
             if not self.pool.can_allocate(self.demand_blocks(req, hit), keep_watermark=True):
                 break

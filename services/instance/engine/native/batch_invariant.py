@@ -54,6 +54,12 @@ ROPE_BLOCK = 128  # positions per RoPE table block (one fixed-shape computation 
 # The check's large batch: past the MLP's split (model.MLP_SPLIT_ABOVE) and torch's
 # grain for splitting an elementwise op between threads (32,768 elements).
 BIG_ROWS = 1100
+# Most query rows of one sequence the attention kernel gets in one call: the deterministic
+# mode's engine computes a prompt in chunks of at most this many tokens per step. vLLM's CPU
+# kernel tiles longer query chunks: on an AVX2-only AMD EPYC, rows from 224 on of a 263-row
+# chunk came out other than as decodes (at one thread), so a prompt of 242 tokens gave another
+# first logprob in one step than in chunks (tests/instance/engine/test_native.py).
+ATTENTION_CHUNK = 128
 
 
 class Slabs:
@@ -176,7 +182,7 @@ def check_attention(kernels, heads: int, kv_heads: int, head_dim: int, dtype: to
     of other sequences: the same bits (vLLM's kernel over a paged cache)."""
     from services.instance.engine.native.cpu_kernels import BLOCK_ALIGN
 
-    bs, n = BLOCK_ALIGN, 3 * BLOCK_ALIGN + 7
+    bs, n = BLOCK_ALIGN, ATTENTION_CHUNK + 2 * BLOCK_ALIGN + 7
     g = torch.Generator().manual_seed(4)
     nblocks = -(-n // bs)
     kc = torch.zeros(nblocks + 1, kv_heads, bs, head_dim, dtype=dtype)
@@ -199,7 +205,8 @@ def check_attention(kernels, heads: int, kv_heads: int, head_dim: int, dtype: to
         return out
 
     alone = attend([(p, 1) for p in range(n)])
-    ways = {"one prefill chunk": [(0, n)], "chunks of 50": [(s, min(50, n - s)) for s in range(0, n, 50)],
+    ways = {"chunks of the longest": [(s, min(ATTENTION_CHUNK, n - s)) for s in range(0, n, ATTENTION_CHUNK)],
+            "chunks of 50": [(s, min(50, n - s)) for s in range(0, n, 50)],
             "chunks of 7, 33 and the rest": [(0, 7), (7, 33), (40, n - 40)]}
     for name, chunks in ways.items():
         got = attend(chunks)

@@ -148,6 +148,10 @@ class NativeEngine(CoreEngine):
                              deterministic=config.deterministic, tokenizer_dir=path)
         name = path.name if path is not None else config.model
         super().__init__(config, runner, num_blocks, max_len, model_name=name)
+        if config.deterministic:  # chunks of a prompt no longer than the check verified (batch_invariant.py)
+            from services.instance.engine.native.batch_invariant import ATTENTION_CHUNK
+
+            self.scheduler.max_chunk_tokens = ATTENTION_CHUNK
         self.dtype = dtype
         self._lent_blocks = 0  # blocks of dropped layers' memory in the pool (drop_layers)
         self._dropped_bytes: dict[int, int] = {}  # layer -> the parameter bytes it held
