@@ -169,7 +169,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING or budget <= 0:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens or budget)
+            n = min(req.num_tokens - req.num_computed_tokens, self._chunk_limit(budget))
             if n <= 0:
                 continue
             need = self.blocks_needed(req, req.num_computed_tokens + n)
@@ -195,16 +195,24 @@ class Scheduler:
                 hit = self.prefix_hit(req)
                 if not self.pool.can_allocate(self.demand_blocks(req, hit), keep_watermark=True):
                     break
-                self.waiting.pop(0)
-                self._start_from_cache(req, hit)
-                req.block_ids += self.pool.allocate(self.blocks_needed(req, req.num_tokens))
-                self.add_running(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens or budget)
+                self._admit(req, hit)
+                n = min(req.num_tokens - req.num_computed_tokens, self._chunk_limit(budget))
                 scheduled[req.request_id] = ScheduledChunk(req, req.num_computed_tokens, n)
                 budget -= n
 
         out.chunks = list(scheduled.values())
         return out
+
+    def _chunk_limit(self, budget: int) -> int:
+        """Most prompt tokens one request computes in a step with ``budget`` left."""
+        return min(budget, self.max_chunk_tokens or budget)
+
+    def _admit(self, req: Request, hit: list[int]) -> None:
+        """The head of the queue joins the running batch: its cached prefix taken, its blocks allocated."""
+        self.waiting.pop(0)
+        self._start_from_cache(req, hit)
+        req.block_ids += self.pool.allocate(self.blocks_needed(req, req.num_tokens))
+        self.add_running(req)
 
     def _schedule_prompts(self) -> tuple[SchedulerOutput, bool]:
         """A prefill-only step (``prefill_first``): the head of the queue and
@@ -220,14 +228,11 @@ class Scheduler:
             req = self.waiting[0]
             hit = self.prefix_hit(req)
             n = req.num_tokens - max(req.num_computed_tokens, len(hit) * self.block_size)
-            if n > min(budget, self.max_chunk_tokens or budget):
+            if n > self._chunk_limit(budget):
                 return out, not out.chunks
             if not self.pool.can_allocate(self.demand_blocks(req, hit), keep_watermark=True):
                 break
-            self.waiting.pop(0)
-            self._start_from_cache(req, hit)
-            req.block_ids += self.pool.allocate(self.blocks_needed(req, req.num_tokens))
-            self.add_running(req)
+            self._admit(req, hit)
             n = req.num_tokens - req.num_computed_tokens
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
