@@ -225,7 +225,6 @@ class SimInstance:
         self._pub_load: EngineLoad | None = None
         self._mutated = False  # the engine changed since the last publish
         self._key: tuple = ()
-        self.seq = 0
         self.timer = ReportTimer(self.status, lambda status: on_report(self, status), report_interval_s,
                                  heartbeat_s, lambda: kernel.now, kernel.at)
         from ferry.sim.aio import FollowedStreams
