@@ -30,8 +30,17 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import threading
 
 from libs.common import cpu_features, native_probe
+
+# One call into vLLM's CPU ops at a time per process. Engines of one process
+# stepping together (an in-process cluster: tests, benchmarks) crashed within
+# seconds with them running at once (4 SmolLM2 engines in fp32, one thread
+# each: a segfault in onednn_mm; with a lock on whole steps, none); a lock on
+# onednn_mm alone did not stop it. An agent runs one engine per process, so
+# there it is never contended (tests/instance/engine/test_kernel_threads.py).
+LOCK = threading.RLock()
 
 log = logging.getLogger(__name__)
 

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from services.instance.engine import vllm_kernels
+from services.instance.engine.vllm_kernels import LOCK
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,9 @@ class CpuKernels:
         pos = torch.tensor(starts, dtype=torch.long)
         seq_lens = (pos + torch.tensor(q_lens)).to(torch.int32)
         qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        sched = self._ops.get_scheduler_metadata(b, num_heads, num_kv_heads, head_dim, seq_lens, dtype, qsl,
-                                                 True, -1, self.isa, False, None, "auto")
+        with LOCK:
+            sched = self._ops.get_scheduler_metadata(b, num_heads, num_kv_heads, head_dim, seq_lens, dtype, qsl,
+                                                     True, -1, self.isa, False, None, "auto")
         if block_tables is None:
             return StepMeta(torch.arange(b) * cap + pos, seq_lens, qsl,
                             torch.arange(b, dtype=torch.int32).view(b, 1), sched, cap)
@@ -117,7 +119,8 @@ class CpuKernels:
         if ones is None:
             ones = self._ones[x.shape[-1]] = torch.ones(x.shape[-1], dtype=torch.float32)
         out = torch.empty_like(x)
-        self._ops.rms_norm(out, x, ones, eps)
+        with LOCK:
+            self._ops.rms_norm(out, x, ones, eps)
         return out
 
     def attend_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: StepMeta,
@@ -139,15 +142,17 @@ class CpuKernels:
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """k/v: [N, kv_heads, head_dim] into the caches ([blocks, kv_heads, block, head_dim] each)."""
-        self._ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, self.isa, 1.0, 1.0, "auto")
+        with LOCK:
+            self._ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, self.isa, 1.0, 1.0, "auto")
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m: StepMeta,
                scale: float) -> torch.Tensor:
         """q: [T, heads, head_dim], the new tokens' rows, consecutive per request -> [T, heads, head_dim]."""
         out = torch.empty_like(q)
-        self._ops.cpu_attention_with_kv_cache(q, k_cache, v_cache, out, m.query_start_loc, m.seq_lens, scale, True,
-                                              None, -1, m.block_table, 0.0, m.scheduler, None, None, 1.0, 1.0,
-                                              "auto")
+        with LOCK:
+            self._ops.cpu_attention_with_kv_cache(q, k_cache, v_cache, out, m.query_start_loc, m.seq_lens, scale,
+                                                  True, None, -1, m.block_table, 0.0, m.scheduler, None, None, 1.0,
+                                                  1.0, "auto")
         return out
 
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.instance.engine import vllm_kernels
+from services.instance.engine.vllm_kernels import LOCK
 from services.instance.engine.native.batch_invariant import Slabs
 
 log = logging.getLogger(__name__)
@@ -81,20 +82,25 @@ class VllmPacked:
     def __init__(self, weight: torch.Tensor):
         self.n, self.k = weight.shape
         self._ops = torch.ops._C
-        self.handler = torch.tensor(self._ops.create_onednn_mm_handler(weight.detach().t(), 32), dtype=torch.int64)
+        with LOCK:
+            self.handler = torch.tensor(self._ops.create_onednn_mm_handler(weight.detach().t(), 32),
+                                        dtype=torch.int64)
         self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype, device=x.device)
-        self._ops.onednn_mm(out, x.reshape(-1, self.k), None, self.handler)
+        with LOCK:
+            self._ops.onednn_mm(out, x.reshape(-1, self.k), None, self.handler)
         return out
 
     def into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        self._ops.onednn_mm(out, x, None, self.handler)
+        with LOCK:
+            self._ops.onednn_mm(out, x, None, self.handler)
 
     def __del__(self):
         try:
-            self._ops.release_dnnl_matmul_handler(self.handler.item())
+            with LOCK:
+                self._ops.release_dnnl_matmul_handler(self.handler.item())
         except Exception:  # noqa: BLE001, S110  (interpreter shutdown: nothing to release into)
             pass
 
