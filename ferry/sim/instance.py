@@ -145,7 +145,7 @@ class StepTimeExecutor(_Timed, Executor):
         # their blocks' count; what they cost is the transfer model's (ferry/sim/aio.py DelayedPeer).
         return memoryview(bytes(len(block_ids) * self._layout.bytes_per_block))
 
-    def grow_kv(self, num_blocks: int, fresh=None) -> None:
+    def grow_kv(self, num_blocks: int, fresh=None, holding=None) -> None:
         pass  # stores no KV
 
     def scatter_kv(self, block_ids: list[int], data: bytes | memoryview) -> None:

@@ -47,7 +47,9 @@ class InstanceClient(Protocol):
     async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
         """Give the parameter memory of ``layers`` to the KV pool; ``hold``:
         take no step until set_pipeline; ``prepare``: only make the grown
-        storage now (the next drop of the same layers uses it)."""
+        storage now (the next drop of the same layers uses it), and with
+        ``hold`` hold the steps from now (a merge's first round; no layers:
+        only that)."""
 
     async def set_pipeline(self, own: range, peers: Sequence[tuple[range, str]] = (),
                            pause_exchange: bool = False) -> int:

@@ -220,7 +220,16 @@ class PipelineHost:
         return r
 
     async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
+        """Drop these layers (their memory becomes KV blocks); ``hold``: take
+        no step until the pipeline is set. ``prepare``: only make the grown
+        storage now, and with ``hold`` also hold the steps from now (between
+        two steps), as a merge's first round asks every member before any
+        drops a layer the others' steps run (``NativeEngine.hold_steps``); a
+        member that drops nothing is asked that with no layers."""
         engine = self._native()
+        if prepare and hold and not len(layers):
+            await self.runner.call(engine.hold_steps)
+            return LayerChange(0, engine.num_total_blocks)
         layers = self._check(layers, "layers")
         t0 = time.perf_counter()
         try:
@@ -233,6 +242,8 @@ class PipelineHost:
             prepared = time.perf_counter()
             if prepare:
                 self._prepared = (layers, fresh)
+                if hold:
+                    await self.runner.call(engine.hold_steps)
                 log.info("layers ready to drop", layers=f"{layers.start}-{layers.stop - 1}",
                          prepare_ms=round((prepared - t0) * 1000, 1))
                 return LayerChange(0, engine.num_total_blocks)
@@ -260,6 +271,9 @@ class PipelineHost:
                 self.peers[address] = GrpcPeer(address, self.runner)
             stages.append((self._check(layers, "peers"), self.peers[address]))
         solo = not stages and len(own) == engine.kv_layout.num_layers
+        exchange = "left" if solo else ("pause" if pause_exchange else "live")
+        if not solo and engine.executor.pipelined:
+            exchange = "re-formed (pause)"  # a merge: NativeEngine._regroup
         t0 = time.perf_counter()
         try:
             if solo:
@@ -269,7 +283,7 @@ class PipelineHost:
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,
-                 exchange="left" if solo else ("pause" if pause_exchange else "live"),
+                 exchange=exchange,
                  peers=[f"{r.start}-{r.stop - 1}@{p.address}" for r, p in stages], work_ms=round(work * 1000, 1),
                  took_ms=round((time.perf_counter() - t0) * 1000, 1))
         return moved

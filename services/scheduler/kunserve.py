@@ -43,11 +43,14 @@ with the smallest size until the memory constraint is met"):
   member has reported since it last changed (its pool grown), so that one
   throttled window does not merge twice; ``max_group_size`` and one layer a
   stage bound the merged size.
-- A merge whose first round (the grown storage prepared, nothing changed
-  yet) is refused leaves both groups as they were and marks them not to be
-  merged again: the native engine cannot re-form a live pipeline
-  (docs/kunserve.md, "Not built yet"), the simulator's instances can. A
-  failure after that takes the dropped layers back from the members that
+- A merge's first round prepares the grown storage and holds every
+  member's steps (nothing changed yet), so that no member's step reaches a
+  peer that has dropped the layers it runs for it; the second drops; the
+  third sets the new stages, and each member moves its requests' KV of the
+  layers whose holder changed, with a pause (``NativeEngine._regroup``).
+  A refusal in the first round leaves both groups as they were (their
+  stages set again end the holds) and marks them not to be merged again;
+  a failure after that takes the dropped layers back from the members that
   keep them and sets the old stages again.
 
 Not here yet: restore by live migration (members take the KV back in
@@ -364,8 +367,11 @@ class KunServeLoop:
         t0 = time.perf_counter()
 
         async def drop(m, prepare):
-            for r in extra[m.instance_id]:
-                await self._client(merged, m.instance_id).drop_layers(r, hold=not prepare, prepare=prepare)
+            client = self._client(merged, m.instance_id)
+            if prepare and not extra[m.instance_id]:  # it drops nothing, but holds too
+                await client.drop_layers(range(m.start, m.start), hold=True, prepare=True)
+            for r in extra[m.instance_id]:  # a first round holds the member's steps from its end
+                await client.drop_layers(r, hold=True, prepare=prepare)
                 if not prepare:
                     dropped[m.instance_id].append(r)
 
@@ -382,6 +388,11 @@ class KunServeLoop:
             g.mergeable = h.mergeable = False
             log.warning("kunserve: a member refused to re-form its group; these groups will not merge",
                         groups=[g.ids, h.ids], error=str(e))
+            for m_old, grp in old.values():  # the same stages again: those that hold step again
+                try:
+                    await enter(m_old, grp)
+                except FerryError as e2:
+                    log.error("kunserve: releasing a member's hold failed", member=m_old.instance_id, error=str(e2))
             return None
         try:
             await _all(drop(m, False) for m in plan.members)

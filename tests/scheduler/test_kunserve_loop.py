@@ -6,13 +6,14 @@ request decodes: the request's tokens are those of an undisturbed run."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 
 from libs.pb import instance_pb2 as ipb
-from libs.common.errors import FailedPrecondition, FerryError
+from libs.common.errors import FailedPrecondition
 from libs.common.policies.kunserve import buddy_group
 from libs.common.types import InstanceStatus, LayerChange
 from services.scheduler.kunserve import KunServeConfig, KunServeLoop, dropped_ranges, holders
@@ -165,7 +166,8 @@ async def test_a_pair_throttled_again_merges_with_the_other_into_four_stages():
         ("a", 0, 1, 75), ("c", 1, 2, 75), ("b", 2, 3, 75), ("d", 3, 4, 75)]
     drops = [(a, r["layers"], r["prepare"], r["hold"]) for a, n, r in rec.calls if n == "drop_layers"]
     want = [("addr-a", range(1, 2)), ("addr-c", range(0, 1)), ("addr-b", range(3, 4)), ("addr-d", range(2, 3))]
-    assert drops == [(a, r, True, False) for a, r in want] + [(a, r, False, True) for a, r in want]
+    # The first round holds every member's steps (prepare, hold) before any drops.
+    assert drops == [(a, r, True, True) for a, r in want] + [(a, r, False, True) for a, r in want]
     assert [n for _, n, _ in rec.calls][8:] == ["set_pipeline"] * 4  # all dropped before any re-forms
     stages = {a: (r["own"], r["peers"]) for a, n, r in rec.calls if n == "set_pipeline"}
     assert stages == {
@@ -219,8 +221,14 @@ async def test_a_member_that_cannot_regroup_refuses_before_anything_changes():
     loop, view, now = await _two_pairs(rec)
     rec.refuse["c", True] = "this engine cannot re-form a live pipeline"  # it formed its pair, no more
     await _ticks(loop, view, now, (1.5, 2.0), a=250, b=240, c=120, d=100)
-    # Only the first round was asked (the storage, prepare): nothing dropped, no stage changed.
-    assert rec.calls and all(n == "drop_layers" and r["prepare"] for _, n, r in rec.calls)
+    # Only the first round was asked (the storage, prepare): nothing dropped. Then every
+    # member sets the stages it runs again, which ends the holds the first round began.
+    prepared = [c for c in rec.calls if c[1] == "drop_layers"]
+    assert prepared and all(r["prepare"] and r["hold"] for _, _, r in prepared)
+    assert {a: (r["own"], r["peers"]) for a, n, r in rec.calls[len(prepared):]} == {
+        "addr-a": (range(0, 2), [(range(2, 4), "addr-b")]), "addr-b": (range(2, 4), [(range(0, 2), "addr-a")]),
+        "addr-c": (range(0, 2), [(range(2, 4), "addr-d")]), "addr-d": (range(2, 4), [(range(0, 2), "addr-c")])}
+    assert all(n == "set_pipeline" for _, n, _ in rec.calls[len(prepared):])
     groups = loop._live_groups()
     assert sorted(g.key for g in groups) == ["a+b", "c+d"] and not any(g.mergeable for g in groups)
     assert [e["event"] for e in loop.log] == ["drop", "drop"]
@@ -245,25 +253,72 @@ async def test_a_merge_failing_midway_takes_the_dropped_layers_back_and_the_old_
         "addr-c": (range(0, 2), [(range(2, 4), "addr-d")]), "addr-d": (range(2, 4), [(range(0, 2), "addr-c")])}
 
 
-async def test_a_native_member_refuses_a_merges_first_round_over_grpc_and_its_pair_serves_on():
-    # What the loop's merge sends a member first (prepare to drop a layer it runs for its
-    # pair) comes back FAILED_PRECONDITION from a native agent: the loop's refusal path.
+@pytest.mark.model
+async def test_a_merge_of_two_live_native_pairs_keeps_every_members_requests_exact():
+    # Two pairs of SmolLM2 agents over gRPC, a request decoding on each member. The loop
+    # merges them into four stages (each member drops half of its layers; every request's
+    # KV of the layers whose holder changed moves) and later restores the merged group:
+    # every request's tokens are those of an undisturbed run, and nothing is left behind.
+    from libs.common import convert
+    from libs.common.policies.kunserve import merge_groups
+    from libs.common.types import SamplingParams
+    from services.instance.engine import create_engine
+    from services.instance.engine.base import EngineConfig
+    from tests.instance.engine.helpers import req, run_alone
     from tests.instance.test_pipeline_grpc import Agents
 
+    n, ids = 40, "acbd"
+    prompts = {i: list(range(2000 + 97 * k, 2036 + 97 * k)) for k, i in enumerate(ids)}
+    sampling = {i: SamplingParams(max_tokens=n, min_tokens=n, temperature=0.8, seed=7 + k)
+                for k, i in enumerate(ids)}
+    ref = create_engine(EngineConfig(engine="native", model="smollm2", num_blocks=64,
+                                     extra={"share_weights": True, "warmup": False}))
+    want = {i: run_alone(ref, req(i, prompts[i], max_tokens=n, min_tokens=n, temperature=0.8, seed=7 + k))
+            for k, i in enumerate(ids)}
     agents = Agents()
     try:
-        for i in "ab":
-            await agents.start(engine="native", model="tiny-llama", num_blocks=64, dtype="float32", instance_id=i)
-        addr = dict(zip("ab", agents.addresses))
-        loop = KunServeLoop(SimpleNamespace(address=addr.get), KunServeConfig(2, 1))
-        g = await loop.form(buddy_group(["a", "b"], 2, 1), {"a": 64, "b": 64})
-        assert g is not None
-        for iid, runs in (("a", range(0, 1)), ("b", range(1, 2))):
-            with pytest.raises(FerryError, match="re-forming a live group"):  # what the merge catches
-                await loop.clients(iid, addr[iid]).drop_layers(runs, prepare=True)
-        assert [s.engine.executor.model.dropped() for s in agents.services] == [[1], [0]]
-        assert await loop.restore(g)
-        assert [s.engine.executor.model.dropped() for s in agents.services] == [[], []]
+        stubs = {}
+        for i in ids:
+            stubs[i] = await agents.start(engine="native", model="smollm2", num_blocks=64, dtype="float32",
+                                          torch_threads=1, instance_id=i)
+        addr = dict(zip(ids, agents.addresses))
+        svc = dict(zip(ids, agents.services))
+        loop = KunServeLoop(SimpleNamespace(address=addr.get), KunServeConfig(30, 19))
+        g = await loop.form(buddy_group(["a", "b"], 30, 19), {"a": 64, "b": 64})
+        h = await loop.form(buddy_group(["c", "d"], 30, 19), {"c": 64, "d": 64})
+        assert g is not None and h is not None
+        tokens = {i: [] for i in ids}
+        merged_at = {}
+
+        async def generate(i):
+            call = stubs[i].Generate(ipb.GenerateRequest(request_id=i, prompt_token_ids=prompts[i],
+                                                         sampling=convert.sampling_to_pb(sampling[i])))
+            async for ev in call:
+                tokens[i] += list(ev.token_ids)
+
+        async def reform():
+            while min(len(t) for t in tokens.values()) < 8:
+                await asyncio.sleep(0.02)
+            plan = merge_groups(g.plan, h.plan, 30, 19)
+            merged = await loop.merge(g, h, plan)
+            assert merged is not None, loop.log
+            merged_at.update({i: len(t) for i, t in tokens.items()})
+            assert {i: svc[i].engine.executor.model.dropped() for i in ids} == {
+                m.instance_id: [k for k in range(30) if not m.start <= k < m.end] for m in plan.members}
+            assert all(svc[i].engine.guests for i in ids)  # each holds KV for the others' requests
+            while min(len(t) for t in tokens.values()) < 24:
+                await asyncio.sleep(0.02)
+            assert await loop.restore(merged)
+
+        await asyncio.gather(reform(), *(generate(i) for i in ids))
+        assert all(merged_at[i] < n for i in ids)  # every request decoded before and after the merge
+        assert tokens == want
+        assert not loop.groups and [e["event"] for e in loop.log] == ["drop", "drop", "merge", "restore"]
+        for i in ids:
+            engine = svc[i].engine
+            assert not engine.guests and engine.executor.model.dropped() == []
+            assert engine.pool.capacity - engine.pool.shrinking == 64
+            engine.check_integrity()
         await loop.stop()
     finally:
         await agents.stop()

@@ -143,7 +143,7 @@ class TokenKvExecutor(Executor):
     def gather_kv(self, block_ids: list[int]) -> memoryview:
         return memoryview(np.ascontiguousarray(self.cache[block_ids]).tobytes())
 
-    def grow_kv(self, num_blocks: int, fresh=None) -> None:
+    def grow_kv(self, num_blocks: int, fresh=None, holding=None) -> None:
         have = self.cache.shape[0]
         if num_blocks > have:
             bigger = self._zeros(num_blocks)

@@ -94,6 +94,19 @@ def test_shrink_takes_free_blocks_at_once_and_the_rest_as_they_are_freed():
     pool.check_integrity()
 
 
+def test_holding_is_what_a_grown_cache_copies_over_in_use_reserved_and_cached_not_free_or_retired():
+    pool = BlockPool(8)
+    a = pool.allocate(4)  # 0..3
+    pool.cache_blocks(a[:1], [1000], None)
+    pool.free(a[:2])  # 0 free but cached (a prefix hit may still take it), 1 free
+    assert pool.reserve(1) is not None  # an incoming migration's block
+    pool.shrink(1)  # one free id retired
+    held = pool.holding()
+    assert 0 in held and 2 in held and 3 in held and 1 not in held
+    assert len(held) == 4 and held == sorted(held)  # 0, 2, 3 and the reserved one
+    assert len(set(range(8)) - set(held)) == 4  # 1, the retired one and the two other free ones
+
+
 def test_grow_after_shrink_reuses_retired_ids_and_cancels_a_shrink_under_way():
     pool = BlockPool(4)
     a = pool.allocate(3)

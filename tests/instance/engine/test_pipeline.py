@@ -202,25 +202,47 @@ def test_leaving_a_pipeline_needs_the_layers_back():
         a.layer_states(range(2))
 
 
-def test_a_member_refuses_to_re_form_its_group_before_anything_changes(model, reference):
-    # A merge (services/scheduler/kunserve.py) asks each member to drop layers it runs for its
-    # pair: not built live, so the first round (prepare) and the drop refuse, nothing changes,
-    # and the pair serves on with the full model's tokens.
+def test_a_pipeline_re_forms_between_steps_and_its_requests_keep_their_tokens(model, reference):
+    # A merge (services/scheduler/kunserve.py) re-forms live pipelines: every member holds its
+    # steps first (a member that runs layers for its pipeline refuses to drop them otherwise),
+    # then each sets its new stages and the KV of each layer whose holder changed moves from
+    # the old holder to the new one. Here A's second half moves from B to C, mid-decode.
     a, b, before, grown = _split(model)
     _add(a, ["a0", "a1"])
     out = {}
     _steps(a, out, 3)
-    own = range(a.kv_layout.num_layers // 2)
-    total, dropped = a.num_total_blocks, a.executor.model.dropped()
-    for call in (a.prepare_drop, a.drop_layers):
-        with pytest.raises(EngineError, match="re-forming a live group"):
-            call(range(own.stop - 1, own.stop))
-    assert a.executor.model.dropped() == dropped and a.num_total_blocks == total
+    first, second = range(a.kv_layout.num_layers // 2), range(a.kv_layout.num_layers // 2, a.kv_layout.num_layers)
+    with pytest.raises(EngineError, match="hold its steps first"):
+        a.drop_layers(range(first.stop - 1, first.stop))
+    c = _engine(model)
+    c.drop_layers(first)
+    stages = a.executor.peer_segments()
+    a.hold_steps()
+    assert not a.has_work()
+    assert a.enter_pipeline(first, stages) == 0 and a.has_work()  # the same stages: nothing moves, no hold
+    a.hold_steps()
+    assert a.enter_pipeline(first, [(second, LocalPeer(c))]) == 2
+    assert not b.guests and set(c.guests) == {"a0", "a1"}  # released on the peer no longer one
+    assert _run_pair(a, c, out) == {k: reference[k] for k in ("a0", "a1")}
+    assert not c.guests
+
+
+def test_a_re_forming_that_fails_changes_nothing_and_the_pipeline_serves_on(model, reference):
+    a, b, before, grown = _split(model)
+    _add(a, ["a0", "a1"])
+    out = {}
+    _steps(a, out, 3)
+    first, second = range(a.kv_layout.num_layers // 2), range(a.kv_layout.num_layers // 2, a.kv_layout.num_layers)
+    full = _engine(model, num_blocks=2)  # no room for the requests' KV of its layers
+    full.drop_layers(first)
+    full.pool.shrink(full.pool.num_free - 2)
+    stages = a.executor.peer_segments()
+    a.hold_steps()
+    with pytest.raises(EngineError, match="free here"):
+        a.enter_pipeline(first, [(second, LocalPeer(full))])
+    assert not full.guests and set(b.guests) == {"a0", "a1"} and not a.has_work()  # held
+    assert a.enter_pipeline(first, stages) == 0  # the old stages again
     assert _run_pair(a, b, out) == {k: reference[k] for k in ("a0", "a1")}
-    c = _engine("tiny-llama")  # entered first, then dropped what its peer runs: not a re-form
-    c.enter_pipeline(range(1), [(range(1, 2), LocalPeer(_engine("tiny-llama")))])
-    c.drop_layers(range(1, 2))
-    assert c.executor.model.dropped() == [1]
 
 
 def test_a_dropped_layer_cannot_run_here():

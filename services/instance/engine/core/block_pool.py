@@ -197,6 +197,13 @@ class BlockPool:
         with self._lock:
             return self.cache.take_events()
 
+    def holding(self) -> list[int]:
+        """The ids whose contents matter (in use, reserved or cached), in
+        order: what a larger cache copies over (``CoreEngine.grow_blocks``)."""
+        with self._lock:
+            idle = set(self._free) | self._retired
+            return [b for b in range(self.num_blocks) if b not in idle]
+
     def ids_after_grow(self, n: int) -> int:
         """``num_blocks`` once ``grow(n)`` has run: a shrink under way and
         retired ids are reused before new ids are made."""

@@ -510,7 +510,7 @@ class CoreEngine(PrefixCaching, Engine, MigrationHooks):
         """n more KV blocks (KunServe: a layer range's parameter memory),
         storage first (``fresh``: the executor's storage made ahead); returns
         the pool's capacity. ``pool.shrink`` gives them back."""
-        self.executor.grow_kv(self.pool.ids_after_grow(n), fresh)
+        self.executor.grow_kv(self.pool.ids_after_grow(n), fresh, self.pool.holding())
         return self.pool.grow(n)
 
     def link_cached(self, hashes: list) -> list[int]:

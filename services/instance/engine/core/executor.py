@@ -58,7 +58,7 @@ class Executor(abc.ABC):
         """One layer ``[n, 2, block_size, kv_heads, head_dim]`` into the blocks."""
         raise NotImplementedError
 
-    def grow_kv(self, num_blocks: int, fresh=None) -> None:
+    def grow_kv(self, num_blocks: int, fresh=None, holding=None) -> None:
         """Make the KV storage hold block ids 0 .. num_blocks-1 (KunServe:
         parameter memory lent to the KV cache); ``fresh``: storage made ahead
         for it, if the executor makes any. Executors that cannot say so."""

@@ -179,26 +179,29 @@ class NativeEngine(CoreEngine):
     def _blocks_lent_after(self, dropped: dict[int, int]) -> int:
         return sum(dropped.values()) // self.kv_layout.bytes_per_block - self._lent_blocks
 
-    def _refuse_regroup(self, layers: range) -> None:
-        """In a pipeline, only the layers its peers run may be dropped (a
-        member that entered before it dropped). Dropping layers it runs for
-        the group would re-form the group (a merge, services/scheduler/kunserve.py),
-        which is not built: the KV of those layers, in this engine's own
-        blocks and in the guests it holds for its peers' requests, would have
-        to move to their new holders while the requests run."""
+    def regroups(self, layers: range) -> bool:
+        """Whether dropping these layers re-forms this engine's pipeline (a
+        merge, services/scheduler/kunserve.py): it is in one and runs some of
+        them for it. Its steps must be held first (``hold_steps``), and the
+        pipeline it enters next moves the KV of those layers (``enter_pipeline``)."""
         on_peers = {i for r, _ in self.executor.peer_segments() for i in r}
-        mine = [i for i in layers if i not in on_peers]
-        if on_peers and mine:
-            raise EngineError(f"this engine is in a pipeline and runs layers {mine[0]}..{mine[-1]} for it: "
-                              "re-forming a live group (dropping layers it runs, a merge) is not built")
+        return bool(on_peers) and any(i not in on_peers for i in layers)
+
+    def hold_steps(self) -> None:
+        """Between steps: take no step until the pipeline is set again (at
+        most ``HOLD_S``). A merge's members all hold before any of them drops
+        a layer: a member's step must not reach a peer that has dropped the
+        layers it runs for that step."""
+        self._held_until = time.monotonic() + HOLD_S
+
+    def _held(self) -> bool:
+        return bool(self._held_until) and time.monotonic() < self._held_until
 
     def prepare_drop(self, layers: range):
         """Any thread, before ``drop_layers``: the grown KV storage that
         dropping these layers makes room for (``ModelRunner.new_kv``), made
         here so that the drop itself (between two steps) only copies the
-        blocks over. None when it adds no block. Refused where ``drop_layers``
-        would re-form a live group (``_refuse_regroup``), before anything changes."""
-        self._refuse_regroup(layers)
+        blocks over. None when it adds no block."""
         model = self.executor.model
         after = dict(self._dropped_bytes)
         after.update({i: model.layer_bytes(range(i, i + 1)) for i in layers if i not in after})
@@ -218,9 +221,12 @@ class NativeEngine(CoreEngine):
             raise EngineError("this engine shares its weights with others in the process: it cannot drop layers")
         if self.executor.returning:
             raise EngineError("this engine is still taking its requests' KV back from its pipeline peers")
-        if self.guests:
+        regroup = self.regroups(layers)
+        if regroup and not self._held():
+            raise EngineError("this engine runs some of these layers for its pipeline: hold its steps first "
+                              "(a merge's first round), then drop them and set the new stages")
+        if self.guests and not regroup:
             raise EngineError(f"this engine runs layers for {len(self.guests)} requests of its pipeline peers")
-        self._refuse_regroup(layers)
         self._dropped_bytes.update(self.executor.model.drop_layers(layers))
         if hold:
             self._held_until = time.monotonic() + HOLD_S
@@ -273,9 +279,13 @@ class NativeEngine(CoreEngine):
         If a paused hand-over fails, what was handed over is released on the
         peers, no request counts as remote, and the engine holds its steps (a
         request must not run layers whose KV is not there): the caller takes
-        the layers back (``restore_layers``, ``leave_pipeline``) or tries again."""
-        self.set_pipeline(own, peers)
+        the layers back (``restore_layers``, ``leave_pipeline``) or tries again.
+
+        Already in a pipeline, it re-forms (``_regroup``): always a pause."""
         ex = self.executor
+        if ex.pipelined:
+            return self._regroup(own, peers)
+        self.set_pipeline(own, peers)
         if live:
             moving = [rid for rid, r in sorted(self.requests.items()) if r.num_computed_tokens]
             for rid in moving:
@@ -297,6 +307,70 @@ class NativeEngine(CoreEngine):
             raise
         for rid in moved:
             ex.mark_remote(rid)
+        self._held_until = 0.0
+        return len(moved)
+
+    def _regroup(self, own: range, peers: list) -> int:
+        """Between steps, in a pipeline: run ``own`` here and each peer's
+        range there from the next step (a merge re-forms two groups). For
+        each running request, the KV of each layer whose holder changes goes
+        from the old holder (its own blocks here, or its guest on a peer) to
+        the new one, before the next step (a pause: a live re-forming is not
+        built). Returns the requests whose KV moved. The same stages again
+        move nothing and end a hold (a merge called off).
+
+        If a move fails, nothing changes here: the guests it made on new
+        holders are released, the old holders still have every layer (a
+        move copies), and the engine holds its steps (the caller sets the
+        old stages again, or tries again)."""
+        ex = self.executor
+        try:
+            old, new = ex.holders(), ex.holders(own, peers)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        if all(a is b for a, b in zip(old, new)):
+            self._held_until = 0.0
+            return 0
+        if ex.pending_exchange:
+            raise EngineError(f"{len(ex.pending_exchange)} requests' KV exchange is still going: "
+                              "the pipeline cannot re-form yet")
+        dropped = [i for i in ex.model.dropped() if new[i] is None]
+        if dropped:
+            raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
+        moves = []  # (layers, old holder, new holder), runs of layers that change holder
+        for i, (a, b) in enumerate(zip(old, new)):
+            if a is b:
+                continue
+            if moves and moves[-1][0].stop == i and moves[-1][1] is a and moves[-1][2] is b:
+                moves[-1] = (range(moves[-1][0].start, i + 1), a, b)
+            else:
+                moves.append((range(i, i + 1), a, b))
+        moved, made = [], []  # made: (peer, request) guests new on a peer, released if it fails
+        try:
+            for rid, r in sorted(self.requests.items()):
+                if not r.num_computed_tokens:
+                    continue
+                blocks, n = self._computed_blocks(r), r.num_computed_tokens
+                layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
+                holding = {id(p) for p in old if p is not None}
+                for layers, a, b in moves:
+                    data = (ex.gather_kv_layers(blocks, layers) if a is None
+                            else a.fetch_kv(layers, rid, n, layer_bytes))
+                    if b is None:
+                        ex.scatter_kv_layers(blocks, layers, data)
+                        continue
+                    b.push_kv(layers, rid, n, data)
+                    if id(b) not in holding:
+                        holding.add(id(b))
+                        made.append((b, rid))
+                moved.append(rid)
+            ex.regroup(own, peers, moved)
+        except Exception:
+            for peer, rid in made:
+                with contextlib.suppress(Exception):  # the peer may be the failure: its guests die with it
+                    peer.release([rid])
+            self._held_until = time.monotonic() + HOLD_S
+            raise
         self._held_until = 0.0
         return len(moved)
 
@@ -435,7 +509,7 @@ class NativeEngine(CoreEngine):
         return moved
 
     def has_work(self) -> bool:
-        if self._held_until and time.monotonic() < self._held_until:
+        if self._held():
             return False  # held between a drop and the pipeline (drop_layers)
         return super().has_work()
 
