@@ -119,6 +119,7 @@ class SimPipeline(SimClient):
         self.ks, self.inst = ks, inst
         self.runner = inst.runner  # the agent's (SimInstance.serve)
         self.size = 1  # the group's members, this one included (1: alone)
+        self.stages: tuple[range, list] | None = None  # (own, peers) set last, None alone
         self.exchange_until = 0.0
 
     def _event(self, event: str, **kw) -> None:
@@ -140,7 +141,7 @@ class SimPipeline(SimClient):
     async def drop_layers(self, layers: range, hold: bool = False, prepare: bool = False) -> LayerChange:
         return await self._call("drop_layers", self._drop, layers, prepare)
 
-    async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False) -> int:
+    async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False, hold: bool = False) -> int:
         return await self._call("set_pipeline", self._set_pipeline, own, list(peers))
 
     async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
@@ -162,6 +163,9 @@ class SimPipeline(SimClient):
 
     async def _set_pipeline(self, own: range, peers: list[tuple[range, str]]) -> int:
         moved = len(self.inst.engine.requests)
+        if peers and self.stages == (own, peers):
+            return 0  # the stages it runs (a merge's last round ends the hold): nothing moves
+        self.stages = (own, peers) if peers else None
         if peers:
             members = [self.inst] + [self.ks.c.instances[address] for _, address in peers]
             exchange_s = self.ks.exchange_s(members)

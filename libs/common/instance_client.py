@@ -52,9 +52,11 @@ class InstanceClient(Protocol):
         only that)."""
 
     async def set_pipeline(self, own: range, peers: Sequence[tuple[range, str]] = (),
-                           pause_exchange: bool = False) -> int:
+                           pause_exchange: bool = False, hold: bool = False) -> int:
         """Run ``own`` and the rest on ``peers`` ((layers, address)); every
-        layer and no peers: alone again. Returns the requests whose KV moved."""
+        layer and no peers: alone again. Returns the requests whose KV moved.
+        ``hold``: re-forming (a merge), take no step after the KV moved until
+        the same stages are set again."""
 
     async def restore_layers(self, layers: range, from_address: str) -> LayerChange:
         """Take ``layers`` back from the instance at ``from_address``."""
@@ -104,8 +106,8 @@ class GrpcInstanceClient:
         reply = await self._call(self._stub.DropLayers, req, self.layers_timeout_s)
         return LayerChange(reply.blocks_added, reply.total_blocks)
 
-    async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False) -> int:
-        req = ipb.SetPipelineRequest(own=convert.layers_to_pb(own), pause_exchange=pause_exchange,
+    async def set_pipeline(self, own: range, peers=(), pause_exchange: bool = False, hold: bool = False) -> int:
+        req = ipb.SetPipelineRequest(own=convert.layers_to_pb(own), pause_exchange=pause_exchange, hold=hold,
                                      peers=[ipb.PipelinePeer(layers=convert.layers_to_pb(r), address=a)
                                             for r, a in peers])
         return (await self._call(self._stub.SetPipeline, req, self.layers_timeout_s)).requests_moved

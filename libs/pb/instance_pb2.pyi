@@ -42,14 +42,16 @@ class PipelinePeer(_message.Message):
     def __init__(self, layers: _Optional[_Union[LayerRange, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class SetPipelineRequest(_message.Message):
-    __slots__ = ("own", "peers", "pause_exchange")
+    __slots__ = ("own", "peers", "pause_exchange", "hold")
     OWN_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PAUSE_EXCHANGE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     own: LayerRange
     peers: _containers.RepeatedCompositeFieldContainer[PipelinePeer]
     pause_exchange: bool
-    def __init__(self, own: _Optional[_Union[LayerRange, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PipelinePeer, _Mapping]]] = ..., pause_exchange: _Optional[bool] = ...) -> None: ...
+    hold: bool
+    def __init__(self, own: _Optional[_Union[LayerRange, _Mapping]] = ..., peers: _Optional[_Iterable[_Union[PipelinePeer, _Mapping]]] = ..., pause_exchange: _Optional[bool] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class SetPipelineReply(_message.Message):
     __slots__ = ("requests_moved",)

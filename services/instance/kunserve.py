@@ -257,7 +257,7 @@ class PipelineHost:
         return LayerChange(added, engine.num_total_blocks)
 
     async def set_pipeline(self, own: range, peers: Sequence[tuple[range, str]] = (),
-                           pause_exchange: bool = False) -> int:
+                           pause_exchange: bool = False, hold: bool = False) -> int:
         """Run ``own`` here and the other layers on ``peers`` ((layers,
         address)); no peers and every layer: alone again. Returns the running
         requests whose KV went to the peers or came back."""
@@ -279,7 +279,8 @@ class PipelineHost:
             if solo:
                 moved, work = await self.runner.call(_timed, engine.leave_pipeline, not pause_exchange)
             else:
-                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, stages, not pause_exchange)
+                moved, work = await self.runner.call(_timed, engine.enter_pipeline, own, stages, not pause_exchange,
+                                                     hold)
         except EngineError as e:
             raise FailedPrecondition(str(e)) from None
         log.info("pipeline set", own=f"{own.start}-{own.stop - 1}", requests_moved=moved,

@@ -89,7 +89,7 @@ class InstanceServicer(pb_grpc.InstanceServicer):
     async def SetPipeline(self, request, context):
         moved = await self.agent.pipelines().set_pipeline(
             convert.layers_from_pb(request.own), [(convert.layers_from_pb(p.layers), p.address) for p in request.peers],
-            request.pause_exchange)
+            request.pause_exchange, request.hold)
         return pb.SetPipelineReply(requests_moved=moved)
 
     async def RestoreLayers(self, request, context):

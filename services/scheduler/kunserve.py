@@ -47,7 +47,10 @@ with the smallest size until the memory constraint is met"):
   member's steps (nothing changed yet), so that no member's step reaches a
   peer that has dropped the layers it runs for it; the second drops; the
   third sets the new stages, and each member moves its requests' KV of the
-  layers whose holder changed, with a pause (``NativeEngine._regroup``).
+  layers whose holder changed, with a pause (``NativeEngine._regroup``),
+  and stays held (``hold``), so that no member's step is in the way of
+  another's moves; the fourth sets the same stages again, which ends the
+  holds.
   A refusal in the first round leaves both groups as they were (their
   stages set again end the holds) and marks them not to be merged again;
   a failure after that takes the dropped layers back from the members that
@@ -350,13 +353,15 @@ class KunServeLoop:
 
     async def merge(self, g: LiveGroup, h: LiveGroup, plan: BuddyGroup) -> LiveGroup | None:
         """Two groups become one with ``plan``'s stages (``merge_groups``:
-        each member keeps part of its range). In three rounds, as ``form``:
-        every member that drops layers prepares the grown storage (nothing
-        changes yet), then drops them and holds its steps, then every member
-        sets the new stages (the KV of the layers that moved goes to their
-        new holders). A refusal in the first round leaves both groups as they
-        were, marked not to merge again; a failure later takes the dropped
-        layers back from the members that keep them and sets the old stages."""
+        each member keeps part of its range). In four rounds: every member
+        prepares the grown storage and holds its steps (nothing changes
+        yet); drops the layers it no longer keeps; sets the new stages (the
+        KV of the layers that moved goes to their new holders) and stays
+        held; sets them again, which releases it. A refusal in the first
+        round leaves both groups as they were (the old stages set again end
+        the holds), marked not to merge again; a failure later takes the
+        dropped layers back from the members that keep them and sets the old
+        stages."""
         addresses = {**g.addresses, **h.addresses}
         old = {m.instance_id: (m, grp) for grp in (g, h) for m in grp.plan.members}
         merged = LiveGroup(plan, addresses, self.clock(), {**g.own_blocks, **h.own_blocks})
@@ -375,11 +380,11 @@ class KunServeLoop:
                 if not prepare:
                     dropped[m.instance_id].append(r)
 
-        async def enter(m, grp: LiveGroup):
+        async def enter(m, grp: LiveGroup, hold: bool = False):
             peers = [(range(o.start, o.end), addresses[o.instance_id]) for o in grp.plan.members
                      if o.instance_id != m.instance_id]
             await self._client(merged, m.instance_id).set_pipeline(range(m.start, m.end), peers,
-                                                                   self.cfg.pause_exchange)
+                                                                   self.cfg.pause_exchange, hold)
 
         try:
             await _all(drop(m, True) for m in plan.members)
@@ -396,7 +401,8 @@ class KunServeLoop:
             return None
         try:
             await _all(drop(m, False) for m in plan.members)
-            await _all(enter(m, merged) for m in plan.members)
+            await _all(enter(m, merged, hold=True) for m in plan.members)  # each moves its KV, all held
+            await _all(enter(m, merged) for m in plan.members)  # the same stages again: all step again
         except FerryError as e:
             FAILURES.labels("merge").inc()
             g.mergeable = h.mergeable = False

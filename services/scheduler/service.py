@@ -93,6 +93,8 @@ class SchedulerConfig(CommonConfig):
     kunserve_min_group_s: float = opt(5.0, "KunServe: a group lasts at least this long", min=0.0)
     kunserve_restore_margin: float = opt(0.2, "KunServe: restore once each member's requirement fits (1 - this) "
                                               "of its own memory", min=0.0, max=0.99)
+    kunserve_max_group_size: int = opt(0, "KunServe: the most members a merge makes a group of (0: no bound; 2: "
+                                          "no merges, advised on native instances: docs/kunserve.md)", min=0)
     kunserve_pause_exchange: bool = opt(False, "KunServe: members joining a group move their running requests' KV "
                                                "in a pause before their next step, instead of live (remote "
                                                "attention meanwhile)")
@@ -413,7 +415,8 @@ class SchedulerService(Service):
 
             self.kunserve = KunServeLoop(self.view, KunServeConfig(
                 c.kunserve_layers, c.kunserve_layer_blocks, min_group_s=c.kunserve_min_group_s,
-                restore_margin=c.kunserve_restore_margin, pause_exchange=c.kunserve_pause_exchange),
+                restore_margin=c.kunserve_restore_margin, pause_exchange=c.kunserve_pause_exchange,
+                max_group_size=c.kunserve_max_group_size or None),
                 clients=self.clients, state=self.state)
             await self.kunserve.adopt()
             self.kunserve.start()

@@ -51,9 +51,9 @@ class Recorder:
                     raise FailedPrecondition(rec.refuse[instance_id, prepare])
                 return LayerChange(0, 0)
 
-            async def set_pipeline(self, own, peers=(), pause_exchange=False):
+            async def set_pipeline(self, own, peers=(), pause_exchange=False, hold=False):
                 rec.calls.append((address, "set_pipeline",
-                                  {"own": own, "peers": list(peers), "pause_exchange": pause_exchange}))
+                                  {"own": own, "peers": list(peers), "pause_exchange": pause_exchange, "hold": hold}))
                 return 0
 
             async def restore_layers(self, layers, from_address):
@@ -168,7 +168,9 @@ async def test_a_pair_throttled_again_merges_with_the_other_into_four_stages():
     want = [("addr-a", range(1, 2)), ("addr-c", range(0, 1)), ("addr-b", range(3, 4)), ("addr-d", range(2, 3))]
     # The first round holds every member's steps (prepare, hold) before any drops.
     assert drops == [(a, r, True, True) for a, r in want] + [(a, r, False, True) for a, r in want]
-    assert [n for _, n, _ in rec.calls][8:] == ["set_pipeline"] * 4  # all dropped before any re-forms
+    assert [n for _, n, _ in rec.calls][8:] == ["set_pipeline"] * 8  # all dropped before any re-forms
+    # Each re-forms and stays held; once all have, the same stages again release them.
+    assert [r["hold"] for _, n, r in rec.calls if n == "set_pipeline"] == [True] * 4 + [False] * 4
     stages = {a: (r["own"], r["peers"]) for a, n, r in rec.calls if n == "set_pipeline"}
     assert stages == {
         "addr-a": (range(0, 1), [(range(1, 2), "addr-c"), (range(2, 3), "addr-b"), (range(3, 4), "addr-d")]),

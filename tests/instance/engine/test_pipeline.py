@@ -221,8 +221,11 @@ def test_a_pipeline_re_forms_between_steps_and_its_requests_keep_their_tokens(mo
     assert not a.has_work()
     assert a.enter_pipeline(first, stages) == 0 and a.has_work()  # the same stages: nothing moves, no hold
     a.hold_steps()
-    assert a.enter_pipeline(first, [(second, LocalPeer(c))]) == 2
+    stages = [(second, LocalPeer(c))]
+    assert a.enter_pipeline(first, stages, hold=True) == 2
     assert not b.guests and set(c.guests) == {"a0", "a1"}  # released on the peer no longer one
+    assert not a.has_work()  # held until the same stages again (a merge's last round)
+    assert a.enter_pipeline(first, stages) == 0 and a.has_work()
     assert _run_pair(a, c, out) == {k: reference[k] for k in ("a0", "a1")}
     assert not c.guests
 

@@ -267,7 +267,7 @@ class NativeEngine(CoreEngine):
         except ValueError as e:
             raise EngineError(str(e)) from None
 
-    def enter_pipeline(self, own: range, peers: list, live: bool = True) -> int:
+    def enter_pipeline(self, own: range, peers: list, live: bool = True, hold: bool = False) -> int:
         """Between steps: run layers ``own`` here and each peer's there from
         the next step. Every request that has KV must find its KV of a peer's
         layers there (the KV exchange). ``live`` (paper §4.3): they go on at
@@ -281,10 +281,11 @@ class NativeEngine(CoreEngine):
         request must not run layers whose KV is not there): the caller takes
         the layers back (``restore_layers``, ``leave_pipeline``) or tries again.
 
-        Already in a pipeline, it re-forms (``_regroup``): always a pause."""
+        Already in a pipeline, it re-forms (``_regroup``, with ``hold``):
+        always a pause."""
         ex = self.executor
         if ex.pipelined:
-            return self._regroup(own, peers)
+            return self._regroup(own, peers, hold)
         self.set_pipeline(own, peers)
         if live:
             moving = [rid for rid, r in sorted(self.requests.items()) if r.num_computed_tokens]
@@ -310,14 +311,16 @@ class NativeEngine(CoreEngine):
         self._held_until = 0.0
         return len(moved)
 
-    def _regroup(self, own: range, peers: list) -> int:
+    def _regroup(self, own: range, peers: list, hold: bool = False) -> int:
         """Between steps, in a pipeline: run ``own`` here and each peer's
         range there from the next step (a merge re-forms two groups). For
         each running request, the KV of each layer whose holder changes goes
         from the old holder (its own blocks here, or its guest on a peer) to
         the new one, before the next step (a pause: a live re-forming is not
         built). Returns the requests whose KV moved. The same stages again
-        move nothing and end a hold (a merge called off).
+        move nothing and end a hold (a merge called off, or done: ``hold``
+        keeps the steps held after the move, so that the other members'
+        moves find this engine between steps, not inside a long one).
 
         If a move fails, nothing changes here: the guests it made on new
         holders are released, the old holders still have every layer (a
@@ -371,7 +374,7 @@ class NativeEngine(CoreEngine):
                     peer.release([rid])
             self._held_until = time.monotonic() + HOLD_S
             raise
-        self._held_until = 0.0
+        self._held_until = time.monotonic() + HOLD_S if hold else 0.0
         return len(moved)
 
     def leave_pipeline(self, live: bool = True) -> int:
