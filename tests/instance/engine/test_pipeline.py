@@ -202,16 +202,22 @@ def test_leaving_a_pipeline_needs_the_layers_back():
         a.layer_states(range(2))
 
 
+def _decoding_pair(model):
+    """A pair (``_split``) with A's two requests decoding: (a, b, their tokens so far, A's layers, B's)."""
+    a, b, _, _ = _split(model)
+    _add(a, ["a0", "a1"])
+    out = {}
+    _steps(a, out, 3)
+    half = a.kv_layout.num_layers // 2
+    return a, b, out, range(half), range(half, a.kv_layout.num_layers)
+
+
 def test_a_pipeline_re_forms_between_steps_and_its_requests_keep_their_tokens(model, reference):
     # A merge (services/scheduler/kunserve.py) re-forms live pipelines: every member holds its
     # steps first (a member that runs layers for its pipeline refuses to drop them otherwise),
     # then each sets its new stages and the KV of each layer whose holder changed moves from
     # the old holder to the new one. Here A's second half moves from B to C, mid-decode.
-    a, b, before, grown = _split(model)
-    _add(a, ["a0", "a1"])
-    out = {}
-    _steps(a, out, 3)
-    first, second = range(a.kv_layout.num_layers // 2), range(a.kv_layout.num_layers // 2, a.kv_layout.num_layers)
+    a, b, out, first, second = _decoding_pair(model)
     with pytest.raises(EngineError, match="hold its steps first"):
         a.drop_layers(range(first.stop - 1, first.stop))
     c = _engine(model)
@@ -231,11 +237,7 @@ def test_a_pipeline_re_forms_between_steps_and_its_requests_keep_their_tokens(mo
 
 
 def test_a_re_forming_that_fails_changes_nothing_and_the_pipeline_serves_on(model, reference):
-    a, b, before, grown = _split(model)
-    _add(a, ["a0", "a1"])
-    out = {}
-    _steps(a, out, 3)
-    first, second = range(a.kv_layout.num_layers // 2), range(a.kv_layout.num_layers // 2, a.kv_layout.num_layers)
+    a, b, out, first, second = _decoding_pair(model)
     full = _engine(model, num_blocks=2)  # no room for the requests' KV of its layers
     full.drop_layers(first)
     full.pool.shrink(full.pool.num_free - 2)
