@@ -26,10 +26,12 @@ from tests.helpers import find_instance_of, migrate
 # client's latency exceeded the request's span by 0.5-2.9 ms; the frontend's segments left
 # 2.9-7.4 ms of it uncovered, in 7 gaps of 0.2-2.8 ms each (body parsing and tokenization before
 # the first dispatch, the resume's decision, the closing SSE events). The bounds leave room for a
-# descheduled process on a loaded machine.
+# descheduled process on a loaded machine: a full local CI run (two workers beside SmolLM2 tests)
+# once left a first gap of 6.4 ms. A phase the frontend does not span would show as a gap of tens
+# of ms or more; a segment missing altogether is caught by the list of segment names.
 CLIENT_SLACK_MS = 8.0
-GAP_MS = 5.0
-UNCOVERED_MS = 10.0
+GAP_MS = 20.0
+UNCOVERED_MS = 40.0
 DIE_AFTER_STEPS = 12  # C's engine: this many steps after the migrated request arrives there
 
 
