@@ -107,11 +107,13 @@ async def test_long_prompt_behind_fragmentation_is_admitted_after_migrations(tmp
     # waits at the head of the queue. Its demand counts in instance-0's virtual
     # usage, making it a migration source once instance-1 exists.
     c = start_fake_cluster(tmp_path_factory, "fragment", instances=1,
-                           instance_args=[*FAST, "--num-blocks", "100"], scheduler_args=sched_args(10, 30))
+                           instance_args=[*FAST, "--num-blocks", "100", "--token-delay-ms", "20"],
+                           scheduler_args=sched_args(10, 30))
     try:
         async with httpx.AsyncClient(base_url=c.url, timeout=60) as http:
             small = [f"small {i} " * 18 for i in range(6)]  # 9-10 blocks each
-            # 1,000 tokens x 10 ms: starting instance-1 on a loaded 2-core machine took 4 s in CI.
+            # 1,000 tokens x 20 ms: starting instance-1 on a loaded 2-core machine took 4 s in CI, and
+            # in a full local CI run (2026-12-04) at 10 ms a token 3 of 6 ended before the migrations.
             tasks = [asyncio.create_task(stream_completion(http, {"prompt": p, "max_tokens": 1000}))
                      for p in small]
             assert await wait_for(lambda: _running(c, "instance-0", 6))
