@@ -229,7 +229,7 @@ class NativeEngine(CoreEngine):
             raise EngineError(f"this engine runs layers for {len(self.guests)} requests of its pipeline peers")
         self._dropped_bytes.update(self.executor.model.drop_layers(layers))
         if hold:
-            self._held_until = time.monotonic() + HOLD_S
+            self.hold_steps()
         n = self._blocks_lent_after(self._dropped_bytes)
         if n > 0:
             self.grow_blocks(n, fresh)
@@ -304,7 +304,7 @@ class NativeEngine(CoreEngine):
             for _, peer in ex.peer_segments():
                 with contextlib.suppress(Exception):  # the peer may be the failure: its guests die with it
                     peer.release(moved)
-            self._held_until = time.monotonic() + HOLD_S
+            self.hold_steps()
             raise
         for rid in moved:
             ex.mark_remote(rid)
@@ -337,9 +337,6 @@ class NativeEngine(CoreEngine):
         if ex.pending_exchange:
             raise EngineError(f"{len(ex.pending_exchange)} requests' KV exchange is still going: "
                               "the pipeline cannot re-form yet")
-        dropped = [i for i in ex.model.dropped() if new[i] is None]
-        if dropped:
-            raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
         moves = []  # (layers, old holder, new holder), runs of layers that change holder
         for i, (a, b) in enumerate(zip(old, new)):
             if a is b:
@@ -349,13 +346,14 @@ class NativeEngine(CoreEngine):
             else:
                 moves.append((range(i, i + 1), a, b))
         moved, made = [], []  # made: (peer, request) guests new on a peer, released if it fails
+        old_peers = {id(p) for p in old if p is not None}
         try:
             for rid, r in sorted(self.requests.items()):
                 if not r.num_computed_tokens:
                     continue
                 blocks, n = self._computed_blocks(r), r.num_computed_tokens
                 layer_bytes = len(blocks) * self.kv_layout.bytes_per_block // self.kv_layout.num_layers
-                holding = {id(p) for p in old if p is not None}
+                holding = set(old_peers)
                 for layers, a, b in moves:
                     data = (ex.gather_kv_layers(blocks, layers) if a is None
                             else a.fetch_kv(layers, rid, n, layer_bytes))
@@ -372,9 +370,12 @@ class NativeEngine(CoreEngine):
             for peer, rid in made:
                 with contextlib.suppress(Exception):  # the peer may be the failure: its guests die with it
                     peer.release([rid])
-            self._held_until = time.monotonic() + HOLD_S
+            self.hold_steps()
             raise
-        self._held_until = time.monotonic() + HOLD_S if hold else 0.0
+        if hold:
+            self.hold_steps()
+        else:
+            self._held_until = 0.0
         return len(moved)
 
     def leave_pipeline(self, live: bool = True) -> int:

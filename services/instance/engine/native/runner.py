@@ -229,20 +229,25 @@ class ModelRunner(Executor):
         """Run layers ``own`` here and each peer's range there, from the next
         step; ``own`` = every layer and no peers ends the pipeline. Refused
         while a request still has KV on a peer (it would lose it)."""
-        segs = plan_segments(self._layout.num_layers, own, peers)
+        segs = self._plan(own, peers)
         if self._remote and [p for _, p in segs if p is not None] != [p for _, p in self._segments
                                                                       if p is not None]:
             raise EngineError(f"{len(self._remote)} requests have KV on the current peers")
-        dropped = [i for i in self.model.dropped() if i in own]
-        if dropped:
-            raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
         self._segments = segs
         self._returning = False
 
+    def _plan(self, own: range, peers: list[tuple[range, LayerPeer]]) -> list:
+        """``plan_segments`` (ValueError), refused (EngineError) where a layer to run here is dropped."""
+        segs = plan_segments(self._layout.num_layers, own, peers)
+        dropped = [i for i in self.model.dropped() if i in own]
+        if dropped:
+            raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
+        return segs
+
     def holders(self, own: range | None = None, peers: list[tuple[range, LayerPeer]] | None = None) -> list:
         """Who runs each layer (None: here, else the peer): now, or in the
-        pipeline ``own`` and ``peers`` would set (ValueError if it is not one)."""
-        segs = self._segments if own is None else plan_segments(self._layout.num_layers, own, peers or [])
+        pipeline ``own`` and ``peers`` would set (``_plan``'s errors if it cannot be)."""
+        segs = self._segments if own is None else self._plan(own, peers or [])
         return [p for layers, p in segs for _ in layers]
 
     def regroup(self, own: range, peers: list[tuple[range, LayerPeer]], moved: list[str]) -> None:
@@ -251,10 +256,7 @@ class ModelRunner(Executor):
         it, ``NativeEngine.enter_pipeline``); from the next step they run so.
         Their guests on a peer that is no longer one are released there, and
         the other remote requests' everywhere (they have no KV left)."""
-        segs = plan_segments(self._layout.num_layers, own, peers)
-        dropped = [i for i in self.model.dropped() if i in own]
-        if dropped:
-            raise EngineError(f"layers {dropped} are dropped here: they cannot run here")
+        segs = self._plan(own, peers)
         self.release_requests(sorted(self._remote - set(moved)))
         kept = {id(p) for _, p in segs if p is not None}
         gone = {id(p): p for _, p in self.peer_segments() if id(p) not in kept}
