@@ -177,7 +177,8 @@ class Chaos:
             if len(live) < self.n or len(await _meta_instances(self.c.meta_store)) < self.n:
                 return False
             p = f"probe {self.rng.random():.6f}"
-            c = await asyncio.wait_for(stream_completion(http, {"prompt": p, "max_tokens": 4}), 5)
+            async with asyncio.timeout(5):
+                c = await stream_completion(http, {"prompt": p, "max_tokens": 4})
             return c.text == expected_fake_text(p, 4)
         except (TimeoutError, grpc.RpcError, StreamError, httpx.HTTPError):
             return False

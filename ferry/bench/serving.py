@@ -161,7 +161,8 @@ async def sample_cluster(address: str, interval_s: float, out: list[dict], stop:
             except grpc.RpcError:
                 pass
             try:
-                await asyncio.wait_for(stop.wait(), interval_s)
+                async with asyncio.timeout(interval_s):
+                    await stop.wait()
             except TimeoutError:
                 pass
 

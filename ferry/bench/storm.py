@@ -105,7 +105,8 @@ async def _leaver(http: aiohttp.ClientSession, i: int, rng: random.Random, count
         async def whole():
             async with http.post("/v1/completions", json=body) as r:
                 await r.read()
-        await asyncio.wait_for(whole(), rng.uniform(0.05, 3.0) if mode == "before_response" else rng.uniform(0, 0.3))
+        async with asyncio.timeout(rng.uniform(0.05, 3.0) if mode == "before_response" else rng.uniform(0, 0.3)):
+            await whole()
         counts["leaver_answered"] += 1
     except TimeoutError:
         counts[f"leaver_{mode}"] += 1
@@ -125,7 +126,8 @@ async def _slowloris(port: int, byte_every_s: float, max_s: float, closed_after:
         await writer.drain()
         while time.monotonic() - t0 < max_s:
             try:
-                data = await asyncio.wait_for(reader.read(1), byte_every_s)
+                async with asyncio.timeout(byte_every_s):
+                    data = await reader.read(1)
                 if not data:
                     closed_after.append(time.monotonic() - t0)
                     return

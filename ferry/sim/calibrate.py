@@ -65,7 +65,8 @@ class Probes:
         while not stop.is_set():
             await self.once()
             try:
-                await asyncio.wait_for(stop.wait(), interval_s)
+                async with asyncio.timeout(interval_s):
+                    await stop.wait()
             except TimeoutError:
                 pass
 

@@ -149,7 +149,8 @@ class LeaseKeeper:
                     await self._call.write(rpc.LeaseKeepAliveRequest(ID=lid))
                 gone = []
                 for _ in lease_ids:
-                    reply = await asyncio.wait_for(self._call.read(), timeout_s)
+                    async with asyncio.timeout(timeout_s):
+                        reply = await self._call.read()
                     if reply is grpc.aio.EOF:
                         raise ConnectionError("etcd ended the keep-alive stream")
                     if reply.TTL <= 0:

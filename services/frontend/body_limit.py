@@ -38,7 +38,8 @@ class BodyLimit:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
             except TimeoutError:
                 return await send_error(send, ClientTimeout(
                     f"the request body did not arrive within {self.timeout_s:g}s"), close=True)

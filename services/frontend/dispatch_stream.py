@@ -78,7 +78,8 @@ class _Stream:
         self.waiting[req.request_id] = fut
         self.queue.put_nowait(req)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await fut
         except TimeoutError:
             # No answer in time: the stream may be stuck behind a scheduler
             # that stopped reading. Give it up (the others waiting on it get

@@ -56,10 +56,12 @@ class EventStream(StreamingResponse):
         self._lock = asyncio.Lock()
 
     async def _send(self, send: Send, body: bytes, more: bool = True) -> None:
-        """One write, within the write timeout (TimeoutError: the client does not read)."""
-        async with self._lock:
-            await asyncio.wait_for(send({"type": "http.response.body", "body": body, "more_body": more}),
-                                   self.write_timeout_s)
+        """One write, within the write timeout (TimeoutError: the client does not read).
+        NOTE: asyncio.timeout, not wait_for: Python 3.11's wait_for returns the
+        write's result when a cancel (the client went away) comes as the write
+        completes, and the stream went on to its request's end."""
+        async with self._lock, asyncio.timeout(self.write_timeout_s):
+            await send({"type": "http.response.body", "body": body, "more_body": more})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

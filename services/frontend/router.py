@@ -123,7 +123,8 @@ class Router:
                 return False
             self.view.changed.clear()
             try:
-                await asyncio.wait_for(self.view.changed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self.view.changed.wait()
             except TimeoutError:
                 return False
 

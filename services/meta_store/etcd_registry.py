@@ -129,7 +129,8 @@ class EtcdRegistry(Registry):
             await asyncio.gather(self._task, return_exceptions=True)
         if self.etcd is not None:
             try:  # leave at once rather than when the session lease runs out
-                await asyncio.wait_for(self.etcd.delete(self.keys.replica(self.replica_id)), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self.etcd.delete(self.keys.replica(self.replica_id))
             except (*etcdlib.errors(), asyncio.CancelledError):
                 pass
             await self.etcd.close()
@@ -249,7 +250,8 @@ class EtcdRegistry(Registry):
         last_share = 0.0
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), min(renew_every, self.share_interval_s))
+                async with asyncio.timeout(min(renew_every, self.share_interval_s)):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()

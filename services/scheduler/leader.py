@@ -81,7 +81,8 @@ class EtcdLeadership(Leadership):
             await self._step_down("stopping")
         if self.etcd is not None and self._lease_id is not None:
             try:  # resign: the standby sees the key go now, not after the TTL
-                await asyncio.wait_for(self.etcd.revoke_lease(self._lease_id), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self.etcd.revoke_lease(self._lease_id)
                 log.info("leadership resigned", scheduler_id=self.scheduler_id)
             except (*etcdlib.errors(), asyncio.CancelledError):
                 pass

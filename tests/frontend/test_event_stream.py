@@ -126,3 +126,28 @@ async def test_an_error_in_the_events_is_the_responses_and_nothing_is_left_runni
         await EventStream("1", rest(), ping_s=0.01)({"type": "http"}, wire.receive, wire.send)
     assert len(asyncio.all_tasks()) == before
     assert wire.events() == ["1", "2"]
+
+
+async def test_a_client_that_goes_away_while_an_event_is_being_written_still_ends_the_events():
+    """The client goes away while the stream's task writes an event, at each of
+    several points of that write (a write of 0-7 turns of the loop).
+    Python 3.11's asyncio.wait_for drops a cancel that comes as the write it
+    waits on completes: such a stream went on (its request ran to the end on
+    its instance) until its events ran out. Each must end with its client."""
+    for turns in range(8):
+        async def rest():
+            for _ in range(2000):  # a long request's events, each awaited
+                await asyncio.sleep(0)
+                yield "more"
+
+        wire = Wire()
+
+        async def send(message: dict, wire=wire, turns=turns) -> None:
+            if len(wire.sent) == 3:
+                wire.gone.set()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            wire.sent.append(message)
+
+        await EventStream("1", rest(), ping_s=0)({"type": "http"}, wire.receive, send)
+        assert len(wire.events()) < 10, (turns, len(wire.events()))

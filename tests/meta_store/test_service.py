@@ -15,10 +15,11 @@ from services.meta_store.service import MetaStoreConfig, MetaStoreService
 
 
 @pytest.fixture
-async def store_address():
+async def store_address(request):
+    """A meta store on loopback; its TTL 0.4 s unless a test parametrizes it (indirect)."""
     stop = asyncio.Event()
     ready = asyncio.get_running_loop().create_future()
-    svc = MetaStoreService(MetaStoreConfig(port=0, ttl_s=0.4))
+    svc = MetaStoreService(MetaStoreConfig(port=0, ttl_s=getattr(request, "param", 0.4)))
     task = asyncio.create_task(serve(svc, "127.0.0.1", 0, stop_event=stop, ready=ready.set_result))
     yield await asyncio.wait_for(ready, 10)
     stop.set()

@@ -529,7 +529,8 @@ class Destination:
             if res is None:
                 return None
             try:
-                await asyncio.wait_for(res.installed.wait(), wait_ms / 1000)
+                async with asyncio.timeout(wait_ms / 1000):
+                    await res.installed.wait()
             except TimeoutError:
                 return None
         return self.settled.get(migration_id)
